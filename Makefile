@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Everything installs into .venv at the repository root; nothing else is touched.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hettp-installed
+
+.PHONY: setup demo test corpus clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# The CPU wheel first: a looser torch requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[cpu,test]' --config-settings editable_mode=compat
+	touch $(STAMP)
+
+demo: setup
+	$(PY) scripts/demo.py
+
+test: setup
+	$(PY) -m pytest -q
+
+corpus: setup
+	$(PY) scripts/preprocess_data.py --stdlib --output-prefix data/stdlib --max-bytes 8000000
+
+clean:
+	rm -rf $(VENV) logs data checkpoints .pytest_cache

@@ -1,0 +1,334 @@
+"""Megatron-LM's command-line flags (the subset hettp supports), with Megatron's names, defaults
+and validation.
+
+Validation runs before any process group or model exists, so a bad flag costs nothing: the
+process prints `pretrain_gpt.py: error: <flag>: <why>` and exits with status 2, like argparse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer")
+BYTE_LEVEL_VOCAB_SIZE = 256  # byte values; byte 0 (NUL) doubles as end-of-document
+
+
+class ArgumentError(ValueError):
+    """A flag has a bad value or contradicts another flag."""
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="GPT pretraining on megatron-core with heterogeneous tensor parallelism.",
+        allow_abbrev=False,
+    )
+    _add_network_args(parser)
+    _add_regularization_args(parser)
+    _add_training_args(parser)
+    _add_learning_rate_args(parser)
+    _add_distributed_args(parser)
+    _add_mixed_precision_args(parser)
+    _add_data_args(parser)
+    _add_validation_args(parser)
+    _add_logging_args(parser)
+    _add_checkpointing_args(parser)
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    return parser
+
+
+def _add_network_args(parser):
+    g = parser.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="Default: 4 x hidden size (or 8/3 x, rounded to 64, with --swiglu).")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Projection size per head. Default: hidden size / attention heads.")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope", "none"])
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _add_regularization_args(parser):
+    g = parser.add_argument_group("regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Default: micro batch size x data-parallel size.")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--use-cpu-initialization", action="store_true", default=None,
+                   help="Build full weights on the CPU, then shard them (always on for CPU runs). "
+                        "Makes initial weights independent of the TP size.")
+    g.add_argument("--exit-interval", type=int, default=None)
+
+
+def _add_learning_rate_args(parser):
+    g = parser.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+
+
+def _add_distributed_args(parser):
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="Default: nccl with CUDA, gloo without.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_mixed_precision_args(parser):
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2**32)
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Indexed dataset prefixes (.bin/.idx), optionally weighted: "
+                        "'w1 prefix1 w2 prefix2 ...'.")
+    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _add_validation_args(parser):
+    g = parser.add_argument_group("validation")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--metrics-file", default=None,
+                   help="JSONL file with one record per iteration and evaluation (hettp). "
+                        "Default: <save>/metrics.jsonl, or logs/metrics-<time>.jsonl without --save.")
+
+
+def _add_checkpointing_args(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+
+
+def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
+    """Parse and validate; on a bad flag print a one-line error and exit with status 2."""
+    parser = build_parser(extra_args_provider)
+    args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        validate_args(args, world_size)
+    except ArgumentError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    return args
+
+
+def _require(cond, msg):
+    if not cond:
+        raise ArgumentError(msg)
+
+
+def validate_args(args, world_size: int, cuda_available: bool | None = None) -> None:
+    """Megatron-style checks and derived values (data_parallel_size, padded vocab, ...)."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    args.world_size = world_size
+
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "log_interval", "eval_interval",
+                 "make_vocab_size_divisible_by"):
+        value = getattr(args, flag)
+        _require(value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
+    for flag in ("eval_iters", "lr_warmup_iters", "num_workers"):
+        value = getattr(args, flag)
+        _require(value >= 0, f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+    for flag in ("attention_dropout", "hidden_dropout"):
+        value = getattr(args, flag)
+        _require(0.0 <= value < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
+
+    # Parallel layout.
+    tp = args.tensor_model_parallel_size
+    _require(args.pipeline_model_parallel_size == 1,
+             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+             "pipeline parallelism is not supported yet (use 1)")
+    _require(world_size % tp == 0,
+             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp})")
+    args.data_parallel_size = world_size // tp
+
+    # Model shape.
+    heads = args.num_attention_heads
+    _require(heads % tp == 0,
+             f"--num-attention-heads ({heads}) must be divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    if args.kv_channels is None:
+        _require(args.hidden_size % heads == 0,
+                 f"--hidden-size ({args.hidden_size}) must be divisible by "
+                 f"--num-attention-heads ({heads}) unless --kv-channels is given")
+        args.kv_channels = args.hidden_size // heads
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(groups > 0, f"--num-query-groups must be positive, got {groups}")
+        _require(heads % groups == 0,
+                 f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})")
+        _require(groups % tp == 0,
+                 f"--num-query-groups ({groups}) must be divisible by "
+                 f"--tensor-model-parallel-size ({tp})")
+    else:
+        args.num_query_groups = heads
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    _require(args.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute":
+        _require(args.seq_length <= args.max_position_embeddings,
+                 f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
+                 f"({args.max_position_embeddings})")
+
+    # Batch.
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    _require(args.global_batch_size > 0,
+             f"--global-batch-size must be positive, got {args.global_batch_size}")
+    _require(args.global_batch_size % (mbs * dp) == 0,
+             f"--global-batch-size ({args.global_batch_size}) is not a multiple of "
+             f"--micro-batch-size ({mbs}) x data-parallel size ({dp})")
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+
+    # Learning rate.
+    _require(args.lr >= 0.0, f"--lr must be >= 0, got {args.lr}")
+    _require(0.0 <= args.min_lr <= args.lr,
+             f"--min-lr ({args.min_lr}) must be between 0 and --lr ({args.lr})")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _require(args.lr_decay_iters > 0, f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
+    _require(args.lr_warmup_iters <= args.lr_decay_iters,
+             f"--lr-warmup-iters ({args.lr_warmup_iters}) exceeds --lr-decay-iters "
+             f"({args.lr_decay_iters})")
+    _require(args.clip_grad >= 0.0, f"--clip-grad must be >= 0, got {args.clip_grad}")
+
+    # Precision and device.
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive")
+    if (args.fp16 or args.bf16) and not cuda_available:
+        raise ArgumentError(
+            f"--{'fp16' if args.fp16 else 'bf16'} needs CUDA; CPU runs train in fp32 "
+            "(drop the flag)")
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda_available else "gloo"
+    _require(args.distributed_backend != "nccl" or cuda_available,
+             "--distributed-backend nccl needs CUDA; use gloo on CPU")
+    if args.use_cpu_initialization is None:
+        args.use_cpu_initialization = not cuda_available
+
+    # Data.
+    _require(args.mock_data != bool(args.data_path),
+             "give exactly one of --mock-data and --data-path")
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None and args.vocab_size > 0,
+                 "--tokenizer-type NullTokenizer needs a positive --vocab-size")
+    elif args.vocab_size is not None:
+        _require(args.vocab_size == BYTE_LEVEL_VOCAB_SIZE,
+                 f"--vocab-size {args.vocab_size} contradicts --tokenizer-type ByteLevelTokenizer "
+                 f"(its vocabulary has {BYTE_LEVEL_VOCAB_SIZE} entries; omit --vocab-size)")
+    if args.data_path:
+        parse_data_path(args.data_path)  # raises on a malformed blend
+        split = [s for s in args.split.replace(" ", "").replace("/", ",").split(",") if s]
+        _require(len(split) <= 3 and all(_is_number(s) and float(s) >= 0 for s in split)
+                 and sum(map(float, split)) > 0,
+                 f"--split '{args.split}' must be up to three non-negative weights, e.g. 969,30,1")
+
+    # Checkpointing.
+    if args.save_interval is not None:
+        _require(args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}")
+        _require(args.save is not None, "--save-interval needs --save")
+    if args.exit_interval is not None:
+        _require(args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}")
+
+
+def _is_number(text):
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_data_path(data_path):
+    """Megatron's blend syntax: either 'prefix ...' or 'weight prefix weight prefix ...'."""
+    if len(data_path) == 1 or not _is_number(data_path[0]):
+        _require(not any(_is_number(p) for p in data_path),
+                 f"--data-path {' '.join(data_path)}: mixes weights and prefixes")
+        return list(data_path), None
+    _require(len(data_path) % 2 == 0 and all(_is_number(w) for w in data_path[0::2]),
+             f"--data-path {' '.join(data_path)}: expected 'weight prefix' pairs")
+    weights = [float(w) for w in data_path[0::2]]
+    _require(all(w >= 0 for w in weights) and sum(weights) > 0,
+             f"--data-path weights must be non-negative and not all zero, got {weights}")
+    return list(data_path[1::2]), weights
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocabulary so every TP rank holds an equal, aligned slice."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple

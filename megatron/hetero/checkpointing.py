@@ -1,0 +1,143 @@
+"""Checkpoints through megatron-core dist_checkpointing, in Megatron-LM's directory layout.
+
+<save>/iter_0000010/ holds one dist-checkpoint (model, optimizer, LR scheduler, RNG, progress);
+<save>/latest_checkpointed_iteration.txt names the newest complete one. A checkpoint is written
+to iter_XXXXXXX.tmp and renamed only after every rank finished, so a failure while saving never
+leaves a half-written checkpoint behind the tracker, and never touches training state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+# Flags that fix tensor shapes: a checkpoint only loads into a model built with the same values.
+SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "kv_channels", "swiglu", "add_bias_linear",
+              "untie_embeddings_and_output_weights", "position_embedding_type",
+              "max_position_embeddings", "normalization")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> int | None:
+    tracker = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} holds '{text}', not an iteration number")
+    return int(text)
+
+
+def _rng_state() -> dict:
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object() -> ShardedObject:
+    """One RNG state per TP position; data-parallel replicas share it (replica_id = DP rank)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return ShardedObject("rng_state", _rng_state(), (1, tp),
+                         (0, parallel_state.get_tensor_model_parallel_rank()),
+                         replica_id=parallel_state.get_data_parallel_rank())
+
+
+def _sharded_state(model, optimizer, scheduler, *, with_optimizer: bool, with_rng: bool,
+                   is_loading: bool) -> dict:
+    model_sd = model.module.sharded_state_dict()
+    state = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _rng_sharded_object()
+    return state
+
+
+def save_checkpoint(root: str, iteration: int, consumed_train_samples: int, model, optimizer,
+                    scheduler, args) -> str:
+    state = _sharded_state(model, optimizer, scheduler, with_optimizer=True, with_rng=True,
+                           is_loading=False)
+    state["iteration"] = iteration
+    state["consumed_train_samples"] = consumed_train_samples
+    state["args"] = {name: getattr(args, name) for name in SHAPE_ARGS}
+    state["args"]["tensor_model_parallel_size"] = args.tensor_model_parallel_size
+
+    final = checkpoint_dir(root, iteration)
+    staging = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    dist.barrier()
+    dist_checkpointing.save(state, staging)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(staging, final)
+        tracker = os.path.join(root, TRACKER_FILE)
+        with open(tracker + ".tmp", "w") as f:
+            f.write(str(iteration))
+        os.replace(tracker + ".tmp", tracker)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, args) -> tuple[int, int] | None:
+    """Restores the newest checkpoint under `root`; returns (iteration, consumed samples), or
+    None when `root` holds no checkpoint yet (training then starts from scratch)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    path = checkpoint_dir(root, iteration)
+    common = dist_checkpointing.load_common_state_dict(path)
+    saved = common["args"]
+    mismatched = [f"--{name.replace('_', '-')} {saved[name]} (this run: {getattr(args, name)})"
+                  for name in SHAPE_ARGS if saved.get(name) != getattr(args, name)]
+    if mismatched:
+        raise CheckpointError(f"checkpoint {path} was saved with a different model: "
+                              + ", ".join(mismatched))
+    same_tp = saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
+    with_optimizer = not args.no_load_optim
+    with_rng = not args.no_load_rng and same_tp
+    state = _sharded_state(model, optimizer, scheduler, with_optimizer=with_optimizer,
+                           with_rng=with_rng, is_loading=True)
+    loaded = dist_checkpointing.load(state, path)
+    model.module.load_state_dict(loaded["model"])
+    if with_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if with_rng:
+        _set_rng_state(loaded["rng_state"])
+    return loaded["iteration"], loaded["consumed_train_samples"]

@@ -1,0 +1,128 @@
+"""Tokenizers, megatron-core GPT datasets and the data-parallel sampler.
+
+Every rank builds the datasets and reads its own micro-batches (a TP group's ranks read the same
+ones), so no batch broadcast is needed. The sampler walks the global batches in order and hands
+each data-parallel rank its slice, exactly as Megatron-LM's pretraining sampler does; so the
+samples of a global batch are the same for any TP/DP split, and a resumed run picks up at
+`consumed_samples`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.tokenizers import MegatronTokenizer
+
+from .arguments import BYTE_LEVEL_VOCAB_SIZE, parse_data_path
+
+_TOKENIZER_LIBRARY = {"NullTokenizer": "null", "ByteLevelTokenizer": "byte-level"}
+
+
+def build_tokenizer(tokenizer_type: str, vocab_size: int | None = None):
+    """Offline tokenizers from megatron-core's tokenizer library.
+
+    NullTokenizer: ids are given (mock data, pre-tokenized text); vocab_size + 1 entries, the
+    last one is end-of-document. ByteLevelTokenizer: UTF-8 bytes, 256 entries, byte 0 is
+    end-of-document.
+    """
+    library = _TOKENIZER_LIBRARY[tokenizer_type]
+    if tokenizer_type == "ByteLevelTokenizer":
+        vocab_size = BYTE_LEVEL_VOCAB_SIZE
+    return MegatronTokenizer.from_pretrained(metadata_path={"library": library},
+                                             vocab_size=vocab_size)
+
+
+class PretrainingSampler:
+    """Yields this data-parallel rank's micro-batch indices, global batch after global batch."""
+
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size):
+        if consumed_samples >= total_samples:
+            raise ValueError(f"no samples left: consumed {consumed_samples} of {total_samples}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.span = micro_batch_size * dp_size
+
+    def __len__(self):
+        return (self.total_samples - self.consumed_samples) // self.span
+
+    def __iter__(self):
+        start = self.dp_rank * self.micro_batch_size
+        for first in range(self.consumed_samples, self.total_samples - self.span + 1, self.span):
+            yield list(range(first + start, first + start + self.micro_batch_size))
+
+
+def dataset_config(args, tokenizer) -> GPTDatasetConfig:
+    blend = None
+    if args.data_path:
+        prefixes, weights = parse_data_path(args.data_path)
+        blend = (prefixes, weights)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        split=args.split if blend else None,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=True,
+    )
+
+
+def num_samples(args):
+    """Samples needed per split: every training iteration, every evaluation, one test pass."""
+    evals = args.train_iters // args.eval_interval + 1
+    return [
+        args.train_iters * args.global_batch_size,
+        evals * args.eval_iters * args.global_batch_size,
+        args.eval_iters * args.global_batch_size,
+    ]
+
+
+def build_datasets(args, tokenizer):
+    """(train, valid, test) megatron-core datasets; valid/test may be None when not requested."""
+    config = dataset_config(args, tokenizer)
+    if not args.mock_data:
+        return BlendedMegatronDatasetBuilder(GPTDataset, num_samples(args), lambda: True,
+                                             config).build()
+    # Mock indexes are cheap to rebuild; megatron-core warns on every rank that it cannot
+    # cache them, which is noise here.
+    dataset_logger = logging.getLogger("megatron.core.datasets.gpt_dataset")
+    level = dataset_logger.level
+    dataset_logger.setLevel(logging.ERROR)
+    try:
+        return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples(args), lambda: True,
+                                             config).build()
+    finally:
+        dataset_logger.setLevel(level)
+
+
+def _collate_dict(batch):
+    return {key: torch.stack([torch.as_tensor(sample[key]) for sample in batch])
+            for key in batch[0]}
+
+
+def build_loader(dataset, consumed_samples, args, dp_rank, dp_size):
+    sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
+                                 dp_rank, dp_size)
+    # A private generator: creating a loader iterator draws a seed from it, and drawing from the
+    # global one would shift dropout masks between a run and its resumed continuation.
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
+                                       num_workers=args.num_workers, collate_fn=_collate_dict,
+                                       persistent_workers=args.num_workers > 0,
+                                       generator=torch.Generator().manual_seed(args.seed))
+
+
+def get_batch(data_iterator, device):
+    """One micro-batch as GPTModel's forward wants it, on `device`."""
+    batch = next(data_iterator)
+    mask = batch.get("attention_mask")
+    return (batch["tokens"].long().to(device), batch["labels"].long().to(device),
+            batch["loss_mask"].float().to(device),
+            None if mask is None else mask.to(device), batch["position_ids"].long().to(device))

@@ -1,0 +1,133 @@
+"""Megatron-LM shaped log lines on rank 0, plus the JSONL metrics file and TensorBoard.
+
+Printed iteration lines average over `--log-interval` iterations, as Megatron's do; the JSONL
+file gets every iteration so benchmarks and plots need no log parsing.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from datetime import datetime
+
+import torch
+import torch.distributed as dist
+
+from hettp import __version__
+
+
+def _stamp() -> str:
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+
+
+class Logger:
+    def __init__(self, args, metrics=None):
+        self.args = args
+        self.metrics = metrics  # MetricsWriter on rank 0, None elsewhere
+        self.is_printer = dist.get_rank() == 0
+        self.writer = None
+        if self.is_printer and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+        self._window = []  # (loss, grad_norm, elapsed) since the last printed line
+        self._skipped = 0
+        self._nan = 0
+        self._t0 = time.perf_counter()
+
+    def info(self, message: str) -> None:
+        if self.is_printer:
+            print(message, flush=True)
+
+    def run_start(self, model, tokenizer, iteration, loaded_from) -> None:
+        args = self.args
+        params = sum(p.numel() for p in model.parameters())
+        totals = torch.tensor([params], dtype=torch.long)
+        if torch.cuda.is_available():
+            totals = totals.cuda()
+        dist.all_reduce(totals)
+        self.info(f"> hettp {__version__} on megatron-core: world size {args.world_size}, "
+                  f"tensor-model-parallel size {args.tensor_model_parallel_size}, "
+                  f"data-parallel size {args.data_parallel_size}, "
+                  f"{'CUDA' if torch.cuda.is_available() else 'CPU'} / {args.distributed_backend}")
+        self.info(f"> number of parameters on rank 0: {params}; summed over ranks: "
+                  f"{totals.item()}; micro-batches per step: {args.num_microbatches}")
+        if loaded_from:
+            self.info(f"> loaded checkpoint from {loaded_from} at iteration {iteration}")
+        if self.metrics is not None:
+            self.metrics.write(
+                "run", time=time.time(), version=__version__, world_size=args.world_size,
+                tensor_model_parallel_size=args.tensor_model_parallel_size,
+                data_parallel_size=args.data_parallel_size, start_iteration=iteration,
+                parameters_rank0=params, tokenizer_vocab_size=tokenizer.vocab_size,
+                device="cuda" if torch.cuda.is_available() else "cpu",
+                args={k: _jsonable(v) for k, v in sorted(vars(args).items())},
+            )
+
+    def train_step(self, iteration, consumed, loss, grad_norm, skipped, lr, elapsed) -> None:
+        args = self.args
+        tokens_per_s = args.global_batch_size * args.seq_length / max(elapsed, 1e-12)
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if self.metrics is not None:
+            self.metrics.write("train", iteration=iteration, consumed_samples=consumed,
+                               lm_loss=loss, grad_norm=grad_norm, lr=lr, skipped=bool(skipped),
+                               elapsed_ms=elapsed * 1000.0, tokens_per_s=tokens_per_s)
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss", loss, iteration)
+            self.writer.add_scalar("learning-rate", lr, iteration)
+            self.writer.add_scalar("grad-norm", grad_norm, iteration)
+            self.writer.add_scalar("iteration-time", elapsed, iteration)
+        self._skipped += int(skipped)
+        self._nan += int(not math.isfinite(loss))
+        self._window.append((loss, grad_norm, elapsed))
+        if iteration % args.log_interval and iteration != args.train_iters:
+            return
+        n = len(self._window)
+        mean_loss = sum(w[0] for w in self._window) / n
+        mean_ms = 1000.0 * sum(w[2] for w in self._window) / n
+        line = (f" [{_stamp()}] iteration {iteration:8d}/{args.train_iters:8d} |"
+                f" consumed samples: {consumed:12d} |"
+                f" elapsed time per iteration (ms): {mean_ms:.1f} |"
+                f" tokens per second: {args.global_batch_size * args.seq_length * 1000.0 / mean_ms:.1f} |"
+                f" learning rate: {lr:.6E} |"
+                f" global batch size: {args.global_batch_size:5d} |"
+                f" lm loss: {mean_loss:.6E} |"
+                f" grad norm: {grad_norm:.3f} |"
+                f" number of skipped iterations: {self._skipped:3d} |"
+                f" number of nan iterations: {self._nan:3d} |")
+        self.info(line)
+        self._window, self._skipped, self._nan = [], 0, 0
+
+    def evaluation(self, iteration, loss) -> None:
+        ppl = math.exp(min(20.0, loss))
+        text = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+                f" lm loss PPL: {ppl:.6E} | ")
+        rule = "-" * (len(text) + 1)
+        self.info(f"{rule}\n{text}\n{rule}")
+        if self.metrics is not None:
+            self.metrics.write("eval", iteration=iteration, lm_loss=loss, ppl=ppl)
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss validation", loss, iteration)
+
+    def saved(self, iteration, path) -> None:
+        self.info(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")
+        if self.metrics is not None:
+            self.metrics.write("checkpoint", iteration=iteration, path=path)
+
+    def run_end(self, iteration) -> None:
+        total = time.perf_counter() - self._t0
+        self.info(f"> training finished at iteration {iteration} after {total:.1f} s")
+        if self.metrics is not None:
+            self.metrics.write("end", iteration=iteration, seconds=total)
+        if self.writer is not None:
+            self.writer.close()
+        sys.stdout.flush()
+
+
+def _jsonable(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)

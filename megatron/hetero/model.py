@@ -1,0 +1,77 @@
+"""Builds megatron-core's GPTModel (local layer spec) from Megatron-LM style arguments."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from .arguments import padded_vocab_size
+
+
+def transformer_config(args) -> TransformerConfig:
+    """The TransformerConfig Megatron-LM would derive from the same flags.
+
+    Fusions that need apex or Transformer Engine are off, so CPU and GPU runs take the same
+    code path (the path het-TP layers subclass).
+    """
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        add_bias_linear=args.add_bias_linear,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=False,
+        params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        use_cpu_initialization=args.use_cpu_initialization,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cuda_graph_scope=[],  # the default ("full") only triggers a deprecation warning
+    )
+
+
+def build_gpt_model(args, config: TransformerConfig, vocab_size: int, layer_spec=None) -> GPTModel:
+    """GPTModel on the current device; `layer_spec` defaults to megatron-core's local spec.
+
+    `vocab_size` is the tokenizer's; it is padded as Megatron-LM pads it.
+    """
+    if layer_spec is None:
+        layer_spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
+                                     args.tensor_model_parallel_size),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

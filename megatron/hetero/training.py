@@ -1,0 +1,262 @@
+"""The pretraining loop: Megatron-LM's train / evaluate / checkpoint cycle on megatron-core.
+
+Steps are driven by megatron-core's `get_forward_backward_func`, so pipeline parallelism can be
+switched on later without restructuring the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from datetime import datetime, timedelta
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel as DDP
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from hettp.metrics import MetricsWriter
+
+from . import checkpointing, cpu_compat
+from .data import build_datasets, build_loader, build_tokenizer, get_batch
+from .log import Logger
+from .model import build_gpt_model, transformer_config
+
+
+@dataclasses.dataclass
+class TrainResult:
+    iteration: int
+    consumed_train_samples: int
+    losses: dict  # iteration -> lm loss
+    eval_losses: dict  # iteration -> lm loss on the validation split
+    metrics_file: str | None
+
+
+def initialize(args) -> None:
+    """Process group, megatron-core parallel state, seeds. CPU shims first when there is no CUDA."""
+    cpu_compat.activate()
+    if not dist.is_initialized():
+        _default_single_process_env()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(args.distributed_backend,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    if dist.get_world_size() != args.world_size:
+        raise RuntimeError(f"validated for world size {args.world_size}, "
+                           f"but the process group has {dist.get_world_size()} ranks")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+    set_seed(args.seed)
+
+
+def _default_single_process_env() -> None:
+    """Let `python pretrain_gpt.py ...` run as a world of one, without torchrun."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def set_seed(seed: int) -> None:
+    """Megatron-LM's seeding: the same seed on every rank of a pipeline stage.
+
+    torch.manual_seed on every rank matters on CPU: with --use-cpu-initialization each rank
+    builds the full weight and keeps its slice, so all ranks must draw the same numbers.
+    """
+    seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def setup_model_and_optimizer(args, vocab_size, layer_spec=None):
+    config = transformer_config(args)
+    model = build_gpt_model(args, config, vocab_size, layer_spec)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+    )
+    model = DDP(config, ddp_config, model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+            weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
+            clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
+            params_dtype=args.params_dtype, loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale, use_distributed_optimizer=False,
+        ),
+        [model],
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters, wd_incr_style="constant",
+    )
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss if (args.fp16 or args.bf16) else None
+    return model, optimizer, scheduler
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of masked token losses, its token count, and both for reporting (Megatron-LM's)."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    report = torch.stack([loss.detach().clone(), mask.sum().detach()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, device)
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def _reduce_lm_loss(losses_reduced) -> float:
+    """Token-weighted mean lm loss over this step's micro-batches and all DP replicas."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for entry in losses_reduced:
+        total += entry["lm loss"].double().cpu()
+    if torch.cuda.is_available():
+        total = total.cuda()
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def train_step(args, model, optimizer, scheduler, data_iterator):
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=1)
+    return _reduce_lm_loss(losses_reduced), grad_norm, not update_successful
+
+
+def evaluate(args, model, valid_dataset) -> float:
+    """Mean lm loss over the first `eval_iters` global batches of the validation split.
+
+    The same batches every time, so evaluations are comparable across iterations and runs.
+    """
+    loader = build_loader(valid_dataset, 0, args, parallel_state.get_data_parallel_rank(),
+                          parallel_state.get_data_parallel_world_size())
+    data_iterator = iter(loader)
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses_reduced = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True,
+            )
+            for entry in losses_reduced:
+                total += entry["lm loss"].double().cpu()
+    model.train()
+    if torch.cuda.is_available():
+        total = total.cuda()
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def _default_metrics_file(args) -> str:
+    if args.save:
+        return os.path.join(args.save, "metrics.jsonl")
+    return os.path.join("logs", f"metrics-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
+
+
+def pretrain(args, layer_spec=None) -> TrainResult:
+    """Megatron-LM's pretrain(): initialize, build, optionally resume, train, evaluate, save."""
+    initialize(args)
+    rank = dist.get_rank()
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    model, optimizer, scheduler = setup_model_and_optimizer(args, tokenizer.vocab_size, layer_spec)
+
+    iteration, consumed = 0, 0
+    if args.load:
+        restored = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
+        if restored is not None:
+            iteration, consumed = restored
+
+    metrics_file = args.metrics_file or _default_metrics_file(args)
+    if rank == 0:
+        metrics_file = os.path.abspath(metrics_file)
+    metrics = MetricsWriter(metrics_file) if rank == 0 else None
+    logger = Logger(args, metrics)
+    logger.run_start(model, tokenizer, iteration, args.load if iteration else None)
+
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    train_iterator = iter(build_loader(train_ds, consumed, args, dp_rank, dp_size))
+
+    losses, eval_losses = {}, {}
+    saved_at = None
+    model.train()
+    while iteration < args.train_iters:
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
+        start = time.perf_counter()
+        loss, grad_norm, skipped = train_step(args, model, optimizer, scheduler, train_iterator)
+        elapsed = time.perf_counter() - start
+        iteration += 1
+        consumed += args.global_batch_size
+        losses[iteration] = loss
+        logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
+
+        if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
+            eval_losses[iteration] = evaluate(args, model, valid_ds)
+            logger.evaluation(iteration, eval_losses[iteration])
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            path = checkpointing.save_checkpoint(args.save, iteration, consumed, model, optimizer,
+                                                 scheduler, args)
+            logger.saved(iteration, path)
+            saved_at = iteration
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
+            break
+
+    if args.save and saved_at != iteration and iteration > 0:
+        path = checkpointing.save_checkpoint(args.save, iteration, consumed, model, optimizer,
+                                             scheduler, args)
+        logger.saved(iteration, path)
+    logger.run_end(iteration)
+    if metrics is not None:
+        metrics.close()
+    return TrainResult(iteration, consumed, losses, eval_losses,
+                       metrics_file if rank == 0 else None)
+
+
+def shutdown() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""Turn text into Megatron's indexed dataset (.bin/.idx) with megatron-core's builder.
+
+Inputs, any mix of:
+  *.jsonl     one JSON object per line; --json-keys names the text field(s) (Megatron-LM's format)
+  other files one document per file (plain text)
+  folders     every file under it matching --glob, in sorted order
+
+Output: <output-prefix>_<key>_document.bin/.idx, as Megatron-LM's tools/preprocess_data.py
+names them (key is "text" for non-JSONL inputs). Pass that prefix to --data-path.
+
+The real-text corpus the tests and benchmarks use is the Python standard library's own source,
+which ships with every Python:
+
+  python scripts/preprocess_data.py --stdlib --output-prefix data/stdlib --max-bytes 8000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sysconfig
+import warnings
+
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
+
+from megatron.hetero.arguments import TOKENIZER_TYPES  # noqa: E402
+from megatron.hetero.data import build_tokenizer  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="*", default=[], help="JSONL files, text files or folders")
+    p.add_argument("--stdlib", action="store_true",
+                   help="add this Python's standard library sources (*.py) as documents")
+    p.add_argument("--glob", default="*", help="file pattern inside input folders (default: *)")
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=TOKENIZER_TYPES)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="for NullTokenizer: documents are whitespace-separated ids below this")
+    p.add_argument("--append-eod", action="store_true", help="end every document with EOD")
+    p.add_argument("--max-bytes", type=int, default=None,
+                   help="stop after this many bytes of text (deterministic prefix of the input)")
+    args = p.parse_args(argv)
+    if not args.input and not args.stdlib:
+        p.error("give --input and/or --stdlib")
+    if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
+        p.error("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.max_bytes is not None and args.max_bytes <= 0:
+        p.error(f"--max-bytes must be positive, got {args.max_bytes}")
+    for path in args.input:
+        if not os.path.exists(path):
+            p.error(f"--input {path}: no such file or folder")
+    return args
+
+
+def _files_under(folder, pattern):
+    import fnmatch
+
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "site-packages"))
+        found.extend(os.path.join(root, f) for f in files if fnmatch.fnmatch(f, pattern))
+    return sorted(found)
+
+
+def iter_documents(args):
+    """Yields (key, text) in a fixed order, so the same inputs give the same dataset."""
+    sources = list(args.input)
+    if args.stdlib:
+        sources.append(("stdlib", sysconfig.get_paths()["stdlib"]))
+    for source in sources:
+        if isinstance(source, tuple):
+            paths = _files_under(source[1], "*.py")
+        elif os.path.isdir(source):
+            paths = _files_under(source, args.glob)
+        else:
+            paths = [source]
+        for path in paths:
+            if path.endswith(".jsonl"):
+                with open(path, encoding="utf-8") as f:
+                    for number, line in enumerate(f, 1):
+                        if not line.strip():
+                            continue
+                        try:
+                            record = json.loads(line)
+                        except json.JSONDecodeError as err:
+                            raise SystemExit(f"{path}:{number}: not JSON ({err})")
+                        for key in args.json_keys:
+                            if key not in record:
+                                raise SystemExit(f"{path}:{number}: no key '{key}' (--json-keys)")
+                            yield key, record[key]
+            else:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    yield "text", f.read()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    builders, counts = {}, {}
+    total_bytes = 0
+    for key, text in iter_documents(args):
+        if args.max_bytes is not None and total_bytes >= args.max_bytes:
+            break
+        if args.max_bytes is not None:
+            text = text[: max(0, args.max_bytes - total_bytes)]
+        total_bytes += len(text.encode("utf-8"))
+        ids = tokenizer.tokenize(text)
+        if args.append_eod:
+            ids = list(ids) + [tokenizer.eod]
+        if not ids:
+            continue
+        if key not in builders:
+            prefix = f"{args.output_prefix}_{key}_document"
+            builders[key] = (IndexedDatasetBuilder(prefix + ".bin", dtype=dtype), prefix)
+            counts[key] = [0, 0]
+        builders[key][0].add_document(torch.from_numpy(np.asarray(ids, dtype=np.int64)), [len(ids)])
+        counts[key][0] += 1
+        counts[key][1] += len(ids)
+    if not builders:
+        raise SystemExit("no documents found in the inputs")
+    for key, (builder, prefix) in builders.items():
+        builder.finalize(prefix + ".idx")
+        docs, tokens = counts[key]
+        print(f"wrote {prefix}.bin/.idx: {docs} documents, {tokens} tokens "
+              f"({args.tokenizer_type}, {np.dtype(dtype).name})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Run a function on N real gloo ranks, spawned from pytest.
+
+Each rank is a fresh `spawn` process (so CPU shims and process groups never leak into the
+pytest process) with the env:// variables torchrun would set. The function's return value on
+every rank comes back as a list; an exception on any rank fails the test with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, kwargs, out_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = ("ok", fn(*args, **kwargs))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        result = ("error", f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if result[0] == "error":
+        os._exit(1)  # do not wait on peers stuck in a collective
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> list:
+    """fn(*args, **kwargs) on `world_size` gloo ranks; returns each rank's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, kwargs, out_dir),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        errors = []
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout:.0f} s")
+        except mp.ProcessExitedException:
+            pass  # collected below from the result files
+        finally:
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.kill()
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: exited without a result")
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(value)
+            results.append(value)
+        if errors:
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+        return results
