@@ -13,7 +13,7 @@ import pytest
 
 from hettp.metrics import read_metrics
 from tests.distributed import run_ranks
-from tests.workers import train
+from tests.workers import train, train_with_failing_save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,25 +82,42 @@ def test_log_lines_and_metrics_file(tp1_run):
 
 
 def test_resume_reproduces_the_run_exactly(tmp_path):
-    """Save at step 5, resume in a new job: steps 6-10 match bit for bit, dropout included
-    (so the RNG state is part of the checkpoint)."""
+    """A job stopped by --exit-interval at step 5 saves; a new job with --load continues, and
+    steps 6-10 match an uninterrupted run bit for bit, dropout included (so the RNG state is
+    part of the checkpoint)."""
     argv = (MODEL_FLAGS + " --hidden-dropout 0.1 --attention-dropout 0.1"
             " --tensor-model-parallel-size 2 --train-iters 10").split()
-    full = run_ranks(train, 2, argv + ["--save", str(tmp_path / "full"), "--save-interval", "5",
-                                       "--metrics-file", str(tmp_path / "full.jsonl")])[0]
-    assert sorted(os.listdir(tmp_path / "full")) == [
-        "iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
-    assert (tmp_path / "full" / "latest_checkpointed_iteration.txt").read_text() == "10"
-    resume_dir = tmp_path / "resume"
-    resume_dir.mkdir()
-    os.symlink(tmp_path / "full" / "iter_0000005", resume_dir / "iter_0000005")
-    (resume_dir / "latest_checkpointed_iteration.txt").write_text("5")
-    resumed = run_ranks(train, 2, argv + ["--load", str(resume_dir),
-                                          "--metrics-file", str(tmp_path / "resumed.jsonl")])[0]
-    assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
-    for step in range(6, 11):
-        assert resumed["losses"][step] == full["losses"][step], f"step {step}"
+    full = run_ranks(train, 2, argv + ["--metrics-file", str(tmp_path / "full.jsonl")])[0]
+    ckpt = tmp_path / "ckpt"
+    stopped = run_ranks(train, 2, argv + ["--save", str(ckpt), "--exit-interval", "5"])[0]
+    assert sorted(stopped["losses"]) == [1, 2, 3, 4, 5] and stopped["iteration"] == 5
+    assert sorted(os.listdir(ckpt)) == ["iter_0000005", "latest_checkpointed_iteration.txt",
+                                        "metrics.jsonl"]
+    resumed = run_ranks(train, 2, argv + ["--load", str(ckpt), "--save", str(ckpt)])[0]
     assert "loaded checkpoint" in resumed["stdout"]
+    assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
+    for step in range(1, 11):
+        got = (stopped if step <= 5 else resumed)["losses"][step]
+        assert got == full["losses"][step], f"step {step}: {got} vs {full['losses'][step]}"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "10"
+    # one metrics file per run directory: both jobs appended to it
+    iterations = [r["iteration"] for r in read_metrics(str(ckpt / "metrics.jsonl"), "train")]
+    assert iterations == list(range(1, 11))
+
+
+def test_llama_style_model_matches_tp1(tmp_path):
+    """RoPE, SwiGLU, RMSNorm, grouped-query attention, no biases, untied output layer."""
+    argv = (MODEL_FLAGS + " --hidden-dropout 0 --attention-dropout 0 --train-iters 5"
+            " --position-embedding-type rope --rotary-percent 0.5 --swiglu --normalization RMSNorm"
+            " --group-query-attention --num-query-groups 2 --disable-bias-linear"
+            " --untie-embeddings-and-output-weights").split()
+    tp1 = run_ranks(train, 1, argv + ["--metrics-file", str(tmp_path / "a.jsonl")])[0]
+    tp2 = run_ranks(train, 2, argv + ["--tensor-model-parallel-size", "2",
+                                      "--metrics-file", str(tmp_path / "b.jsonl")])[0]
+    for step in range(1, 6):
+        want, got = tp1["losses"][step], tp2["losses"][step]
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    assert tp1["losses"][5] < tp1["losses"][1]
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +134,43 @@ def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
             "--micro-batch-size 8 --global-batch-size 16 --train-iters 40 --lr 3e-3 "
             "--lr-warmup-iters 4 --tokenizer-type ByteLevelTokenizer --split 95,5,0 "
             "--eval-interval 20 --eval-iters 4 --log-interval 10 "
-            "--tensor-model-parallel-size 2").split()
+            "--tensor-model-parallel-size 2 --num-workers 1").split()
     argv += ["--data-path", stdlib_corpus, "--data-cache-path", str(tmp_path / "cache"),
-             "--metrics-file", str(tmp_path / "m.jsonl")]
+             "--metrics-file", str(tmp_path / "m.jsonl"), "--tensorboard-dir", str(tmp_path / "tb")]
     result = run_ranks(train, 2, argv)[0]
     losses = _losses(result)
     uniform = math.log(256)
     assert losses[0] == pytest.approx(uniform, rel=0.05)  # untrained: about uniform over bytes
     assert sum(losses[-5:]) / 5 < 0.7 * uniform
     assert result["eval_losses"][40] < result["eval_losses"][20] < uniform
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    logged = [e.value for e in events.Scalars("lm loss")]
+    assert logged == pytest.approx(losses, rel=1e-6)
+    assert [e.step for e in events.Scalars("lm loss validation")] == [20, 40]
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = MODEL + ["--train-iters", "6", "--save", str(ckpt), "--save-interval", "3"]
+    result = run_ranks(train_with_failing_save, 1, argv, 6)[0]
+    assert result["error"] == "disk full (injected)"
+    # the tracker still names the last complete checkpoint; the broken one stays in staging
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (ckpt / "iter_0000006.tmp").is_dir() and not (ckpt / "iter_0000006").exists()
+    resumed = run_ranks(train, 1, argv + ["--load", str(ckpt)])[0]
+    assert sorted(resumed["losses"]) == [4, 5, 6]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    assert not (ckpt / "iter_0000006.tmp").exists()
+
+
+def test_loading_into_a_different_model_names_the_flags(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_ranks(train, 1, MODEL + ["--train-iters", "3", "--save", str(ckpt)])
+    wider = [a if a != "64" else "128" for a in MODEL]  # --hidden-size 64 -> 128
+    with pytest.raises(AssertionError) as err:
+        run_ranks(train, 1, wider + ["--train-iters", "4", "--load", str(ckpt)])
+    assert "CheckpointError" in str(err.value)
+    assert "--hidden-size 64 (this run: 128)" in str(err.value)

@@ -8,6 +8,7 @@ process prints `pretrain_gpt.py: error: <flag>: <why>` and exits with status 2, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 import torch
@@ -131,8 +132,6 @@ def _add_data_args(parser):
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--num-workers", type=int, default=0)
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
 
 
@@ -156,8 +155,6 @@ def _add_checkpointing_args(parser):
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
 
 
@@ -260,8 +257,8 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     _require(args.lr_decay_iters > 0, f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
-    _require(args.lr_warmup_iters <= args.lr_decay_iters,
-             f"--lr-warmup-iters ({args.lr_warmup_iters}) exceeds --lr-decay-iters "
+    _require(args.lr_warmup_iters < args.lr_decay_iters,
+             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
              f"({args.lr_decay_iters})")
     _require(args.clip_grad >= 0.0, f"--clip-grad must be >= 0, got {args.clip_grad}")
 
@@ -297,6 +294,10 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         _require(len(split) <= 3 and all(_is_number(s) and float(s) >= 0 for s in split)
                  and sum(map(float, split)) > 0,
                  f"--split '{args.split}' must be up to three non-negative weights, e.g. 969,30,1")
+
+    if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ArgumentError("--tensorboard-dir needs the tensorboard package "
+                            "(pip install tensorboard, or the project's [tensorboard] extra)")
 
     # Checkpointing.
     if args.save_interval is not None:

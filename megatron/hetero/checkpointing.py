@@ -74,13 +74,13 @@ def _rng_sharded_object() -> ShardedObject:
                          replica_id=parallel_state.get_data_parallel_rank())
 
 
-def _sharded_state(model, optimizer, scheduler, *, with_optimizer: bool, with_rng: bool,
-                   is_loading: bool) -> dict:
+def _sharded_state(model, optimizer, scheduler, *, with_rng: bool, is_loading: bool) -> dict:
     model_sd = model.module.sharded_state_dict()
-    state = {"model": model_sd}
-    if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
-        state["opt_param_scheduler"] = scheduler.state_dict()
+    state = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "opt_param_scheduler": scheduler.state_dict(),
+    }
     if with_rng:
         state["rng_state"] = _rng_sharded_object()
     return state
@@ -88,8 +88,7 @@ def _sharded_state(model, optimizer, scheduler, *, with_optimizer: bool, with_rn
 
 def save_checkpoint(root: str, iteration: int, consumed_train_samples: int, model, optimizer,
                     scheduler, args) -> str:
-    state = _sharded_state(model, optimizer, scheduler, with_optimizer=True, with_rng=True,
-                           is_loading=False)
+    state = _sharded_state(model, optimizer, scheduler, with_rng=True, is_loading=False)
     state["iteration"] = iteration
     state["consumed_train_samples"] = consumed_train_samples
     state["args"] = {name: getattr(args, name) for name in SHAPE_ARGS}
@@ -128,16 +127,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args) -> tuple[int, 
     if mismatched:
         raise CheckpointError(f"checkpoint {path} was saved with a different model: "
                               + ", ".join(mismatched))
-    same_tp = saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
-    with_optimizer = not args.no_load_optim
-    with_rng = not args.no_load_rng and same_tp
-    state = _sharded_state(model, optimizer, scheduler, with_optimizer=with_optimizer,
-                           with_rng=with_rng, is_loading=True)
+    # RNG states are per TP rank: they only carry over to the same TP size.
+    with_rng = saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
+    state = _sharded_state(model, optimizer, scheduler, with_rng=with_rng, is_loading=True)
     loaded = dist_checkpointing.load(state, path)
     model.module.load_state_dict(loaded["model"])
-    if with_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if with_rng:
         _set_rng_state(loaded["rng_state"])
     return loaded["iteration"], loaded["consumed_train_samples"]

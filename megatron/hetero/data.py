@@ -68,8 +68,8 @@ def dataset_config(args, tokenizer) -> GPTDatasetConfig:
         split=args.split if blend else None,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
+        reset_position_ids=False,
+        reset_attention_mask=False,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=True,
     )

@@ -86,7 +86,30 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def optimizer_config(args) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
+        params_dtype=args.params_dtype, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, use_distributed_optimizer=False,
+    )
+
+
+def scheduler_kwargs(args) -> dict:
+    """OptimizerParamScheduler's arguments, counted in iterations."""
+    return dict(
+        init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters, wd_incr_style="constant",
+    )
+
+
 def setup_model_and_optimizer(args, vocab_size, layer_spec=None):
+    """megatron-core's DDP-wrapped GPTModel, its optimizer and LR scheduler, wired together."""
     config = transformer_config(args)
     model = build_gpt_model(args, config, vocab_size, layer_spec)
     ddp_config = DistributedDataParallelConfig(
@@ -95,25 +118,8 @@ def setup_model_and_optimizer(args, vocab_size, layer_spec=None):
         use_distributed_optimizer=False,
     )
     model = DDP(config, ddp_config, model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
-            weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
-            clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
-            params_dtype=args.params_dtype, loss_scale=args.loss_scale,
-            initial_loss_scale=args.initial_loss_scale, use_distributed_optimizer=False,
-        ),
-        [model],
-    )
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters, wd_incr_style="constant",
-    )
+    optimizer = get_megatron_optimizer(optimizer_config(args), [model])
+    scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss if (args.fp16 or args.bf16) else None

@@ -1,0 +1,130 @@
+"""Megatron-LM flag parsing and validation: derived values, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.hetero.arguments import (ArgumentError, build_parser, padded_vocab_size,
+                                       parse_data_path, validate_args)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 255")
+
+
+def _args(extra="", world_size=1, cuda=False):
+    args = build_parser().parse_args((BASE + " " + extra).split())
+    validate_args(args, world_size, cuda_available=cuda)
+    return args
+
+
+def test_derived_values_follow_megatron():
+    args = _args("--tensor-model-parallel-size 2 --global-batch-size 16", world_size=4)
+    assert args.data_parallel_size == 2
+    assert args.num_microbatches == 16 // (2 * 2)
+    assert args.ffn_hidden_size == 4 * 64
+    assert args.kv_channels == 16
+    assert args.num_query_groups == 4  # no GQA: one group per head
+    assert args.max_position_embeddings == 32
+    assert args.lr_decay_iters == 10
+    assert args.distributed_backend == "gloo"
+    assert args.use_cpu_initialization is True
+    assert args.params_dtype == torch.float32
+    assert args.add_bias_linear is True
+
+
+def test_defaults_fill_global_batch_and_swiglu_ffn():
+    args = _args("--swiglu --group-query-attention --num-query-groups 2", world_size=2)
+    assert args.global_batch_size == 2 * 2
+    assert args.ffn_hidden_size == int((4 * 64 * 2 / 3) / 64) * 64
+    assert args.num_query_groups == 2
+    args = _args("--disable-bias-linear --untie-embeddings-and-output-weights")
+    assert args.add_bias_linear is False and args.untie_embeddings_and_output_weights
+
+
+def test_gpu_defaults_and_precision():
+    args = _args("--bf16", cuda=True)
+    assert args.params_dtype == torch.bfloat16 and args.distributed_backend == "nccl"
+    assert args.use_cpu_initialization is False
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    ("--tensor-model-parallel-size 3", 4, "world size (4) is not divisible by --tensor-model-parallel-size (3)"),
+    ("--tensor-model-parallel-size 8", 8, "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (8)"),
+    ("--global-batch-size 6", 2, "--global-batch-size (6) is not a multiple of --micro-batch-size (2) x data-parallel size (2)"),
+    ("--group-query-attention --num-query-groups 3", 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
+    ("--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4", 4, "--num-query-groups (2) must be divisible"),
+    ("--fp16 --bf16", 1, "--fp16 and --bf16 are mutually exclusive"),
+    ("--bf16", 1, "--bf16 needs CUDA"),
+    ("--distributed-backend nccl", 1, "--distributed-backend nccl needs CUDA"),
+    ("--min-lr 1.0", 1, "--min-lr (1.0) must be between 0 and --lr"),
+    ("--lr-warmup-iters 10", 1, "--lr-warmup-iters (10) must be smaller than --lr-decay-iters (10)"),
+    ("--save-interval 5", 1, "--save-interval needs --save"),
+    ("--pipeline-model-parallel-size 2", 2, "pipeline parallelism is not supported yet"),
+    ("--max-position-embeddings 16", 1, "--seq-length (32) exceeds --max-position-embeddings (16)"),
+    ("--hidden-dropout 1.5", 1, "--hidden-dropout must be in [0, 1)"),
+    ("--tokenizer-type ByteLevelTokenizer", 1, "--vocab-size 255 contradicts --tokenizer-type ByteLevelTokenizer"),
+    ("--data-path some/prefix", 1, "give exactly one of --mock-data and --data-path"),
+])
+def test_contradictions_name_the_flag(extra, world, message):
+    with pytest.raises(ArgumentError) as err:
+        _args(extra, world_size=world)
+    assert message in str(err.value)
+
+
+def test_hidden_not_divisible_by_heads():
+    args = build_parser().parse_args(BASE.replace("--hidden-size 64", "--hidden-size 66").split())
+    with pytest.raises(ArgumentError, match=r"--hidden-size \(66\) must be divisible by --num-attention-heads \(4\)"):
+        validate_args(args, 1, cuda_available=False)
+
+
+def test_data_path_blends():
+    assert parse_data_path(["a", "b"]) == (["a", "b"], None)
+    assert parse_data_path(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+    for bad in (["0.3", "a", "b"], ["0.3", "a", "0.7"], ["a", "0.5"], ["-1", "a", "2", "b"]):
+        with pytest.raises(ArgumentError, match="--data-path"):
+            parse_data_path(bad)
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(256, 128, 1) == 256
+    assert padded_vocab_size(257, 128, 1) == 384
+    assert padded_vocab_size(256, 128, 4) == 512
+    assert padded_vocab_size(50257, 128, 8) == 51200
+
+
+def _run_cli(args, world_size=1):
+    env = dict(os.environ, WORLD_SIZE=str(world_size))
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (BASE + " --no-such-flag 3", 1, "unrecognized arguments: --no-such-flag 3"),
+    (BASE.replace("--num-attention-heads 4", "--num-attention-heads 3"), 1,
+     "--hidden-size (64) must be divisible by --num-attention-heads (3)"),
+    (BASE.replace("--num-attention-heads 4", "--num-attention-heads 3")
+     + " --tensor-model-parallel-size 2", 2,
+     "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)"),
+    (BASE + " --global-batch-size 5", 2,
+     "--global-batch-size (5) is not a multiple of --micro-batch-size (2) x data-parallel size (2)"),
+], ids=["unknown-flag", "heads-vs-hidden", "heads-vs-tp", "global-batch"])
+def test_bad_flags_exit_2_without_traceback(argv, world, message):
+    proc = _run_cli(argv.split(), world_size=world)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith("pretrain_gpt.py: error:")
+
+
+def test_missing_required_flag_is_named():
+    proc = _run_cli(["--num-layers", "2"])
+    assert proc.returncode == 2
+    assert "the following arguments are required" in proc.stderr and "--hidden-size" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,108 @@
+"""Flags reach megatron-core's configs with Megatron-LM's meaning (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
+from megatron.hetero.data import dataset_config, build_tokenizer
+from megatron.hetero.model import transformer_config
+from megatron.hetero.training import optimizer_config, scheduler_kwargs
+
+BASE = ("--num-layers 3 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --train-iters 100 --lr 1e-3 --mock-data --vocab-size 255")
+
+
+def _args(extra="", cuda=False, world_size=1):
+    args = build_parser().parse_args((BASE + " " + extra).split())
+    validate_args(args, world_size, cuda_available=cuda)
+    return args
+
+
+def test_model_flags_reach_transformer_config():
+    args = _args("--swiglu --disable-bias-linear --normalization RMSNorm --norm-epsilon 1e-6 "
+                 "--group-query-attention --num-query-groups 2 --kv-channels 32 "
+                 "--init-method-std 0.01 --hidden-dropout 0.2 --attention-dropout 0.3 "
+                 "--ffn-hidden-size 96 --tensor-model-parallel-size 2", world_size=2)
+    c = transformer_config(args)
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads) == (3, 64, 4)
+    assert c.num_query_groups == 2 and c.kv_channels == 32 and c.ffn_hidden_size == 96
+    assert c.gated_linear_unit and c.activation_func is F.silu and not c.add_bias_linear
+    assert c.normalization == "RMSNorm" and c.layernorm_epsilon == 1e-6
+    assert c.init_method_std == 0.01 and c.hidden_dropout == 0.2 and c.attention_dropout == 0.3
+    assert c.tensor_model_parallel_size == 2 and not c.sequence_parallel
+    assert c.use_cpu_initialization and c.params_dtype == torch.float32
+    default = transformer_config(_args())
+    assert default.activation_func is F.gelu and default.add_bias_linear
+    assert default.normalization == "LayerNorm"
+
+
+def test_precision_flags_on_gpu():
+    c = transformer_config(_args("--bf16", cuda=True))
+    assert c.bf16 and not c.fp16 and c.params_dtype == torch.bfloat16
+    o = optimizer_config(_args("--fp16 --loss-scale 128 --initial-loss-scale 1024", cuda=True))
+    assert o.fp16 and o.loss_scale == 128 and o.initial_loss_scale == 1024
+    assert o.params_dtype == torch.float16
+
+
+def test_optimizer_flags_reach_optimizer_config():
+    o = optimizer_config(_args("--weight-decay 0.1 --adam-beta1 0.8 --adam-beta2 0.95 "
+                               "--adam-eps 1e-6 --clip-grad 0.5 --min-lr 1e-5"))
+    assert o.optimizer == "adam" and o.lr == 1e-3 and o.min_lr == 1e-5
+    assert (o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_eps) == (0.1, 0.8, 0.95, 1e-6)
+    assert o.clip_grad == 0.5 and not o.use_distributed_optimizer
+    sgd = optimizer_config(_args("--optimizer sgd --sgd-momentum 0.5"))
+    assert sgd.optimizer == "sgd" and sgd.sgd_momentum == 0.5
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse-square-root"])
+def test_lr_schedule_matches_megatron_scheduler(style):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    args = _args(f"--lr-decay-style {style} --lr-warmup-iters 10 --lr-warmup-init 1e-4 "
+                 "--min-lr 1e-5 --lr-decay-iters 50")
+    kw = scheduler_kwargs(args)
+    assert kw["lr_warmup_steps"] == 10 and kw["lr_decay_steps"] == 50
+    assert kw["init_lr"] == 1e-4 and kw["lr_decay_style"] == style
+
+    class _Opt:  # the scheduler only touches param_groups
+        param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+    sched = OptimizerParamScheduler(_Opt(), **kw)
+    lrs = []
+    for _ in range(60):
+        lrs.append(_Opt.param_groups[0]["lr"])
+        sched.step(1)
+    assert lrs[0] == pytest.approx(1e-4) and lrs[10] == pytest.approx(1e-3)
+    if style == "constant":
+        assert lrs[-1] == pytest.approx(1e-3)
+    elif style in ("linear", "cosine"):
+        assert lrs[50] == pytest.approx(1e-5) and lrs[-1] == pytest.approx(1e-5)
+    else:  # max_lr * sqrt(warmup / step) until the decay horizon
+        assert lrs[30] == pytest.approx(1e-3 * (10 / 30) ** 0.5)
+
+
+def test_data_flags_reach_dataset_config(tmp_path):
+    args = _args(f"--eod-mask-loss --data-cache-path {tmp_path} --seed 7")
+    cfg = dataset_config(args, build_tokenizer(args.tokenizer_type, args.vocab_size))
+    assert cfg.eod_mask_loss and cfg.path_to_cache == str(tmp_path) and cfg.random_seed == 7
+    assert cfg.sequence_length == 32 and cfg.mock
+    args = build_parser().parse_args(
+        (BASE.replace("--mock-data --vocab-size 255", "") +
+         " --data-path 0.3 a/x 0.7 b/y --split 90,10,0").split())
+    validate_args(args, 1, cuda_available=False)
+    cfg = dataset_config(args, build_tokenizer(args.tokenizer_type, args.vocab_size))
+    assert cfg.blend == (["a/x", "b/y"], [0.3, 0.7]) and cfg.split == "90,10,0"
+    assert args.tokenizer_type == "ByteLevelTokenizer"
+
+
+def test_tensorboard_dir_needs_tensorboard(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ArgumentError, match="--tensorboard-dir needs the tensorboard package"):
+        _args(f"--tensorboard-dir {tmp_path}")

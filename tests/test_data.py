@@ -1,0 +1,104 @@
+"""The data-parallel sampler and the indexed-dataset preprocessing tool."""
+
+from __future__ import annotations
+
+import json
+import os
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+
+from megatron.hetero.data import PretrainingSampler, build_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_dp_ranks_split_each_global_batch_like_megatron():
+    dp, mbs = 2, 3
+    per_rank = [list(PretrainingSampler(24, 0, mbs, r, dp)) for r in range(dp)]
+    assert per_rank[0][:2] == [[0, 1, 2], [6, 7, 8]]
+    assert per_rank[1][:2] == [[3, 4, 5], [9, 10, 11]]
+    seen = sorted(i for rank in per_rank for batch in rank for i in batch)
+    assert seen == list(range(24))
+    assert len(PretrainingSampler(24, 0, mbs, 0, dp)) == 4
+
+
+def test_sampler_resumes_at_consumed_samples():
+    full = list(PretrainingSampler(40, 0, 2, 1, 2))
+    resumed = list(PretrainingSampler(40, 12, 2, 1, 2))
+    assert resumed == full[3:]
+    with pytest.raises(ValueError, match="no samples left"):
+        PretrainingSampler(40, 40, 2, 0, 2)
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location(
+        "preprocess_data", os.path.join(ROOT, "scripts", "preprocess_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+preprocess_data = _load_script()
+
+
+def _preprocess(capsys, *args):
+    """The script's main in this process: (exit status, stdout, stderr)."""
+    try:
+        preprocess_data.main(list(args))
+        status = 0
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+        if isinstance(exc.code, str):
+            sys.stderr.write(exc.code + "\n")
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_preprocess_jsonl_roundtrip(tmp_path, capsys):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    docs = ["héllo wörld", "second document\nwith two lines", "x"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    status, out, err = _preprocess(capsys, "--input", str(src), "--output-prefix",
+                                   str(tmp_path / "out"), "--append-eod")
+    assert status == 0, err
+    assert "3 documents" in out
+    dataset = IndexedDataset(str(tmp_path / "out_text_document"))
+    tokenizer = build_tokenizer("ByteLevelTokenizer")
+    assert len(dataset) == 3
+    for i, doc in enumerate(docs):
+        ids = dataset[i]
+        assert ids[-1] == tokenizer.eod
+        assert tokenizer.detokenize(ids[:-1].tolist()) == doc
+    assert dataset.index.dtype == np.uint16
+
+
+def test_preprocess_text_folder_is_deterministic_and_bounded(tmp_path, capsys):
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_text("bbbb")
+    (folder / "a.txt").write_text("aaaa")
+    (folder / "sub" / "c.txt").write_text("cccc")
+    (folder / "skip.md").write_text("not matched")
+    status, _, err = _preprocess(capsys, "--input", str(folder), "--glob", "*.txt",
+                                 "--max-bytes", "10", "--output-prefix", str(tmp_path / "out"))
+    assert status == 0, err
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(tmp_path / "out_text_document"))
+    texts = [bytes(dataset[i].tolist()).decode() for i in range(len(dataset))]
+    assert texts == ["aaaa", "bbbb", "cc"]
+
+
+def test_preprocess_errors_are_clear(tmp_path, capsys):
+    status, _, err = _preprocess(capsys, "--input", str(tmp_path / "missing.jsonl"),
+                                 "--output-prefix", str(tmp_path / "o"))
+    assert status == 2 and "--input" in err and "no such file" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    status, _, err = _preprocess(capsys, "--input", str(bad), "--output-prefix", str(tmp_path / "o"))
+    assert status == 1 and "bad.jsonl:1: no key 'text' (--json-keys)" in err
