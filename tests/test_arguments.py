@@ -70,6 +70,7 @@ def test_gpu_defaults_and_precision():
     ("--hidden-dropout 1.5", 1, "--hidden-dropout must be in [0, 1)"),
     ("--tokenizer-type ByteLevelTokenizer", 1, "--vocab-size 255 contradicts --tokenizer-type ByteLevelTokenizer"),
     ("--data-path some/prefix", 1, "give exactly one of --mock-data and --data-path"),
+    ("--train-iters 0", 1, "--train-iters must be positive, got 0"),
 ])
 def test_contradictions_name_the_flag(extra, world, message):
     with pytest.raises(ArgumentError) as err:
@@ -81,6 +82,16 @@ def test_hidden_not_divisible_by_heads():
     args = build_parser().parse_args(BASE.replace("--hidden-size 64", "--hidden-size 66").split())
     with pytest.raises(ArgumentError, match=r"--hidden-size \(66\) must be divisible by --num-attention-heads \(4\)"):
         validate_args(args, 1, cuda_available=False)
+
+
+def test_data_path_must_exist(tmp_path):
+    (tmp_path / "d.bin").write_bytes(b"")
+    args = build_parser().parse_args(
+        BASE.replace("--mock-data --vocab-size 255", f"--data-path {tmp_path}/d").split())
+    with pytest.raises(ArgumentError, match=rf"--data-path {tmp_path}/d: no {tmp_path}/d.idx"):
+        validate_args(args, 1, cuda_available=False)
+    (tmp_path / "d.idx").write_bytes(b"")
+    validate_args(args, 1, cuda_available=False)
 
 
 def test_data_path_blends():

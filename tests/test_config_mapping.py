@@ -85,16 +85,21 @@ def test_lr_schedule_matches_megatron_scheduler(style):
 
 
 def test_data_flags_reach_dataset_config(tmp_path):
+    for prefix in ("a/x", "b/y"):
+        (tmp_path / prefix).parent.mkdir(exist_ok=True)
+        for ext in (".bin", ".idx"):
+            (tmp_path / (prefix + ext)).write_bytes(b"")
     args = _args(f"--eod-mask-loss --data-cache-path {tmp_path} --seed 7")
     cfg = dataset_config(args, build_tokenizer(args.tokenizer_type, args.vocab_size))
     assert cfg.eod_mask_loss and cfg.path_to_cache == str(tmp_path) and cfg.random_seed == 7
     assert cfg.sequence_length == 32 and cfg.mock
     args = build_parser().parse_args(
         (BASE.replace("--mock-data --vocab-size 255", "") +
-         " --data-path 0.3 a/x 0.7 b/y --split 90,10,0").split())
+         f" --data-path 0.3 {tmp_path}/a/x 0.7 {tmp_path}/b/y --split 90,10,0").split())
     validate_args(args, 1, cuda_available=False)
     cfg = dataset_config(args, build_tokenizer(args.tokenizer_type, args.vocab_size))
-    assert cfg.blend == (["a/x", "b/y"], [0.3, 0.7]) and cfg.split == "90,10,0"
+    assert cfg.blend == ([f"{tmp_path}/a/x", f"{tmp_path}/b/y"], [0.3, 0.7])
+    assert cfg.split == "90,10,0"
     assert args.tokenizer_type == "ByteLevelTokenizer"
 
 

@@ -289,7 +289,10 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
                  f"--vocab-size {args.vocab_size} contradicts --tokenizer-type ByteLevelTokenizer "
                  f"(its vocabulary has {BYTE_LEVEL_VOCAB_SIZE} entries; omit --vocab-size)")
     if args.data_path:
-        parse_data_path(args.data_path)  # raises on a malformed blend
+        for prefix in parse_data_path(args.data_path)[0]:
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            _require(not missing, f"--data-path {prefix}: no {' or '.join(prefix + e for e in missing)} "
+                                  "(build one with scripts/preprocess_data.py)")
         split = [s for s in args.split.replace(" ", "").replace("/", ",").split(",") if s]
         _require(len(split) <= 3 and all(_is_number(s) and float(s) >= 0 for s in split)
                  and sum(map(float, split)) > 0,

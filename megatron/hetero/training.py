@@ -143,11 +143,14 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
-def _reduce_lm_loss(losses_reduced) -> float:
-    """Token-weighted mean lm loss over this step's micro-batches and all DP replicas."""
-    total = torch.zeros(2, dtype=torch.float64)
+def _add_reports(total, losses_reduced):
     for entry in losses_reduced:
         total += entry["lm loss"].double().cpu()
+    return total
+
+
+def _token_mean(total) -> float:
+    """Token-weighted mean lm loss from summed [loss sum, tokens] over all DP replicas."""
     if torch.cuda.is_available():
         total = total.cuda()
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
@@ -165,7 +168,8 @@ def train_step(args, model, optimizer, scheduler, data_iterator):
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=1)
-    return _reduce_lm_loss(losses_reduced), grad_norm, not update_successful
+    loss = _token_mean(_add_reports(torch.zeros(2, dtype=torch.float64), losses_reduced))
+    return loss, grad_norm, not update_successful
 
 
 def evaluate(args, model, valid_dataset) -> float:
@@ -185,13 +189,9 @@ def evaluate(args, model, valid_dataset) -> float:
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True,
             )
-            for entry in losses_reduced:
-                total += entry["lm loss"].double().cpu()
+            _add_reports(total, losses_reduced)
     model.train()
-    if torch.cuda.is_available():
-        total = total.cuda()
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return (total[0] / total[1].clamp(min=1)).item()
+    return _token_mean(total)
 
 
 def _default_metrics_file(args) -> str:
