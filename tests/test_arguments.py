@@ -78,6 +78,28 @@ def test_contradictions_name_the_flag(extra, world, message):
     assert message in str(err.value)
 
 
+def test_het_tp_flags():
+    args = _args("--tensor-model-parallel-size 2 --het-tp-plan attn=3,1;mlp=200,56", world_size=2)
+    assert args.het_tp and args.het_tp_plan_obj.counts(1, "mlp") == (200, 56)
+    args = _args("--het-tp --het-tp-granularity 4 --tensor-model-parallel-size 2", world_size=2)
+    assert args.het_tp and args.het_tp_plan_obj is None and args.het_tp_granularity == 4
+    assert not _args().het_tp
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("--het-tp-plan attn=3,3;mlp=128,128", "--het-tp-plan: plan attn: counts [3, 3] sum to 6, the model has 4 units"),
+    ("--het-tp-plan attn=4;mlp=256", "--het-tp-plan: plan attn: 1 counts for 2 ranks"),
+    ("--het-tp --het-tp-granularity 3", "--het-tp-granularity 3 does not divide --ffn-hidden-size 256"),
+    ("--het-tp --het-tp-granularity 256", "= 1 MLP units must split evenly over --tensor-model-parallel-size 2"),
+    ("--het-tp-granularity 0", "--het-tp-granularity must be positive"),
+    ("--het-tp-plan missing.json", "--het-tp-plan: plan file missing.json: No such file or directory"),
+])
+def test_het_tp_flag_errors(extra, message):
+    with pytest.raises(ArgumentError) as err:
+        _args("--tensor-model-parallel-size 2 " + extra, world_size=2)
+    assert message in str(err.value)
+
+
 def test_hidden_not_divisible_by_heads():
     args = build_parser().parse_args(BASE.replace("--hidden-size 64", "--hidden-size 66").split())
     with pytest.raises(ArgumentError, match=r"--hidden-size \(66\) must be divisible by --num-attention-heads \(4\)"):

@@ -56,10 +56,10 @@ def compat_paths(tmp_dir: str) -> dict:
         report["rng_tracker"] = (type(tracker).__name__, not torch.equal(first, second))
         # cuda_literals + clip_grads: a step through the schedule and FP32Optimizer with clipping
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
-        model, optimizer, scheduler = setup_model_and_optimizer(args, tokenizer.vocab_size)
+        state = setup_model_and_optimizer(args, tokenizer.vocab_size)
+        model = state.model
         train_ds, _, _ = build_datasets(args, tokenizer)
-        loss, grad_norm, skipped = train_step(args, model, optimizer, scheduler,
-                                              iter(build_loader(train_ds, 0, args, 0, 1)))
+        loss, grad_norm, skipped = train_step(args, state, iter(build_loader(train_ds, 0, args, 0, 1)))
         clipped = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()
                                  if p.grad is not None)).item()
         report["step"] = (loss, float(grad_norm), skipped, clipped)
@@ -98,3 +98,166 @@ def train_with_failing_save(argv: list[str], fail_at_iteration: int) -> dict:
     except OSError as err:
         return {"error": str(err)}
     return {"error": None}
+
+
+def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) -> dict:
+    """pretrain, switching to plans[iteration] (inline spec or JSON) after that iteration.
+
+    A fault {"iteration": i, "rank": r, "stage": s} makes TP rank r fail at stage s of the
+    transfer at iteration i; the hook then records whether anything changed and goes on.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from hettp.exchange import TransferError
+    from hettp.plan import PartitionPlan
+
+    events = []
+
+    def snapshot(state):
+        params = {n: p.detach().clone() for n, p in state.model.module.named_parameters()}
+        opt = state.optimizer.optimizer
+        names = {p: n for n, p in state.model.module.named_parameters()}
+        moments = {(names[p], k): v.clone() for p, s in opt.state.items() for k, v in s.items()
+                   if isinstance(v, torch.Tensor)}
+        return params, moments
+
+    def hook(iteration, state, logger):
+        if iteration not in plans:
+            return
+        partition = state.partition
+        current = partition.plan
+        plan = PartitionPlan.parse(plans[iteration], current.tp_size, current.num_layers,
+                                   current.attn_units, current.mlp_units, current.mlp_unit_size)
+        tp_rank = dist.get_rank(partition.group)
+
+        def inject(stage):
+            for fault in faults:
+                if (fault["iteration"], fault["stage"], fault["rank"]) == (iteration, stage, tp_rank):
+                    raise RuntimeError(f"injected failure at {stage}")
+
+        before = snapshot(state)
+        try:
+            partition.repartition(state, plan, step=iteration, fault=inject)
+        except TransferError as err:
+            after = snapshot(state)
+            same = (before[0].keys() == after[0].keys() and before[1].keys() == after[1].keys()
+                    and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+                    and all(torch.equal(before[1][k], after[1][k]) for k in before[1]))
+            events.append({"iteration": iteration, "error": str(err), "unchanged": same,
+                           "plan_kept": partition.plan == current})
+            return
+        schedule, result, predictions = partition.last_transfer
+        logger.repartition(iteration, plan, schedule, result, predictions)
+        events.append({"iteration": iteration, "units_moved": len(schedule.moves),
+                       "bytes": result.payload_bytes, "primitive": result.primitive,
+                       "moves": [(m.layer, m.block, m.unit, m.src, m.dst) for m in schedule.moves],
+                       "plan": partition.plan.to_json(),
+                       "local_units": {f"{k[0]}.{k[1]}": list(b.units)
+                                       for k, b in het_blocks(state.model).items()}})
+
+    from megatron.hetero.arguments import parse_args
+    from megatron.hetero.partition import het_blocks
+    from megatron.hetero.training import pretrain, shutdown
+
+    args = parse_args(argv)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            result = pretrain(args, on_step_end=hook)
+    finally:
+        shutdown()
+    return {"losses": result.losses, "events": events, "stdout": out.getvalue()}
+
+
+def _gather_full(module, group, dp_group=None) -> dict:
+    """Every parameter in its canonical full (TP=1) layout, from this TP group's shards."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.hetero.layers import UnitShardedLinear
+
+    unit_owned = {}
+    for m in module.modules():
+        if isinstance(m, UnitShardedLinear):
+            for name, layout in m.unit_layouts.items():
+                unit_owned[id(getattr(m, name))] = (m, layout)
+    full = {}
+    tp = dist.get_world_size(group)
+    for name, param in module.named_parameters():
+        for what, tensor in (("param", param.detach()), ("grad", param.grad)):
+            if tensor is None:
+                continue
+            if id(param) in unit_owned:
+                m, layout = unit_owned[id(param)]
+                mine = {u: layout.payload(tensor, len(m.units), i).clone() for i, u in enumerate(m.units)}
+                gathered = [None] * tp
+                dist.all_gather_object(gathered, mine, group=group)
+                payloads = {u: t for part in gathered for u, t in part.items()}
+                value = layout.assemble([payloads[u] for u in range(m.num_units)], tensor)
+            elif getattr(param, "tensor_model_parallel", False) and tp > 1:
+                parts = [torch.empty_like(tensor) for _ in range(tp)]
+                dist.all_gather(parts, tensor.contiguous(), group=group)
+                value = torch.cat(parts, dim=param.partition_dim)
+            else:
+                value = tensor.clone()
+            full[f"{what}:{name}"] = value
+    return full
+
+
+def het_numerics(argv: list[str], plans: list) -> list:
+    """Forward + backward of one fixed batch under each plan; per-token losses and every
+    parameter and gradient in the canonical full layout (from rank 0)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from hettp.plan import PartitionPlan
+    from megatron.hetero.arguments import parse_args
+    from megatron.hetero.data import build_tokenizer
+    from megatron.hetero.model import build_gpt_model, transformer_config
+    from megatron.hetero.training import initialize, shutdown
+
+    args = parse_args(argv)
+    try:
+        initialize(args)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+        spec, partition = None, None
+        if args.het_tp:
+            from megatron.hetero.partition import HetPartition
+            from megatron.hetero.spec import get_het_gpt_layer_spec
+
+            spec = get_het_gpt_layer_spec(args.normalization, args.het_tp_granularity)
+        module = build_gpt_model(args, transformer_config(args), tokenizer.vocab_size, spec)
+        if args.het_tp:
+            partition = HetPartition(module)
+        batch, seq = 4, args.seq_length
+        tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(7))
+        dp, dp_rank = args.data_parallel_size, parallel_state.get_data_parallel_rank()
+        mine = tokens[dp_rank * batch // dp:(dp_rank + 1) * batch // dp]
+        labels = torch.roll(mine, -1, dims=1)
+        position = torch.arange(seq).expand_as(mine)
+        mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        dp_group = parallel_state.get_data_parallel_group()
+        results = []
+        for spec_text in plans:
+            if spec_text is not None:
+                p = partition.plan
+                partition.install(module, PartitionPlan.parse(spec_text, p.tp_size, p.num_layers,
+                                                              p.attn_units, p.mlp_units, p.mlp_unit_size))
+            module.zero_grad(set_to_none=True)
+            losses = module(mine, position, mask, labels=labels)
+            losses.mean().backward()
+            for param in module.parameters():  # what DDP does: average over data-parallel ranks
+                if param.grad is not None and dp > 1:
+                    dist.all_reduce(param.grad, group=dp_group)
+                    param.grad /= dp
+            full = _gather_full(module, tp_group)
+            all_losses = [torch.empty_like(losses) for _ in range(dp)]
+            dist.all_gather(all_losses, losses.detach().contiguous(), group=dp_group)
+            full["losses"] = torch.cat(all_losses)
+            results.append(full if dist.get_rank() == 0 else None)
+        return results
+    finally:
+        shutdown()

@@ -37,6 +37,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_validation_args(parser)
     _add_logging_args(parser)
     _add_checkpointing_args(parser)
+    _add_het_tp_args(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -156,6 +157,17 @@ def _add_checkpointing_args(parser):
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--seed", type=int, default=1234)
+
+
+def _add_het_tp_args(parser):
+    g = parser.add_argument_group("heterogeneous tensor parallelism (hettp)")
+    g.add_argument("--het-tp", action="store_true",
+                   help="Use unit-sharded TP layers that can own uneven, changeable shares.")
+    g.add_argument("--het-tp-plan", default=None,
+                   help="Static partition: a JSON plan file, or per-rank unit counts for every "
+                        "layer, e.g. 'attn=3,1;mlp=768,256' (implies --het-tp).")
+    g.add_argument("--het-tp-granularity", type=int, default=1,
+                   help="ffn neurons per MLP unit (attention units are query groups).")
 
 
 def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
@@ -301,6 +313,29 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError("--tensorboard-dir needs the tensorboard package "
                             "(pip install tensorboard, or the project's [tensorboard] extra)")
+
+    # Heterogeneous TP.
+    _require(args.het_tp_granularity > 0,
+             f"--het-tp-granularity must be positive, got {args.het_tp_granularity}")
+    args.het_tp = args.het_tp or args.het_tp_plan is not None
+    args.het_tp_plan_obj = None
+    if args.het_tp:
+        gran = args.het_tp_granularity
+        _require(args.ffn_hidden_size % gran == 0,
+                 f"--het-tp-granularity {gran} does not divide --ffn-hidden-size "
+                 f"{args.ffn_hidden_size}")
+        _require((args.ffn_hidden_size // gran) % tp == 0,
+                 f"--ffn-hidden-size / --het-tp-granularity = {args.ffn_hidden_size // gran} MLP "
+                 f"units must split evenly over --tensor-model-parallel-size {tp} at start")
+        if args.het_tp_plan is not None:
+            from hettp.plan import PartitionPlan, PlanError
+
+            try:
+                args.het_tp_plan_obj = PartitionPlan.parse(
+                    args.het_tp_plan, tp, args.num_layers, args.num_query_groups,
+                    args.ffn_hidden_size // gran, gran)
+            except PlanError as err:
+                raise ArgumentError(f"--het-tp-plan: {err}")
 
     # Checkpointing.
     if args.save_interval is not None:

@@ -110,6 +110,24 @@ class Logger:
         if self.writer is not None:
             self.writer.add_scalar("lm loss validation", loss, iteration)
 
+    def plan(self, iteration, plan, why) -> None:
+        self.info(f"> het-TP plan at iteration {iteration} ({why}): {plan.summary()}")
+        if self.metrics is not None:
+            self.metrics.write("plan", iteration=iteration, why=why, plan=plan.to_json())
+
+    def repartition(self, iteration, plan, schedule, result, predictions) -> None:
+        """One line per applied re-partition: what moved, how, and what it cost."""
+        predicted = ", ".join(f"{p} {t * 1e3:.2f}" for p, t in sorted(predictions.items()))
+        self.info(f"> het-TP repartition at iteration {iteration}: {plan.summary()} | "
+                  f"moved {len(schedule.moves)} units, {result.payload_bytes} bytes "
+                  f"({result.wire_bytes} on the wire) via {result.primitive} in "
+                  f"{result.seconds * 1e3:.1f} ms (predicted ms: {predicted})")
+        if self.metrics is not None:
+            self.metrics.write("repartition", iteration=iteration, plan=plan.to_json(),
+                               units_moved=len(schedule.moves), bytes=result.payload_bytes,
+                               wire_bytes=result.wire_bytes, primitive=result.primitive,
+                               seconds=result.seconds, predicted_seconds=predictions)
+
     def saved(self, iteration, path) -> None:
         self.info(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")
         if self.metrics is not None:

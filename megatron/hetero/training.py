@@ -32,6 +32,17 @@ from .model import build_gpt_model, transformer_config
 
 
 @dataclasses.dataclass
+class TrainState:
+    """What a step boundary may replace: het-TP re-partitioning rebuilds model and optimizer."""
+
+    model: DDP
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    config: object  # the TransformerConfig the schedule reads its hooks from
+    partition: object = None  # HetPartition when --het-tp
+
+
+@dataclasses.dataclass
 class TrainResult:
     iteration: int
     consumed_train_samples: int
@@ -108,22 +119,37 @@ def scheduler_kwargs(args) -> dict:
     )
 
 
-def setup_model_and_optimizer(args, vocab_size, layer_spec=None):
-    """megatron-core's DDP-wrapped GPTModel, its optimizer and LR scheduler, wired together."""
+def setup_model_and_optimizer(args, vocab_size) -> TrainState:
+    """megatron-core's DDP-wrapped GPTModel, its optimizer and LR scheduler, wired together.
+
+    With --het-tp the layers are hettp's unit-sharded subclasses, built like megatron-core's
+    and then moved to --het-tp-plan before the optimizer exists.
+    """
     config = transformer_config(args)
-    model = build_gpt_model(args, config, vocab_size, layer_spec)
+    partition = None
+    if args.het_tp:
+        from .partition import HetPartition
+        from .spec import get_het_gpt_layer_spec
+
+        module = build_gpt_model(args, config, vocab_size,
+                                 get_het_gpt_layer_spec(args.normalization, args.het_tp_granularity))
+        partition = HetPartition(module)
+        if args.het_tp_plan_obj is not None:
+            partition.install(module, args.het_tp_plan_obj)
+    else:
+        module = build_gpt_model(args, config, vocab_size)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=False,
         use_distributed_optimizer=False,
     )
-    model = DDP(config, ddp_config, model)
+    model = DDP(config, ddp_config, module)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss if (args.fp16 or args.bf16) else None
-    return model, optimizer, scheduler
+    return TrainState(model, optimizer, scheduler, config, partition)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -157,7 +183,8 @@ def _token_mean(total) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def train_step(args, model, optimizer, scheduler, data_iterator):
+def train_step(args, state: TrainState, data_iterator):
+    model, optimizer = state.model, state.optimizer
     model.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = get_forward_backward_func()(
@@ -167,7 +194,7 @@ def train_step(args, model, optimizer, scheduler, data_iterator):
     )
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
-        scheduler.step(increment=1)
+        state.scheduler.step(increment=1)
     loss = _token_mean(_add_reports(torch.zeros(2, dtype=torch.float64), losses_reduced))
     return loss, grad_norm, not update_successful
 
@@ -200,16 +227,21 @@ def _default_metrics_file(args) -> str:
     return os.path.join("logs", f"metrics-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
 
 
-def pretrain(args, layer_spec=None) -> TrainResult:
-    """Megatron-LM's pretrain(): initialize, build, optionally resume, train, evaluate, save."""
+def pretrain(args, on_step_end=None) -> TrainResult:
+    """Megatron-LM's pretrain(): initialize, build, optionally resume, train, evaluate, save.
+
+    `on_step_end(iteration, state, logger)`, when given, runs on every rank at every step
+    boundary (het-TP decisions are applied there).
+    """
     initialize(args)
     rank = dist.get_rank()
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
-    model, optimizer, scheduler = setup_model_and_optimizer(args, tokenizer.vocab_size, layer_spec)
+    state = setup_model_and_optimizer(args, tokenizer.vocab_size)
 
     iteration, consumed = 0, 0
     if args.load:
-        restored = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
+        restored = checkpointing.load_checkpoint(args.load, state.model, state.optimizer,
+                                                 state.scheduler, args)
         if restored is not None:
             iteration, consumed = restored
 
@@ -218,20 +250,28 @@ def pretrain(args, layer_spec=None) -> TrainResult:
         metrics_file = os.path.abspath(metrics_file)
     metrics = MetricsWriter(metrics_file) if rank == 0 else None
     logger = Logger(args, metrics)
-    logger.run_start(model, tokenizer, iteration, args.load if iteration else None)
+    logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
+    if state.partition is not None:
+        logger.plan(iteration, state.partition.plan, "initial")
 
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     train_iterator = iter(build_loader(train_ds, consumed, args, dp_rank, dp_size))
 
+    def save(iteration):
+        path = checkpointing.save_checkpoint(args.save, iteration, consumed, state.model,
+                                             state.optimizer, state.scheduler, args)
+        logger.saved(iteration, path)
+        return iteration
+
     losses, eval_losses = {}, {}
     saved_at = None
-    model.train()
+    state.model.train()
     while iteration < args.train_iters:
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
+        lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
         start = time.perf_counter()
-        loss, grad_norm, skipped = train_step(args, model, optimizer, scheduler, train_iterator)
+        loss, grad_norm, skipped = train_step(args, state, train_iterator)
         elapsed = time.perf_counter() - start
         iteration += 1
         consumed += args.global_batch_size
@@ -239,21 +279,18 @@ def pretrain(args, layer_spec=None) -> TrainResult:
         logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
 
         if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
-            eval_losses[iteration] = evaluate(args, model, valid_ds)
+            eval_losses[iteration] = evaluate(args, state.model, valid_ds)
             logger.evaluation(iteration, eval_losses[iteration])
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            path = checkpointing.save_checkpoint(args.save, iteration, consumed, model, optimizer,
-                                                 scheduler, args)
-            logger.saved(iteration, path)
-            saved_at = iteration
+            saved_at = save(iteration)
+        if on_step_end is not None:
+            on_step_end(iteration, state, logger)
         if args.exit_interval and iteration % args.exit_interval == 0:
             logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
             break
 
     if args.save and saved_at != iteration and iteration > 0:
-        path = checkpointing.save_checkpoint(args.save, iteration, consumed, model, optimizer,
-                                             scheduler, args)
-        logger.saved(iteration, path)
+        save(iteration)
     logger.run_end(iteration)
     if metrics is not None:
         metrics.close()

@@ -1,0 +1,221 @@
+"""Partition plans: which TP rank owns which units of every layer's attention and MLP.
+
+A unit is the smallest piece of a TP-sharded block that can live on any rank: one query group
+(its query heads plus its K and V heads) for attention, `mlp_unit_size` ffn neurons for the MLP.
+A plan lists, per layer and block, the units of each rank in the rank's local order. Ranks may
+own different numbers of units, including none, and layers may differ.
+
+Plans are plain data: validated on construction (errors say what is wrong and where), printable
+in one line, and serialisable to JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+BLOCKS = ("attn", "mlp")
+
+
+class PlanError(ValueError):
+    """A partition plan does not fit the model or is inconsistent."""
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    tp_size: int
+    attn_units: int  # query groups per layer
+    mlp_units: int  # ffn neurons per layer / mlp_unit_size
+    mlp_unit_size: int
+    # layers[i][block] = per-rank tuples of unit ids, in each rank's local order
+    layers: tuple[dict[str, tuple[tuple[int, ...], ...]], ...]
+
+    def __post_init__(self):
+        if self.tp_size < 1:
+            raise PlanError(f"plan: tensor-parallel size must be >= 1, got {self.tp_size}")
+        if self.mlp_unit_size < 1:
+            raise PlanError(f"plan: MLP unit size must be >= 1, got {self.mlp_unit_size}")
+        if not self.layers:
+            raise PlanError("plan: no layers")
+        for index, layer in enumerate(self.layers):
+            if set(layer) != set(BLOCKS):
+                raise PlanError(f"plan layer {index}: blocks must be {BLOCKS}, got {sorted(layer)}")
+            for block in BLOCKS:
+                self._check_block(index, block, layer[block])
+
+    def _check_block(self, index, block, owners):
+        where = f"plan layer {index} {block}"
+        total = self.num_units(block)
+        if len(owners) != self.tp_size:
+            raise PlanError(f"{where}: {len(owners)} ranks listed, the TP size is {self.tp_size}")
+        seen = {}
+        for rank, units in enumerate(owners):
+            for unit in units:
+                if not isinstance(unit, int) or not 0 <= unit < total:
+                    raise PlanError(f"{where}: rank {rank} lists unit {unit!r}; units are 0..{total - 1}")
+                if unit in seen:
+                    raise PlanError(f"{where}: unit {unit} is owned by ranks {seen[unit]} and {rank}")
+                seen[unit] = rank
+        if len(seen) != total:
+            missing = sorted(set(range(total)) - set(seen))
+            raise PlanError(f"{where}: ranks own {len(seen)} of {total} units; "
+                            f"unowned: {_ranges(missing)}")
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_counts(cls, tp_size: int, num_layers: int, attn_units: int, mlp_units: int,
+                    attn_counts: Sequence[int], mlp_counts: Sequence[int],
+                    mlp_unit_size: int = 1) -> "PartitionPlan":
+        """Every layer alike; rank r owns the r-th contiguous run of `counts[r]` units."""
+        layer = {"attn": _contiguous(attn_counts, attn_units, "attn", tp_size),
+                 "mlp": _contiguous(mlp_counts, mlp_units, "mlp", tp_size)}
+        return cls(tp_size, attn_units, mlp_units, mlp_unit_size, tuple(layer for _ in range(num_layers)))
+
+    @classmethod
+    def even(cls, tp_size: int, num_layers: int, attn_units: int, mlp_units: int,
+             mlp_unit_size: int = 1) -> "PartitionPlan":
+        """Megatron's own partition: equal contiguous shares."""
+        for name, total in (("query groups", attn_units), ("MLP units", mlp_units)):
+            if total % tp_size:
+                raise PlanError(f"an even plan needs {name} ({total}) divisible by TP size {tp_size}")
+        return cls.from_counts(tp_size, num_layers, attn_units, mlp_units,
+                               [attn_units // tp_size] * tp_size,
+                               [mlp_units // tp_size] * tp_size, mlp_unit_size)
+
+    @classmethod
+    def parse(cls, spec: str, tp_size: int, num_layers: int, attn_units: int, mlp_units: int,
+              mlp_unit_size: int = 1) -> "PartitionPlan":
+        """A JSON file path, or inline per-rank counts for every layer: 'attn=2,1,1;mlp=90,30,8'.
+
+        A block left out of an inline spec stays even.
+        """
+        if spec.lstrip().startswith("{") or spec.endswith(".json"):
+            text = spec if spec.lstrip().startswith("{") else _read(spec)
+            plan = cls.from_json(text)
+            plan.check_model(tp_size, num_layers, attn_units, mlp_units, mlp_unit_size)
+            return plan
+        counts = {}
+        for part in filter(None, (p.strip() for p in spec.split(";"))):
+            block, sep, values = part.partition("=")
+            block = block.strip()
+            if not sep or block not in BLOCKS:
+                raise PlanError(f"plan '{spec}': expected 'attn=<counts>;mlp=<counts>', got '{part}'")
+            if block in counts:
+                raise PlanError(f"plan '{spec}': '{block}' given twice")
+            try:
+                counts[block] = [int(v) for v in values.split(",")]
+            except ValueError:
+                raise PlanError(f"plan '{spec}': {block} counts must be integers, got '{values}'")
+        if not counts:
+            raise PlanError(f"plan '{spec}': no blocks given")
+        for block, total in (("attn", attn_units), ("mlp", mlp_units)):
+            if block not in counts:
+                if total % tp_size:
+                    raise PlanError(f"plan '{spec}': {block} not given and {total} units do not "
+                                    f"split evenly over {tp_size} ranks")
+                counts[block] = [total // tp_size] * tp_size
+        return cls.from_counts(tp_size, num_layers, attn_units, mlp_units,
+                               counts["attn"], counts["mlp"], mlp_unit_size)
+
+    # ---- queries ------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def num_units(self, block: str) -> int:
+        return self.attn_units if block == "attn" else self.mlp_units
+
+    def units(self, layer: int, block: str, rank: int) -> tuple[int, ...]:
+        return self.layers[layer][block][rank]
+
+    def counts(self, layer: int, block: str) -> tuple[int, ...]:
+        return tuple(len(u) for u in self.layers[layer][block])
+
+    def owner_map(self, layer: int, block: str) -> dict[int, int]:
+        return {u: r for r, units in enumerate(self.layers[layer][block]) for u in units}
+
+    def check_model(self, tp_size: int, num_layers: int, attn_units: int, mlp_units: int,
+                    mlp_unit_size: int) -> None:
+        """Raise PlanError naming the first mismatch between this plan and the model."""
+        for what, mine, theirs in (("TP size", self.tp_size, tp_size),
+                                   ("layers", self.num_layers, num_layers),
+                                   ("query groups per layer", self.attn_units, attn_units),
+                                   ("MLP unit size", self.mlp_unit_size, mlp_unit_size),
+                                   ("MLP units per layer", self.mlp_units, mlp_units)):
+            if mine != theirs:
+                raise PlanError(f"plan has {mine} {what}, the model has {theirs}")
+
+    def summary(self) -> str:
+        """One line: per-rank unit counts, with runs of identical layers merged."""
+        runs = []
+        for index in range(self.num_layers):
+            text = " ".join(f"{b} {'/'.join(map(str, self.counts(index, b)))}" for b in BLOCKS)
+            if runs and runs[-1][2] == text:
+                runs[-1][1] = index
+            else:
+                runs.append([index, index, text])
+        parts = [f"layer{'s' if a != b else ''} {a}{'-' + str(b) if a != b else ''}: {t}"
+                 for a, b, t in runs]
+        return f"TP={self.tp_size} " + "; ".join(parts)
+
+    # ---- serialisation ------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "version": 1, "tp_size": self.tp_size, "attn_units": self.attn_units,
+            "mlp_units": self.mlp_units, "mlp_unit_size": self.mlp_unit_size,
+            "layers": [{b: [list(u) for u in layer[b]] for b in BLOCKS} for layer in self.layers],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "PartitionPlan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"plan JSON: {err}")
+        try:
+            if data.get("version") != 1:
+                raise PlanError(f"plan JSON: unsupported version {data.get('version')!r}")
+            layers = tuple({b: tuple(tuple(u) for u in layer[b]) for b in BLOCKS}
+                           for layer in data["layers"])
+            return cls(data["tp_size"], data["attn_units"], data["mlp_units"],
+                       data["mlp_unit_size"], layers)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise PlanError(f"plan JSON: missing or malformed field {err}")
+
+
+def _contiguous(counts, total, block, tp_size):
+    if len(counts) != tp_size:
+        raise PlanError(f"plan {block}: {len(counts)} counts for {tp_size} ranks")
+    if any(c < 0 for c in counts):
+        raise PlanError(f"plan {block}: negative unit count in {list(counts)}")
+    if sum(counts) != total:
+        raise PlanError(f"plan {block}: counts {list(counts)} sum to {sum(counts)}, "
+                        f"the model has {total} units")
+    owners, start = [], 0
+    for count in counts:
+        owners.append(tuple(range(start, start + count)))
+        start += count
+    return tuple(owners)
+
+
+def _ranges(values):
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _read(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise PlanError(f"plan file {path}: {err.strerror}")

@@ -1,0 +1,122 @@
+"""Migration schedules: which units move where, bundled per (source, destination), and which
+collective primitive moves them cheapest under an alpha-beta cost model.
+
+Pure: no process group. A unit whose owner does not change stays put; every other unit moves
+once, straight from its old owner to its new one, so the bytes moved are the minimum the plan
+change requires.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .plan import BLOCKS, PartitionPlan
+
+PRIMITIVES = ("p2p", "all_to_all", "scatter", "broadcast")
+
+
+@dataclass(frozen=True, order=True)
+class UnitMove:
+    layer: int
+    block: str
+    unit: int
+    src: int
+    dst: int
+    nbytes: int = field(compare=False)
+
+
+@dataclass(frozen=True)
+class TransferSchedule:
+    tp_size: int
+    moves: tuple[UnitMove, ...]  # canonical order: (layer, block, unit)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.moves)
+
+    def bundles(self) -> dict[tuple[int, int], tuple[UnitMove, ...]]:
+        """Moves grouped per (src, dst) pair, each in canonical order: one buffer each."""
+        out: dict[tuple[int, int], list[UnitMove]] = {}
+        for move in self.moves:
+            out.setdefault((move.src, move.dst), []).append(move)
+        return {pair: tuple(moves) for pair, moves in sorted(out.items())}
+
+    def bundle_bytes(self) -> dict[tuple[int, int], int]:
+        return {pair: sum(m.nbytes for m in moves) for pair, moves in self.bundles().items()}
+
+    def sources(self) -> set[int]:
+        return {m.src for m in self.moves}
+
+    def rank_traffic(self, rank: int) -> tuple[int, int]:
+        """(messages, bytes) that `rank` sends plus receives under batched point-to-point."""
+        pairs = [(pair, size) for pair, size in self.bundle_bytes().items() if rank in pair]
+        return len(pairs), sum(size for _, size in pairs)
+
+
+def plan_transfer(old: PartitionPlan, new: PartitionPlan,
+                  unit_nbytes: Callable[[str], int]) -> TransferSchedule:
+    """Moves that take `old` to `new`; unit_nbytes(block) is one unit's payload size."""
+    if (old.tp_size, old.num_layers, old.attn_units, old.mlp_units, old.mlp_unit_size) != (
+            new.tp_size, new.num_layers, new.attn_units, new.mlp_units, new.mlp_unit_size):
+        raise ValueError("plans describe different models or TP sizes: "
+                         f"{old.summary()} vs {new.summary()}")
+    moves = []
+    for layer in range(old.num_layers):
+        for block in BLOCKS:
+            before, after = old.owner_map(layer, block), new.owner_map(layer, block)
+            size = unit_nbytes(block)
+            for unit in sorted(before):
+                if before[unit] != after[unit]:
+                    moves.append(UnitMove(layer, block, unit, before[unit], after[unit], size))
+    return TransferSchedule(old.tp_size, tuple(sorted(moves)))
+
+
+@dataclass(frozen=True)
+class PrimitiveCost:
+    """T = call + alpha * messages + bytes / beta, on the busiest rank's critical path."""
+
+    call: float  # seconds per call
+    alpha: float  # seconds per message
+    beta: float  # bytes per second
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-primitive alpha-beta costs. Defaults: gloo on loopback, measured on a 2-core CPU
+    machine by scripts/bench_migration.py (refit them with hettp.exchange.measure_costs)."""
+
+    p2p: PrimitiveCost = PrimitiveCost(call=1.5e-4, alpha=6e-5, beta=1.5e9)
+    all_to_all: PrimitiveCost = PrimitiveCost(call=2.0e-4, alpha=4e-5, beta=1.2e9)
+    scatter: PrimitiveCost = PrimitiveCost(call=2.0e-4, alpha=5e-5, beta=1.2e9)
+    broadcast: PrimitiveCost = PrimitiveCost(call=1.5e-4, alpha=6e-5, beta=1.5e9)
+
+    def predict(self, schedule: TransferSchedule) -> dict[str, float]:
+        """Predicted seconds per applicable primitive (scatter/broadcast need one source)."""
+        n = schedule.tp_size
+        if not schedule.moves:
+            return {}
+        traffic = [schedule.rank_traffic(r) for r in range(n)]
+        busiest_bytes = max(b for _, b in traffic)
+        out = {
+            "p2p": self.p2p.call + max(m * self.p2p.alpha + b / self.p2p.beta for m, b in traffic),
+            "all_to_all": (self.all_to_all.call + (n - 1) * self.all_to_all.alpha
+                           + busiest_bytes / self.all_to_all.beta),
+        }
+        if len(schedule.sources()) == 1:
+            sizes = schedule.bundle_bytes().values()
+            padded = (n - 1) * max(sizes)  # gloo scatters equal chunks
+            out["scatter"] = self.scatter.call + (n - 1) * self.scatter.alpha + padded / self.scatter.beta
+            hops = math.ceil(math.log2(n))  # tree broadcast of every bundle to every rank
+            out["broadcast"] = self.broadcast.call + hops * (
+                self.broadcast.alpha + schedule.total_bytes / self.broadcast.beta)
+        return out
+
+    def choose(self, schedule: TransferSchedule) -> tuple[str, dict[str, float]]:
+        """The cheapest primitive (ties go to the earlier one in PRIMITIVES) and all predictions."""
+        predictions = self.predict(schedule)
+        if not predictions:
+            return "none", predictions
+        best = min(predictions, key=lambda p: (predictions[p], PRIMITIVES.index(p)))
+        return best, predictions

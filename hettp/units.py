@@ -1,0 +1,55 @@
+"""Where a unit lives inside a rank's local shard of a TP-sharded tensor.
+
+A local shard is laid out along one axis as `parts` consecutive sections (2 for SwiGLU's fc1:
+the gate rows of all local units, then their up rows; 1 otherwise); inside each section the
+local units follow each other in the rank's order, `width` elements each. This is exactly
+Megatron's even layout when a rank owns a contiguous run of units, so an even plan needs no
+data movement.
+
+A unit's payload is its slices of every part, concatenated along the axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    axis: int
+    width: int
+    parts: int = 1
+
+    def local_size(self, num_local_units: int) -> int:
+        return num_local_units * self.width * self.parts
+
+    def payload(self, local: torch.Tensor, num_local_units: int, position: int) -> torch.Tensor:
+        """The unit at `position` of a rank's local order, as one tensor."""
+        pieces = [local.narrow(self.axis, (part * num_local_units + position) * self.width, self.width)
+                  for part in range(self.parts)]
+        return pieces[0] if self.parts == 1 else torch.cat(pieces, dim=self.axis)
+
+    def assemble(self, payloads: Sequence[torch.Tensor], template: torch.Tensor) -> torch.Tensor:
+        """A local shard from unit payloads in local order; `template` gives the other dims."""
+        if not payloads:
+            shape = list(template.shape)
+            shape[self.axis] = 0
+            return template.new_empty(shape)
+        if self.parts == 1:
+            return torch.cat(list(payloads), dim=self.axis).contiguous()
+        sections = [torch.cat([p.narrow(self.axis, part * self.width, self.width) for p in payloads],
+                              dim=self.axis) for part in range(self.parts)]
+        return torch.cat(sections, dim=self.axis).contiguous()
+
+    def global_fragment(self, unit: int, part: int, num_units: int) -> tuple[int, int]:
+        """(fragment index, number of fragments) of a unit's part in the canonical full tensor,
+        which holds part 0 of all units in unit order, then part 1, ..."""
+        return part * num_units + unit, self.parts * num_units
+
+    def payload_shape(self, template_shape: Sequence[int]) -> tuple[int, ...]:
+        shape = list(template_shape)
+        shape[self.axis] = self.width * self.parts
+        return tuple(shape)

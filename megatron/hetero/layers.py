@@ -1,0 +1,290 @@
+"""megatron-core TP layers whose shard is an uneven, changeable list of units.
+
+The modules are built exactly like megatron-core's (same shapes, same initialisation, so the
+same random stream): a fresh model holds Megatron's even partition. `install_plan`
+(partition.py) then moves units to the plan's owners, and `repartition` moves them again while
+training runs. Each block knows its units' layout; the linears only hold "these units, in this
+order" and describe them to dist-checkpointing in the canonical global layout, so checkpoints
+load under any plan, TP size, or vanilla megatron-core.
+
+Units: attention = one query group (its query heads plus its K and V heads, which Megatron's
+QKV weight lays out per group as [q..q k v]) and the matching columns of the output projection;
+MLP = `--het-tp-granularity` ffn neurons: their fc1 rows (gate and up rows together with
+SwiGLU) and fc2 columns. A rank may own no unit of a block; it still joins the all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.parallel_state import (get_tensor_model_parallel_rank,
+                                          get_tensor_model_parallel_world_size)
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+
+from hettp.units import UnitLayout
+
+# Attributes DDP attaches to parameters for its own grad buffers; a re-shaped parameter gets
+# fresh ones from the next DDP wrapper.
+_DDP_PARAM_ATTRS = ("main_grad", "grad_added_to_main_grad")
+
+
+class UnitShardedLinear:
+    """Mixin for a TP linear whose sharded parameters hold a list of units."""
+
+    units: tuple = ()
+    num_units: int = 0
+    unit_layouts: dict = {}
+
+    def bind_units(self, units, num_units: int, layouts: dict) -> None:
+        self.units = tuple(units)
+        self.num_units = num_units
+        self.unit_layouts = dict(layouts)
+        for name, layout in self.unit_layouts.items():
+            size = getattr(self, name).shape[layout.axis]
+            if size != layout.local_size(len(self.units)):
+                raise ValueError(f"{type(self).__name__}.{name}: {size} elements along axis "
+                                 f"{layout.axis}, expected {layout.local_size(len(self.units))} "
+                                 f"for {len(self.units)} units")
+
+    def set_shard(self, units, tensors: dict) -> None:
+        """Replace the sharded parameters with new tensors holding `units` in that order.
+
+        New Parameter objects: the old ones carry autograd and DDP hooks sized for the old shape.
+        """
+        for name, tensor in tensors.items():
+            old = getattr(self, name)
+            new = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
+            for attr, value in vars(old).items():
+                if attr not in _DDP_PARAM_ATTRS:
+                    setattr(new, attr, value)
+            setattr(self, name, new)
+        self.units = tuple(units)
+        self._update_local_size(len(self.units))
+
+    def _update_local_size(self, num_local_units: int) -> None:
+        raise NotImplementedError
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name, layout in self.unit_layouts.items():
+            key = f"{prefix}{name}"
+            if key in state:
+                state[key] = unit_sharded_factory(state[key].key, getattr(self, name), layout,
+                                                  self.units, self.num_units, sharded_offsets,
+                                                  state[key].replica_id)
+        return state
+
+
+class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
+    def _update_local_size(self, num_local_units):
+        self.output_size_per_partition = self.unit_layouts["weight"].local_size(num_local_units)
+
+
+class HetRowParallelLinear(UnitShardedLinear, RowParallelLinear):
+    def _update_local_size(self, num_local_units):
+        self.input_size_per_partition = self.unit_layouts["weight"].local_size(num_local_units)
+
+
+def unit_sharded_factory(key, data, layout: UnitLayout, units, num_units, sharded_offsets,
+                         replica_id) -> ShardedTensorFactory:
+    """One ShardedTensor per unit (and part) at its offset in the canonical full tensor.
+
+    A function of (key, tensor) only, so megatron-core applies it to optimizer states too.
+    Every piece has the same shape, so any mix of plans and vanilla shards of the same key
+    passes dist-checkpointing's sharding validation. A rank without units of the block offers a
+    non-main replica of unit 0 instead (never written, loaded and dropped), because
+    dist-checkpointing expects every rank to hold something for every key.
+    """
+    units = tuple(units)
+    prepend = len(sharded_offsets)
+    empty_shape = list(data.shape)
+    empty_shape[layout.axis] = 0
+
+    def piece(key, tensor, fragment, fragments, replica):
+        return ShardedTensor.from_rank_offsets(
+            key, tensor, *sharded_offsets, (layout.axis + prepend, fragment, fragments),
+            replica_id=replica, prepend_axis_num=prepend)
+
+    def build(key, tensor, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise NotImplementedError("het-TP checkpoints do not support flattened (distributed "
+                                      "optimizer) shards")
+        if not units:
+            shape = list(tensor.shape)
+            shape[layout.axis] = layout.width
+            fragment, fragments = layout.global_fragment(0, 0, num_units)
+            return [piece(key, tensor.new_zeros(shape), fragment, fragments,
+                          _non_main(replica_id))]
+        pieces = []
+        for part in range(layout.parts):
+            for position, unit in enumerate(units):
+                start = (part * len(units) + position) * layout.width
+                fragment, fragments = layout.global_fragment(unit, part, num_units)
+                pieces.append(piece(key, tensor.narrow(layout.axis, start, layout.width).contiguous(),
+                                    fragment, fragments, replica_id))
+        return pieces
+
+    def merge(pieces):
+        if not units:
+            return torch.empty(empty_shape, dtype=data.dtype, device=data.device)
+        return torch.cat(list(pieces), dim=layout.axis)
+
+    return ShardedTensorFactory(key, data, build, merge, replica_id)
+
+
+def _non_main(replica_id):
+    if isinstance(replica_id, int):
+        return replica_id + 1
+    return (1, *replica_id[1:]) if replica_id else 1
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention over however many heads this rank holds (zero included), with torch SDPA.
+
+    Takes megatron's [s, b, heads, dim] query/key/value and returns [s, b, heads * dim].
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention: packed sequences and attention bias "
+                                      "are not supported")
+        sq, b, heads, dim = query.shape
+        if heads == 0:
+            # Stay on the autograd graph: linear_qkv's backward all-reduce must run on every rank.
+            return query.reshape(sq, b, 0)
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        if heads != k.size(1):
+            k = k.repeat_interleave(heads // k.size(1), dim=1)
+            v = v.repeat_interleave(heads // v.size(1), dim=1)
+        mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked
+        dropout = self.dropout_p if self.training else 0.0
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 is_causal=attention_mask is None,
+                                                 scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+
+def _even_units(num_units):
+    tp = get_tensor_model_parallel_world_size()
+    per_rank = num_units // tp
+    start = get_tensor_model_parallel_rank() * per_rank
+    return range(start, start + per_rank)
+
+
+class UnitBlock:
+    """Mixin for an attention or MLP block made of units; `block` names it in plans."""
+
+    block: str
+    linear_names: tuple
+
+    @property
+    def units(self) -> tuple:
+        return getattr(self, self.linear_names[0]).units
+
+    @property
+    def num_units(self) -> int:
+        return getattr(self, self.linear_names[0]).num_units
+
+    def unit_tensors(self):
+        """(linear name, parameter name, parameter, layout) of every unit-sharded tensor."""
+        for name in self.linear_names:
+            linear = getattr(self, name)
+            for param_name, layout in linear.unit_layouts.items():
+                yield name, param_name, getattr(linear, param_name), layout
+
+    def set_units(self, units, tensors: dict) -> None:
+        """Install new shards: tensors[linear name][parameter name] holds `units` in order."""
+        for name in self.linear_names:
+            getattr(self, name).set_shard(units, tensors[name])
+        self._units_changed(len(units))
+
+    def _units_changed(self, num_local_units: int) -> None:
+        pass
+
+
+class HetSelfAttention(UnitBlock, SelfAttention):
+    """SelfAttention whose rank holds any number of query groups."""
+
+    block = "attn"
+    linear_names = ("linear_qkv", "linear_proj")
+
+    def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None,
+                 pg_collection=None, **kwargs):
+        if attn_mask_type is not None:
+            kwargs["attn_mask_type"] = attn_mask_type
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
+        if config.num_query_groups < get_tensor_model_parallel_world_size():
+            raise ValueError("het-TP needs at least one query group per TP rank in the even plan")
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        dim = self.hidden_size_per_attention_head
+        units = _even_units(config.num_query_groups)
+        qkv = {"weight": UnitLayout(0, (self.heads_per_group + 2) * dim)}
+        if self.linear_qkv.bias is not None:
+            qkv["bias"] = UnitLayout(0, (self.heads_per_group + 2) * dim)
+        self.linear_qkv.bind_units(units, config.num_query_groups, qkv)
+        self.linear_proj.bind_units(units, config.num_query_groups,
+                                    {"weight": UnitLayout(1, self.heads_per_group * dim)})
+
+    def _units_changed(self, num_local_units):
+        self.num_query_groups_per_partition = num_local_units
+        self.num_attention_heads_per_partition = num_local_units * self.heads_per_group
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    output_gate=False, split_qkv=True):
+        if output_gate or not split_qkv:
+            raise NotImplementedError("het-TP attention supports neither an output gate nor "
+                                      "fused QKV rope")
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        sq, b = mixed_qkv.shape[:2]
+        groups, dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
+        mixed_qkv = mixed_qkv.view(sq, b, groups, (self.heads_per_group + 2) * dim)
+        query, key, value = torch.split(mixed_qkv, [self.heads_per_group * dim, dim, dim], dim=3)
+        query = query.reshape(sq, b, groups * self.heads_per_group, dim)
+        return query, key, value
+
+
+class HetMLP(UnitBlock, MLP):
+    """MLP whose rank holds any number of ffn units (gate and up rows together with SwiGLU)."""
+
+    block = "mlp"
+    linear_names = ("linear_fc1", "linear_fc2")
+
+    def __init__(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None,
+                 tp_group=None, unit_size: int = 1):
+        super().__init__(config=config, submodules=submodules, is_expert=is_expert,
+                         input_size=input_size, ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
+        ffn = config.ffn_hidden_size
+        if ffn % unit_size:
+            raise ValueError(f"--het-tp-granularity {unit_size} does not divide "
+                             f"--ffn-hidden-size {ffn}")
+        num_units = ffn // unit_size
+        units = _even_units(num_units)
+        parts = 2 if config.gated_linear_unit else 1
+        fc1 = {"weight": UnitLayout(0, unit_size, parts)}
+        if self.linear_fc1.bias is not None:
+            fc1["bias"] = UnitLayout(0, unit_size, parts)
+        self.linear_fc1.bind_units(units, num_units, fc1)
+        self.linear_fc2.bind_units(units, num_units, {"weight": UnitLayout(1, unit_size)})
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        # The linears describe SwiGLU's gate/up halves themselves (UnitLayout.parts), so skip
+        # MLP's own swiglu factory and take the children's state as they give it.
+        return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
