@@ -38,7 +38,7 @@ class TensorSpec:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
     @property
     def padded(self) -> int:
@@ -69,9 +69,9 @@ def _unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec], offset: int):
 
 
 def _checksum(buffer: torch.Tensor) -> torch.Tensor:
-    """Position-weighted byte sum as 8 bytes: catches lost, reordered and corrupted bytes."""
-    weights = torch.arange(1, buffer.numel() + 1, dtype=torch.int64, device=buffer.device) % 251 + 1
-    return (buffer.to(torch.int64) * weights).sum().reshape(1).view(torch.uint8)
+    """Wrapping sum of the buffer's 8-byte words, as 8 bytes: catches lost and corrupted data
+    at memory speed (buffers are multiples of 8 bytes)."""
+    return buffer.view(torch.int64).sum().reshape(1).view(torch.uint8)
 
 
 @dataclass
@@ -217,3 +217,47 @@ def _broadcast(schedule, group, rank, send, recv, sizes, device):
 
 _EXCHANGES = {"p2p": _p2p, "all_to_all": _all_to_all, "scatter": _scatter, "broadcast": _broadcast,
               "none": lambda *args: None}
+
+
+def measure_costs(group, device="cpu", sizes=(1024, 4 << 20), repeats=5):
+    """Fit per-primitive CostModel constants on `group` with real transfers.
+
+    Two patterns: one pair (rank 0 -> 1) and a fan-out (rank 0 -> every rank), each at a small
+    and a large size. The slope gives beta; the small-size intercepts give the fixed cost (call)
+    and, for p2p whose message count varies with the pattern, the per-message alpha. The
+    collectives always involve n-1 peers, so their alpha folds into `call`.
+    """
+    from .transfer import CostModel, PrimitiveCost
+
+    n = dist.get_world_size(group)
+    spec = {s: [TensorSpec((s // 4,), torch.float32)] for s in sizes}
+
+    def timed(primitive, dsts, size):
+        schedule = TransferSchedule(n, tuple(UnitMove(0, "mlp", i, 0, d, size)
+                                             for i, d in enumerate(dsts)))
+        data = [torch.ones(size // 4, dtype=torch.float32, device=device)]
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            run_transfer(schedule, group, primitive, lambda m: data, lambda m: spec[size], device)
+            times.append(time.perf_counter() - t0)
+        times = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        return times.median().item()
+
+    small, large = sizes
+    fits = {}
+    for primitive in ("p2p", "all_to_all", "scatter", "broadcast"):
+        fan = list(range(1, n))
+        t_small, t_large = timed(primitive, fan, small), timed(primitive, fan, large)
+        volume = (n - 1) if primitive != "broadcast" else (n - 1) * max(1, (n - 1).bit_length())
+        beta = volume * (large - small) / max(t_large - t_small, 1e-9)
+        intercept = max(t_small - volume * small / beta, 0.0)
+        alpha = 0.0
+        if primitive == "p2p" and n > 2:
+            pair = max(timed("p2p", [1], small) - small / beta, 0.0)
+            alpha = max((intercept - pair) / (n - 2), 0.0)
+            intercept = max(pair - alpha, 0.0)
+        fits[primitive] = PrimitiveCost(call=intercept, alpha=alpha, beta=beta)
+    return CostModel(**fits)

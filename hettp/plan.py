@@ -119,6 +119,38 @@ class PartitionPlan:
         return cls.from_counts(tp_size, num_layers, attn_units, mlp_units,
                                counts["attn"], counts["mlp"], mlp_unit_size)
 
+    def rebalanced(self, attn_counts: Sequence[int] | None = None,
+                   mlp_counts: Sequence[int] | None = None,
+                   layers: Sequence[int] | None = None) -> "PartitionPlan":
+        """This plan with new per-rank counts, moving the fewest units.
+
+        Ranks above their count give away the last units of their local order; ranks below
+        append what they receive. The moves are exactly the surpluses, so no unit moves that
+        need not. `layers` limits the change to some layers (default: all).
+        """
+        targets = {"attn": attn_counts, "mlp": mlp_counts}
+        chosen = set(range(self.num_layers) if layers is None else layers)
+        new_layers = []
+        for index, layer in enumerate(self.layers):
+            new_layer = dict(layer)
+            for block, counts in targets.items():
+                if counts is None or index not in chosen:
+                    continue
+                owners = [list(u) for u in layer[block]]
+                _contiguous(counts, self.num_units(block), block, self.tp_size)  # validates
+                spare = []
+                for rank, units in enumerate(owners):
+                    while len(units) > counts[rank]:
+                        spare.append(units.pop())
+                spare.reverse()
+                for rank, units in enumerate(owners):
+                    while len(units) < counts[rank]:
+                        units.append(spare.pop(0))
+                new_layer[block] = tuple(tuple(u) for u in owners)
+            new_layers.append(new_layer)
+        return PartitionPlan(self.tp_size, self.attn_units, self.mlp_units, self.mlp_unit_size,
+                             tuple(new_layers))
+
     # ---- queries ------------------------------------------------------------------------
 
     @property

@@ -84,13 +84,16 @@ class PrimitiveCost:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-primitive alpha-beta costs. Defaults: gloo on loopback, measured on a 2-core CPU
-    machine by scripts/bench_migration.py (refit them with hettp.exchange.measure_costs)."""
+    """Per-primitive alpha-beta costs of hettp.exchange.run_transfer (its votes included).
 
-    p2p: PrimitiveCost = PrimitiveCost(call=1.5e-4, alpha=6e-5, beta=1.5e9)
-    all_to_all: PrimitiveCost = PrimitiveCost(call=2.0e-4, alpha=4e-5, beta=1.2e9)
-    scatter: PrimitiveCost = PrimitiveCost(call=2.0e-4, alpha=5e-5, beta=1.2e9)
-    broadcast: PrimitiveCost = PrimitiveCost(call=1.5e-4, alpha=6e-5, beta=1.5e9)
+    Defaults: fitted by hettp.exchange.measure_costs in scripts/bench_migration.py, TP=4 over
+    gloo on a 2-core CPU machine (2026-11-29). Refit them on the cluster at hand.
+    """
+
+    p2p: PrimitiveCost = PrimitiveCost(call=6.6e-3, alpha=1.5e-3, beta=1.3e9)
+    all_to_all: PrimitiveCost = PrimitiveCost(call=1.2e-2, alpha=0.0, beta=7.1e8)
+    scatter: PrimitiveCost = PrimitiveCost(call=1.1e-2, alpha=0.0, beta=6.4e8)
+    broadcast: PrimitiveCost = PrimitiveCost(call=1.2e-2, alpha=0.0, beta=7.5e8)
 
     def predict(self, schedule: TransferSchedule) -> dict[str, float]:
         """Predicted seconds per applicable primitive (scatter/broadcast need one source)."""

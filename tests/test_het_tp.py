@@ -68,10 +68,14 @@ def test_even_plan_reproduces_vanilla_training(tmp_path):
     assert "het-TP plan at iteration 0 (initial): TP=2 layers 0-1: attn 2/2 mlp 128/128" in het["stdout"]
 
 
-# 30 steps of AdamW with weight decay on TP=2 x DP=2; MLP units of 4 neurons (64 per layer)
-MIGRATE = (MHA.replace("--train-iters 1", "--train-iters 30") + " --global-batch-size 8"
-           " --weight-decay 0.1 --het-tp --het-tp-granularity 4 --tensor-model-parallel-size 2"
-           " --eval-iters 0 --log-interval 10").split()
+def _migrate_argv(tp=2, iters=30):
+    """AdamW with weight decay; MLP units of 4 neurons (64 per layer)."""
+    return (MHA.replace("--train-iters 1", f"--train-iters {iters}") + " --global-batch-size 8"
+            f" --weight-decay 0.1 --het-tp --het-tp-granularity 4 --tensor-model-parallel-size {tp}"
+            " --eval-iters 0 --log-interval 10").split()
+
+
+MIGRATE = _migrate_argv()  # TP=2 x DP=2 on 4 ranks, 30 steps
 SHUFFLED = json.dumps({"version": 1, "tp_size": 2, "attn_units": 4, "mlp_units": 64,
                        "mlp_unit_size": 4, "layers": [
                            {"attn": [[3, 0], [1, 2]],
@@ -125,6 +129,20 @@ def test_migration_is_lossless_and_moves_the_minimum(unmigrated):
     assert migrated[0]["events"][2]["local_units"]["0.mlp"] == list(range(1, 64, 2))
     lines = [l for l in migrated[0]["stdout"].splitlines() if "het-TP repartition" in l]
     assert len(lines) == 3 and "via p2p" in lines[0] and f"{events[0]['bytes']} bytes" in lines[0]
+
+
+def test_migration_where_some_ranks_keep_their_units():
+    """TP=4: the first change moves units between ranks 0 and 3 only; ranks 1 and 2 must still
+    rebuild their optimizer with the others (it runs collectives)."""
+    argv = _migrate_argv(tp=4, iters=12)
+    plans = {4: "rebalance:attn=2,1,1,0;mlp=20,16,16,12", 8: "rebalance:attn=1,1,1,1;mlp=16,16,16,16"}
+    plain = run_ranks(train_with_repartitions, 4, argv, {})[0]
+    moved = run_ranks(train_with_repartitions, 4, argv, plans)
+    assert [e["units_moved"] for e in moved[0]["events"]] == [2 * (1 + 4), 2 * (1 + 4)]
+    assert moved[1]["events"][0]["local_units"]["0.attn"] == [1]  # rank 1 kept its unit
+    for step in range(1, 13):
+        want = plain["losses"][step]
+        assert all(abs(r["losses"][step] - want) <= 1e-5 * abs(want) for r in moved), step
 
 
 def test_failed_transfer_leaves_every_rank_intact(unmigrated):

@@ -75,6 +75,22 @@ def test_validation_names_layer_block_and_units():
         PartitionPlan.from_json('{"version": 1, "tp_size": 2}')
 
 
+def test_rebalanced_moves_only_the_surplus():
+    even = PartitionPlan.even(4, 2, attn_units=8, mlp_units=16)
+    plan = even.rebalanced(attn_counts=[4, 2, 2, 0], mlp_counts=[4, 4, 4, 4])
+    assert plan.layers[0]["attn"] == ((0, 1, 6, 7), (2, 3), (4, 5), ())
+    assert plan.layers[0]["mlp"] == even.layers[0]["mlp"]
+    moves = plan_transfer(even, plan, {"attn": 1, "mlp": 1}.get).moves
+    assert len(moves) == 2 * 2  # rank 3's two groups, in each of 2 layers
+    back = plan.rebalanced(attn_counts=[2, 2, 2, 2])
+    assert [len(u) for u in back.layers[1]["attn"]] == [2, 2, 2, 2]
+    assert len(plan_transfer(plan, back, {"attn": 1, "mlp": 1}.get).moves) == 2 * 2
+    one_layer = even.rebalanced(mlp_counts=[1, 7, 4, 4], layers=[1])
+    assert one_layer.counts(0, "mlp") == (4, 4, 4, 4) and one_layer.counts(1, "mlp") == (1, 7, 4, 4)
+    with pytest.raises(PlanError, match="sum to 7"):
+        even.rebalanced(attn_counts=[4, 2, 1, 0])
+
+
 def test_unit_layout_roundtrip_with_parts():
     # SwiGLU fc1 with 3 local units of width 2: [gate u0 u1 u2 | up u0 u1 u2] rows
     layout = UnitLayout(axis=0, width=2, parts=2)

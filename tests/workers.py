@@ -127,8 +127,13 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
             return
         partition = state.partition
         current = partition.plan
-        plan = PartitionPlan.parse(plans[iteration], current.tp_size, current.num_layers,
-                                   current.attn_units, current.mlp_units, current.mlp_unit_size)
+        spec = plans[iteration]
+        if spec.startswith("rebalance:"):  # new counts, fewest moves from the current plan
+            counts = dict(part.split("=") for part in spec[len("rebalance:"):].split(";"))
+            plan = current.rebalanced(*([int(c) for c in counts[b].split(",")] for b in ("attn", "mlp")))
+        else:
+            plan = PartitionPlan.parse(spec, current.tp_size, current.num_layers,
+                                       current.attn_units, current.mlp_units, current.mlp_unit_size)
         tp_rank = dist.get_rank(partition.group)
 
         def inject(stage):

@@ -185,6 +185,18 @@ def is_active() -> bool:
     return _active
 
 
+@contextlib.contextmanager
+def suspended():
+    """Run torch-only code (no megatron-core inside) without the device mode's per-call cost."""
+    if not _active:
+        yield
+        return
+    from torch.overrides import _pop_mode_temporarily
+
+    with _pop_mode_temporarily():
+        yield
+
+
 def activate() -> bool:
     """Install the shims if this torch has no CUDA. Returns True when they are active."""
     global _active

@@ -23,6 +23,7 @@ from hettp.exchange import TensorSpec, payload_nbytes, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan
 from hettp.transfer import CostModel, plan_transfer
 
+from . import cpu_compat
 from .layers import UnitBlock
 
 
@@ -76,10 +77,12 @@ class HetPartition:
         `state` holds .model (DDP), .optimizer, .scheduler and .config; they are replaced in place.
         """
         self.check(plan)
-        moved = self._move(state.model, plan, optimizer=_ParamStates(state.optimizer), step=step,
-                           fault=fault)
-        if moved:
-            _rebuild(state, moved)
+        replaced = self._move(state.model, plan, optimizer=_ParamStates(state.optimizer),
+                              step=step, fault=fault)
+        if self.last_transfer[0].moves:
+            # Every rank rebuilds, also one whose units did not change: building the optimizer
+            # runs collectives.
+            _rebuild(state, replaced)
 
     # ------------------------------------------------------------------------------------
 
@@ -91,16 +94,25 @@ class HetPartition:
         schedule = plan_transfer(self.plan, plan, lambda b: sum(s.nbytes for s in specs[b]))
         primitive, predictions = self.cost_model.choose(schedule)
 
+        positions = {key: {u: i for i, u in enumerate(b.units)} for key, b in blocks.items()}
+
         def payload(move):
             block = blocks[(move.layer, move.block)]
-            position = block.units.index(move.unit)
+            position = positions[(move.layer, move.block)][move.unit]
             return [layout.payload(tensor, len(block.units), position)
                     for tensor, layout in _unit_tensors(block, optimizer, state_keys)]
 
-        result = run_transfer(schedule, self.group, primitive, payload,
-                              lambda move: specs[move.block], device=_device(), step=step,
-                              fault=fault)
-        # Commit: everything below is local and cannot leave ranks disagreeing.
+        with cpu_compat.suspended():  # pure torch from here; the CPU device mode only slows it
+            result = run_transfer(schedule, self.group, primitive, payload,
+                                  lambda move: specs[move.block], device=_device(), step=step,
+                                  fault=fault)
+            replaced = self._commit(blocks, plan, optimizer, state_keys, result)
+        self.plan = plan
+        self.last_transfer = (schedule, result, predictions)
+        return replaced
+
+    def _commit(self, blocks, plan, optimizer, state_keys, result):
+        """Install the new shards; local only, so it cannot leave ranks disagreeing."""
         incoming = {(m.layer, m.block, m.unit): tensors for m, tensors in result.received.items()}
         replaced = {}
         for (index, name), block in blocks.items():
@@ -108,11 +120,12 @@ class HetPartition:
             if old_units == new_units:
                 continue
             pieces = _unit_tensors(block, optimizer, state_keys)
+            kept = {u: i for i, u in enumerate(old_units)}
             columns = []
             for unit in new_units:
-                if unit in old_units:
-                    pos = old_units.index(unit)
-                    columns.append([layout.payload(t, len(old_units), pos) for t, layout in pieces])
+                if unit in kept:
+                    columns.append([layout.payload(t, len(old_units), kept[unit])
+                                    for t, layout in pieces])
                 else:
                     columns.append(incoming[(index, name, unit)])
             rebuilt = [layout.assemble([col[i] for col in columns], tensor)
@@ -126,8 +139,6 @@ class HetPartition:
             block.set_units(new_units, new_shards)
             for old, (_, _, new, _), param_moments in zip(old_params, block.unit_tensors(), moments):
                 replaced[old] = (new, param_moments)
-        self.plan = plan
-        self.last_transfer = (schedule, result, predictions)
         return replaced
 
 

@@ -4,12 +4,24 @@ their unit-sharded subclasses (megatron-core's own way to extend a model)."""
 from __future__ import annotations
 
 import copy
+import logging
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .layers import (HetColumnParallelLinear, HetMLP, HetRowParallelLinear, HetSelfAttention,
                      SDPACoreAttention)
+
+
+class _KnownMLPFilter(logging.Filter):
+    """TransformerLayer warns about any MLP class it does not know by name; HetMLP is an MLP
+    and takes MLP's arguments, so that warning is noise."""
+
+    def filter(self, record):
+        return "Unknown MLP type" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_KnownMLPFilter())
 
 
 def get_het_gpt_layer_spec(normalization: str = "LayerNorm", mlp_unit_size: int = 1) -> ModuleSpec:
