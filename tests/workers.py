@@ -266,3 +266,34 @@ def het_numerics(argv: list[str], plans: list) -> list:
         return results
     finally:
         shutdown()
+
+
+def exchange_primitives(world_cases: list) -> dict:
+    """run_transfer with every primitive on synthetic schedules; returns what each rank got
+    and the cost model measured on this group."""
+    import torch
+    import torch.distributed as dist
+
+    from hettp.exchange import TensorSpec, measure_costs, run_transfer
+    from hettp.transfer import TransferSchedule, UnitMove
+
+    dist.init_process_group("gloo")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    specs = [TensorSpec((3, 5), torch.float32), TensorSpec((7,), torch.int64)]
+
+    def payload(move):  # what the sender holds for a unit: depends only on the move
+        base = float(move.layer * 1000 + move.unit * 10 + move.src)
+        return [torch.full((3, 5), base), torch.arange(7, dtype=torch.int64) + move.unit]
+
+    got = {}
+    for primitive, moves in world_cases:
+        schedule = TransferSchedule(n, tuple(UnitMove(*m, 15 * 4 + 7 * 8) for m in moves))
+        result = run_transfer(schedule, None, primitive, payload, lambda m: specs)
+        got[primitive] = {
+            (m.layer, m.unit, m.src, m.dst): [t.clone() for t in tensors]
+            for m, tensors in result.received.items()}
+        assert result.payload_bytes == schedule.total_bytes
+    model = measure_costs(None, sizes=(4096, 1 << 16), repeats=2)
+    dist.destroy_process_group()
+    return {"rank": rank, "got": got, "model": {p: vars(getattr(model, p)) for p in
+                                                ("p2p", "all_to_all", "scatter", "broadcast")}}
