@@ -59,7 +59,7 @@ class HetPartition:
         self.rank = dist.get_rank(self.group)
         self.plan = even_plan(module, dist.get_world_size(self.group))
         self.cost_model = cost_model or CostModel()
-        self.last_transfer = None  # (TransferSchedule, TransferResult) of the latest change
+        self.last_transfer = None  # (schedule, result, predictions) of the latest change
 
     def check(self, plan: PartitionPlan) -> None:
         """Raise PlanError if `plan` does not fit this model (before anything moves)."""
@@ -154,10 +154,7 @@ class _ParamStates:
                     f"{type(sub).__name__}: moving fp32 master weights under --bf16/--fp16 is "
                     "not implemented yet")
         self.inner = [sub.optimizer for sub in subs]
-
-    @property
-    def state(self) -> dict:
-        return {p: s for opt in self.inner for p, s in opt.state.items()}
+        self.state = {p: s for opt in self.inner for p, s in opt.state.items()}
 
 
 def _state_keys(optimizer, blocks) -> list[str]:
