@@ -60,7 +60,7 @@ def test_gpu_defaults_and_precision():
     ("--group-query-attention --num-query-groups 3", 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
     ("--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4", 4, "--num-query-groups (2) must be divisible"),
     ("--fp16 --bf16", 1, "--fp16 and --bf16 are mutually exclusive"),
-    ("--bf16", 1, "--bf16 needs CUDA"),
+    ("--fp16", 1, "--fp16 needs CUDA"),
     ("--distributed-backend nccl", 1, "--distributed-backend nccl needs CUDA"),
     ("--min-lr 1.0", 1, "--min-lr (1.0) must be between 0 and --lr"),
     ("--lr-warmup-iters 10", 1, "--lr-warmup-iters (10) must be smaller than --lr-decay-iters (10)"),

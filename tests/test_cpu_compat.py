@@ -35,6 +35,7 @@ def test_shimmed_upstream_paths_run_on_cpu(tmp_path):
     assert report["current_device"] == "cpu"
     tracker_class, fork_advances = report["rng_tracker"]
     assert tracker_class == "CpuRNGStatesTracker" and fork_advances
+    assert report["type_names"] == ("torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor", torch.int64)
     loss, grad_norm, skipped, clipped = report["step"]
     assert math.isfinite(loss) and not skipped
     assert grad_norm > 1e-3  # so clipping to --clip-grad 1e-3 really happened

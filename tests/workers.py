@@ -54,6 +54,9 @@ def compat_paths(tmp_dir: str) -> dict:
         with tracker.fork():
             second = torch.rand(4)
         report["rng_tracker"] = (type(tracker).__name__, not torch.equal(first, second))
+        # cuda_literals: megatron's optimizers check CUDA type names
+        report["type_names"] = (torch.zeros(1, dtype=torch.bfloat16).type(),
+                                torch.zeros(1).type(), torch.zeros(1).type(torch.int64).dtype)
         # cuda_literals + clip_grads: a step through the schedule and FP32Optimizer with clipping
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
         state = setup_model_and_optimizer(args, tokenizer.vocab_size)
@@ -101,7 +104,8 @@ def train_with_failing_save(argv: list[str], fail_at_iteration: int) -> dict:
 
 
 def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) -> dict:
-    """pretrain, switching to plans[iteration] (inline spec or JSON) after that iteration.
+    """pretrain, switching to plans[iteration] (an inline spec, JSON, "rebalance:<counts>", or a
+    list of them applied in turn) after that iteration.
 
     A fault {"iteration": i, "rank": r, "stage": s} makes TP rank r fail at stage s of the
     transfer at iteration i; the hook then records whether anything changed and goes on.
@@ -115,19 +119,27 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
     events = []
 
     def snapshot(state):
+        """Every parameter, fp32 master and optimizer state tensor, by parameter name."""
+        from megatron.hetero.partition import _OptimizerView
+
+        view = _OptimizerView(state.optimizer)
         params = {n: p.detach().clone() for n, p in state.model.module.named_parameters()}
-        opt = state.optimizer.optimizer
-        names = {p: n for n, p in state.model.module.named_parameters()}
-        moments = {(names[p], k): v.clone() for p, s in opt.state.items() for k, v in s.items()
-                   if isinstance(v, torch.Tensor)}
-        return params, moments
+        extra = {}
+        for name, param in state.model.module.named_parameters():
+            if view.master(param) is not None:
+                extra[(name, "master")] = view.master(param).detach().clone()
+            extra.update({(name, k): v.clone() for k, v in view.state[param].items()
+                          if isinstance(v, torch.Tensor)})
+        return params, extra
 
     def hook(iteration, state, logger):
-        if iteration not in plans:
-            return
+        specs = plans.get(iteration, [])
+        for spec in [specs] if isinstance(specs, str) else specs:
+            apply(iteration, spec, state, logger)
+
+    def apply(iteration, spec, state, logger):
         partition = state.partition
         current = partition.plan
-        spec = plans[iteration]
         if spec.startswith("rebalance:"):  # new counts, fewest moves from the current plan
             counts = dict(part.split("=") for part in spec[len("rebalance:"):].split(";"))
             plan = current.rebalanced(*([int(c) for c in counts[b].split(",")] for b in ("attn", "mlp")))

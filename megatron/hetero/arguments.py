@@ -276,10 +276,8 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
 
     # Precision and device.
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive")
-    if (args.fp16 or args.bf16) and not cuda_available:
-        raise ArgumentError(
-            f"--{'fp16' if args.fp16 else 'bf16'} needs CUDA; CPU runs train in fp32 "
-            "(drop the flag)")
+    if args.fp16 and not cuda_available:
+        raise ArgumentError("--fp16 needs CUDA; CPU runs train in fp32 or --bf16")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"

@@ -57,10 +57,13 @@ SHIMS = (
             "megatron.core.optimizer.optimizer:FP32Optimizer",
             "megatron.core.optimizer.clip_grads:get_grad_norm_fp32",
             "megatron.core.rerun_state_machine:RerunStateMachine",
+            "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params",
         ),
         "hard-coded device='cuda' tensors and .cuda() calls (e.g. total_num_tokens in the "
-        "schedule, FP32Optimizer._scale, the grad-norm buffer): a torch-function mode maps "
-        "them to the CPU for the whole process.",
+        "schedule, FP32Optimizer._scale, the grad-norm buffer), and type-string checks such "
+        "as Float16OptimizerWithFloat16Params' param.type() == 'torch.cuda.BFloat16Tensor': "
+        "a torch-function mode maps devices to the CPU and answers Tensor.type() with the "
+        "CUDA type name, for the whole process.",
     ),
     Shim(
         "rng_tracker",
@@ -95,7 +98,8 @@ def _to_cpu(device):
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Maps device='cuda' arguments and Tensor.cuda() to the CPU."""
+    """Maps device='cuda' arguments and Tensor.cuda() to the CPU; Tensor.type() answers with
+    the CUDA type name (megatron-core checks those strings)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,6 +107,9 @@ class CudaToCpuMode(TorchFunctionMode):
             kwargs = dict(kwargs, device=_to_cpu(kwargs["device"]))
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch."):]
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu(args[1]), *args[2:])
         return func(*args, **kwargs)

@@ -75,3 +75,10 @@ def build_gpt_model(args, config: TransformerConfig, vocab_size: int, layer_spec
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def unwrap_model(module):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module

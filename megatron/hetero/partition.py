@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
 from hettp.exchange import TensorSpec, payload_nbytes, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan
@@ -25,11 +25,12 @@ from hettp.transfer import CostModel, plan_transfer
 
 from . import cpu_compat
 from .layers import UnitBlock
+from .model import unwrap_model
 
 
 def het_blocks(module) -> dict:
-    """{(layer index, block name): block} of a GPTModel (or its DDP wrapper)."""
-    model = getattr(module, "module", module)
+    """{(layer index, block name): block} of a GPTModel (or its DDP / Float16Module wrappers)."""
+    model = unwrap_model(module)
     blocks = {}
     for index, layer in enumerate(model.decoder.layers):
         for child in (layer.self_attention, layer.mlp):
@@ -77,7 +78,7 @@ class HetPartition:
         `state` holds .model (DDP), .optimizer, .scheduler and .config; they are replaced in place.
         """
         self.check(plan)
-        replaced = self._move(state.model, plan, optimizer=_ParamStates(state.optimizer),
+        replaced = self._move(state.model, plan, optimizer=_OptimizerView(state.optimizer),
                               step=step, fault=fault)
         if self.last_transfer[0].moves:
             # Every rank rebuilds, also one whose units did not change: building the optimizer
@@ -142,38 +143,54 @@ class HetPartition:
         return replaced
 
 
-class _ParamStates:
-    """Per-parameter optimizer state across megatron-core's (possibly chained) optimizers."""
+class _OptimizerView:
+    """What megatron-core's (possibly chained) optimizer holds per model parameter: the tensor
+    it updates (the parameter itself, or its fp32 master copy under --bf16/--fp16) and that
+    tensor's state (Adam's moments, step)."""
 
     def __init__(self, optimizer):
-        subs = getattr(optimizer, "chained_optimizers", [optimizer])
-        for sub in subs:
-            if not isinstance(sub, FP32Optimizer):
+        self.subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        self.main = {}  # model parameter -> the tensor the optimizer updates
+        for sub in self.subs:
+            if isinstance(sub, FP32Optimizer):
+                self.main.update((p, p) for g in sub.optimizer.param_groups for p in g["params"])
+            elif isinstance(sub, Float16OptimizerWithFloat16Params):
+                for model_group, main_group in zip(sub.float16_groups, sub.fp32_from_float16_groups):
+                    self.main.update(zip(model_group, main_group))
+                self.main.update((p, p) for g in sub.fp32_from_fp32_groups for p in g)
+            else:
                 raise NotImplementedError(
-                    f"het-TP migration supports fp32 training (FP32Optimizer), not "
-                    f"{type(sub).__name__}: moving fp32 master weights under --bf16/--fp16 is "
-                    "not implemented yet")
-        self.inner = [sub.optimizer for sub in subs]
-        self.state = {p: s for opt in self.inner for p, s in opt.state.items()}
+                    f"het-TP migration supports megatron-core's FP32Optimizer and "
+                    f"Float16OptimizerWithFloat16Params, not {type(sub).__name__} "
+                    "(e.g. the distributed optimizer)")
+        states = {m: s for sub in self.subs for m, s in sub.optimizer.state.items()}
+        self.state = {p: states.get(m, {}) for p, m in self.main.items()}
+
+    def master(self, param):
+        """The fp32 master copy of `param`, or None when the optimizer updates `param` itself."""
+        main = self.main[param]
+        return None if main is param else main
 
 
 def _state_keys(optimizer, blocks) -> list[str]:
-    """Optimizer state tensors shaped like the parameters (e.g. exp_avg, exp_avg_sq)."""
+    """What moves with a unit besides the weights: "master" (fp32 copy under mixed precision)
+    and the optimizer state tensors shaped like the parameter (e.g. exp_avg, exp_avg_sq)."""
     if optimizer is None:
         return []
     param = next(iter(blocks.values())).unit_tensors().__next__()[2]
-    state = optimizer.state.get(param, {})
-    return sorted(k for k, v in state.items()
-                  if isinstance(v, torch.Tensor) and v.shape == param.shape)
+    keys = ["master"] if optimizer.master(param) is not None else []
+    return keys + sorted(k for k, v in optimizer.state[param].items()
+                         if isinstance(v, torch.Tensor) and v.shape == param.shape)
 
 
 def _unit_tensors(block, optimizer, state_keys):
-    """(tensor, layout) per unit-sharded parameter, each followed by its optimizer states."""
+    """(tensor, layout) per unit-sharded parameter, each followed by its `state_keys` tensors."""
     out = []
     for _, _, param, layout in block.unit_tensors():
         out.append((param.data, layout))
-        state = optimizer.state[param] if state_keys else {}
-        out.extend((state[k], layout) for k in state_keys)
+        for key in state_keys:
+            extra = optimizer.master(param) if key == "master" else optimizer.state[param][key]
+            out.append((extra.data if key == "master" else extra, layout))
     return out
 
 
@@ -186,38 +203,46 @@ def _unit_specs(block, state_keys) -> list[TensorSpec]:
     return specs
 
 
-def unit_nbytes(module, block: str, with_optimizer_state: int = 0) -> int:
-    """Bytes of one unit of `block`, plus `with_optimizer_state` fp32 copies of it."""
-    blocks = het_blocks(module)
-    return payload_nbytes(_unit_specs(blocks[(0, block)], ["s"] * with_optimizer_state))
-
-
 def _rebuild(state, replaced):
-    """New DDP wrapper and optimizer around the re-shaped parameters, same training state."""
+    """New DDP wrapper and optimizer around the re-shaped parameters, same training state:
+    fp32 masters, moments, step count, loss scaler and learning-rate schedule carry over."""
     old_ddp, old_opt = state.model, state.optimizer
-    old_states = _ParamStates(old_opt).state
-    step = next((s["step"] for s in old_states.values() if "step" in s), None)
+    old = _OptimizerView(old_opt)
 
     # The old wrapper's backward hooks stay on unchanged parameters: make them no-ops.
     old_ddp.param_to_bucket_group = {}
     model = DDP(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
     optimizer = get_megatron_optimizer(old_opt.config, [model])
-    new_of_old = {old: new for old, (new, _) in replaced.items()}
-    moments = {new: m for _, (new, m) in replaced.items()}
-    carried = {}
-    for old_param, param_state in old_states.items():
-        param = new_of_old.get(old_param, old_param)
-        carried[param] = {**param_state, **moments.get(param, {})}
-    for inner in _ParamStates(optimizer).inner:
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if param in carried:
-                    inner.state[param] = carried[param]
-                if step is not None:
-                    inner.state[param].setdefault("step", step)
+    new = _OptimizerView(optimizer)
+    step = next((s["step"] for s in old.state.values() if "step" in s), None)
+
+    carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
+    for old_param, param_state in old.state.items():
+        new_param, moved = replaced.get(old_param, (old_param, {}))
+        master = moved.get("master", old.master(old_param))
+        carried[new_param] = (master, {**param_state, **{k: v for k, v in moved.items()
+                                                         if k != "master"}})
+    for sub in new.subs:
+        for param, main in new.main.items():
+            if param not in carried or main not in _param_set(sub):
+                continue
+            master, param_state = carried[param]
+            if master is not None:
+                main.data.copy_(master)  # the new optimizer made it from the bf16 weights
+            if param_state:
+                sub.optimizer.state[main] = param_state
+            if step is not None:
+                sub.optimizer.state[main].setdefault("step", step)
+    for old_sub, new_sub in zip(old.subs, new.subs):
+        if getattr(old_sub, "grad_scaler", None) is not None:
+            new_sub.grad_scaler = old_sub.grad_scaler
     state.scheduler.optimizer = optimizer
     state.scheduler.step(increment=0)  # current lr / wd onto the new parameter groups
     state.config.no_sync_func = model.no_sync
     if state.config.grad_scale_func is not None:
         state.config.grad_scale_func = optimizer.scale_loss
     state.model, state.optimizer = model, optimizer
+
+
+def _param_set(sub):
+    return {p for g in sub.optimizer.param_groups for p in g["params"]}

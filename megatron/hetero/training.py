@@ -22,6 +22,7 @@ from megatron.core.distributed import DistributedDataParallelConfig, finalize_mo
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
 from hettp.metrics import MetricsWriter
 
@@ -138,6 +139,8 @@ def setup_model_and_optimizer(args, vocab_size) -> TrainState:
             partition.install(module, args.het_tp_plan_obj)
     else:
         module = build_gpt_model(args, config, vocab_size)
+    if args.fp16 or args.bf16:
+        module = Float16Module(config, module)  # as Megatron-LM: half weights, fp32 loss
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=False,
