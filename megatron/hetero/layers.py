@@ -1,9 +1,9 @@
 """megatron-core TP layers whose shard is an uneven, changeable list of units.
 
 The modules are built exactly like megatron-core's (same shapes, same initialisation, so the
-same random stream): a fresh model holds Megatron's even partition. `install_plan`
-(partition.py) then moves units to the plan's owners, and `repartition` moves them again while
-training runs. Each block knows its units' layout; the linears only hold "these units, in this
+same random stream): a fresh model holds Megatron's even partition. HetPartition.install
+(partition.py) then moves units to the plan's owners, and HetPartition.repartition moves them
+again while training runs. Each block knows its units' layout; the linears only hold "these units, in this
 order" and describe them to dist-checkpointing in the canonical global layout, so checkpoints
 load under any plan, TP size, or vanilla megatron-core.
 
