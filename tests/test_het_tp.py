@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from hettp.metrics import read_metrics
 from tests.distributed import run_ranks
 from tests.workers import het_numerics, train, train_with_repartitions
 

@@ -6,6 +6,7 @@ file gets every iteration so benchmarks and plots need no log parsing.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -148,4 +149,6 @@ def _jsonable(value):
         return value
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
+    if hasattr(value, "to_json"):  # e.g. the parsed --het-tp-plan: as data, not its repr
+        return json.loads(value.to_json())
     return str(value)

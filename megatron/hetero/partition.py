@@ -19,7 +19,7 @@ from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
-from hettp.exchange import TensorSpec, payload_nbytes, run_transfer
+from hettp.exchange import TensorSpec, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan
 from hettp.transfer import CostModel, plan_transfer
 
@@ -95,24 +95,23 @@ class HetPartition:
         schedule = plan_transfer(self.plan, plan, lambda b: sum(s.nbytes for s in specs[b]))
         primitive, predictions = self.cost_model.choose(schedule)
 
+        pieces = {key: _unit_tensors(b, optimizer, state_keys) for key, b in blocks.items()}
         positions = {key: {u: i for i, u in enumerate(b.units)} for key, b in blocks.items()}
 
         def payload(move):
-            block = blocks[(move.layer, move.block)]
-            position = positions[(move.layer, move.block)][move.unit]
-            return [layout.payload(tensor, len(block.units), position)
-                    for tensor, layout in _unit_tensors(block, optimizer, state_keys)]
+            key = (move.layer, move.block)
+            return _payload(pieces[key], len(positions[key]), positions[key][move.unit])
 
         with cpu_compat.suspended():  # pure torch from here; the CPU device mode only slows it
             result = run_transfer(schedule, self.group, primitive, payload,
                                   lambda move: specs[move.block], device=_device(), step=step,
                                   fault=fault)
-            replaced = self._commit(blocks, plan, optimizer, state_keys, result)
+            replaced = self._commit(blocks, pieces, positions, plan, state_keys, result)
         self.plan = plan
         self.last_transfer = (schedule, result, predictions)
         return replaced
 
-    def _commit(self, blocks, plan, optimizer, state_keys, result):
+    def _commit(self, blocks, pieces, positions, plan, state_keys, result):
         """Install the new shards; local only, so it cannot leave ranks disagreeing."""
         incoming = {(m.layer, m.block, m.unit): tensors for m, tensors in result.received.items()}
         replaced = {}
@@ -120,17 +119,11 @@ class HetPartition:
             old_units, new_units = block.units, plan.units(index, name, self.rank)
             if old_units == new_units:
                 continue
-            pieces = _unit_tensors(block, optimizer, state_keys)
-            kept = {u: i for i, u in enumerate(old_units)}
-            columns = []
-            for unit in new_units:
-                if unit in kept:
-                    columns.append([layout.payload(t, len(old_units), kept[unit])
-                                    for t, layout in pieces])
-                else:
-                    columns.append(incoming[(index, name, unit)])
+            mine, kept = pieces[(index, name)], positions[(index, name)]
+            columns = [_payload(mine, len(old_units), kept[unit]) if unit in kept
+                       else incoming[(index, name, unit)] for unit in new_units]
             rebuilt = [layout.assemble([col[i] for col in columns], tensor)
-                       for i, (tensor, layout) in enumerate(pieces)]
+                       for i, (tensor, layout) in enumerate(mine)]
             per_param = len(state_keys) + 1
             old_params, new_shards, moments = [], {}, []
             for i, (linear, param_name, param, _) in enumerate(block.unit_tensors()):
@@ -192,6 +185,11 @@ def _unit_tensors(block, optimizer, state_keys):
             extra = optimizer.master(param) if key == "master" else optimizer.state[param][key]
             out.append((extra.data if key == "master" else extra, layout))
     return out
+
+
+def _payload(pieces, num_local_units, position):
+    """A unit's slice of every (tensor, layout) in `pieces`."""
+    return [layout.payload(tensor, num_local_units, position) for tensor, layout in pieces]
 
 
 def _unit_specs(block, state_keys) -> list[TensorSpec]:
