@@ -53,3 +53,27 @@ class UnitLayout:
         shape = list(template_shape)
         shape[self.axis] = self.width * self.parts
         return tuple(shape)
+
+    def prefix(self, local: torch.Tensor, num_local_units: int, count: int) -> list[torch.Tensor]:
+        """Views of the first `count` local units, one per part (no copy)."""
+        return [local.narrow(self.axis, part * num_local_units * self.width, count * self.width)
+                for part in range(self.parts)]
+
+    def suffix(self, local: torch.Tensor, num_local_units: int, count: int) -> list[torch.Tensor]:
+        """Views of the local units from position `count` on, one per part (no copy)."""
+        rest = (num_local_units - count) * self.width
+        return [local.narrow(self.axis, (part * num_local_units + count) * self.width, rest)
+                for part in range(self.parts)]
+
+    def unit_sums(self, local: torch.Tensor, num_local_units: int) -> torch.Tensor:
+        """Per local unit, the sum of `local`'s elements over all of the unit's parts (float64)."""
+        moved = local.movedim(self.axis, 0).reshape(self.parts, num_local_units, -1)
+        return moved.sum(dim=(0, 2), dtype=torch.float64)
+
+    def permuted(self, local: torch.Tensor, num_local_units: int,
+                 positions: Sequence[int]) -> torch.Tensor:
+        """A copy of `local` whose units are those at `positions` of the current order."""
+        index = torch.tensor([(part * num_local_units + p) * self.width + i
+                              for part in range(self.parts) for p in positions
+                              for i in range(self.width)], dtype=torch.long, device=local.device)
+        return local.index_select(self.axis, index)

@@ -168,6 +168,21 @@ def _add_het_tp_args(parser):
                         "layer, e.g. 'attn=3,1;mlp=768,256' (implies --het-tp).")
     g.add_argument("--het-tp-granularity", type=int, default=1,
                    help="ffn neurons per MLP unit (attention units are query groups).")
+    g.add_argument("--het-tp-policy", default="static", choices=["static", "zero"],
+                   help="static: the given --het-tp-plan and --het-tp-resize for the whole run; "
+                        "zero: the paper's public-code baseline, a fixed 50%% cut of the ranks "
+                        "--het-tp-resize names, by accumulated |dW|, skipped gradients imputed "
+                        "with a tiny constant.")
+    g.add_argument("--het-tp-resize", default=None, metavar="SHARES",
+                   help="Per TP rank, the share of its units it skips (resizing), e.g. '0,0.5' "
+                        "(implies --het-tp).")
+    g.add_argument("--het-tp-max-resize", type=float, default=0.5,
+                   help="Cap on the share of its units any rank may skip at any step.")
+    g.add_argument("--het-tp-priority", default="dw", choices=["dw", "magnitude", "wg"],
+                   help="Unit priority for resizing: accumulated |weight change| (dw), |weight| "
+                        "(magnitude), or accumulated |weight x gradient| (wg).")
+    g.add_argument("--het-tp-priority-interval", type=int, default=50,
+                   help="Iterations between priority refreshes (re-sorting resized ranks).")
 
 
 def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
@@ -315,8 +330,30 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     # Heterogeneous TP.
     _require(args.het_tp_granularity > 0,
              f"--het-tp-granularity must be positive, got {args.het_tp_granularity}")
-    args.het_tp = args.het_tp or args.het_tp_plan is not None
+    args.het_tp = args.het_tp or args.het_tp_plan is not None or args.het_tp_resize is not None
     args.het_tp_plan_obj = None
+    args.het_tp_resize_shares = None
+    _require(0.0 <= args.het_tp_max_resize <= 1.0,
+             f"--het-tp-max-resize must be within [0, 1], got {args.het_tp_max_resize}")
+    _require(args.het_tp_priority_interval > 0,
+             f"--het-tp-priority-interval must be positive, got {args.het_tp_priority_interval}")
+    if args.het_tp_policy == "zero":
+        _require(args.het_tp_resize is not None,
+                 "--het-tp-policy zero needs --het-tp-resize naming the straggler(s), e.g. '0,0.5'")
+        _require(args.het_tp_priority == "dw",
+                 f"--het-tp-policy zero ranks units by accumulated |dW|; drop --het-tp-priority "
+                 f"{args.het_tp_priority}")
+    if args.het_tp_resize is not None:
+        from hettp.resize import ResizeError, parse_shares
+
+        try:
+            args.het_tp_resize_shares = parse_shares(args.het_tp_resize, tp, args.het_tp_max_resize)
+        except ResizeError as err:
+            raise ArgumentError(str(err))
+        if args.het_tp_policy == "zero":
+            _require(all(s in (0.0, 0.5) for s in args.het_tp_resize_shares),
+                     f"--het-tp-policy zero cuts a fixed 50%: --het-tp-resize shares must be 0 or "
+                     f"0.5, got '{args.het_tp_resize}'")
     if args.het_tp:
         gran = args.het_tp_granularity
         _require(args.ffn_hidden_size % gran == 0,

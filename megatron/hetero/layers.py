@@ -22,6 +22,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.parallel_state import (get_tensor_model_parallel_rank,
                                           get_tensor_model_parallel_world_size)
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
@@ -39,6 +41,9 @@ class UnitShardedLinear:
     units: tuple = ()
     num_units: int = 0
     unit_layouts: dict = {}
+    # Resizing: compute only the first `active` local units (None: all). The skipped ones are a
+    # suffix of the shard, so the active weights are views and the GEMMs are smaller.
+    active: int | None = None
 
     def bind_units(self, units, num_units: int, layouts: dict) -> None:
         self.units = tuple(units)
@@ -80,14 +85,58 @@ class UnitShardedLinear:
         return state
 
 
+    def _active_views(self, name):
+        tensor = getattr(self, name)
+        if tensor is None or name not in self.unit_layouts:
+            return None
+        return self.unit_layouts[name].prefix(tensor, len(self.units), self.active)
+
+    def _check_resizable(self):
+        if self.sequence_parallel:
+            raise NotImplementedError("het-TP resizing does not support sequence parallelism")
+
+
 class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
     def _update_local_size(self, num_local_units):
         self.output_size_per_partition = self.unit_layouts["weight"].local_size(num_local_units)
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if self.active is None:
+            return super().forward(input_, weight, runtime_gather_output)
+        # Resized: the same math on the active prefix, with plain autograd ops. The weight
+        # gradient of the skipped suffix stays zero; each SwiGLU half is its own GEMM.
+        self._check_resizable()
+        if weight is not None or runtime_gather_output or self.gather_output:
+            raise NotImplementedError("a resized het-TP column linear takes its own weight and "
+                                      "does not gather its output")
+        x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        weights = self._active_views("weight")
+        biases = self._active_views("bias") or [None] * len(weights)
+        add = [None] * len(weights) if self.skip_bias_add else biases
+        outputs = [F.linear(x, w, b) for w, b in zip(weights, add)]
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        output_bias = None
+        if self.skip_bias_add and biases[0] is not None:
+            output_bias = biases[0] if len(biases) == 1 else torch.cat(biases)
+        return output, output_bias
 
 
 class HetRowParallelLinear(UnitShardedLinear, RowParallelLinear):
     def _update_local_size(self, num_local_units):
         self.input_size_per_partition = self.unit_layouts["weight"].local_size(num_local_units)
+
+    def forward(self, input_):
+        if self.active is None:
+            return super().forward(input_)
+        self._check_resizable()
+        if not self.input_is_parallel:
+            raise NotImplementedError("a resized het-TP row linear needs a parallel input")
+        (weight,) = self._active_views("weight")
+        output = reduce_from_tensor_model_parallel_region(F.linear(input_, weight),
+                                                          group=self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
 
 
 def unit_sharded_factory(key, data, layout: UnitLayout, units, num_units, sharded_offsets,
@@ -210,10 +259,35 @@ class UnitBlock:
                 yield name, param_name, getattr(linear, param_name), layout
 
     def set_units(self, units, tensors: dict) -> None:
-        """Install new shards: tensors[linear name][parameter name] holds `units` in order."""
+        """Install new shards: tensors[linear name][parameter name] holds `units` in order.
+
+        Clears any resize: the caller re-applies it to the new units."""
         for name in self.linear_names:
             getattr(self, name).set_shard(units, tensors[name])
-        self._units_changed(len(units))
+        self.set_active(None)
+
+    def reorder(self, units) -> None:
+        """Record a new local order whose tensors the caller has permuted in place."""
+        if sorted(units) != sorted(self.units):
+            raise ValueError(f"reorder must keep the units; {self.units} -> {tuple(units)}")
+        for name in self.linear_names:
+            getattr(self, name).units = tuple(units)
+
+    @property
+    def active(self) -> int:
+        """How many local units run (a prefix of the local order)."""
+        active = getattr(self, self.linear_names[0]).active
+        return len(self.units) if active is None else active
+
+    def set_active(self, count: int | None) -> None:
+        """Compute only the first `count` local units (None or all of them: no resize)."""
+        if count is not None and not 0 <= count <= len(self.units):
+            raise ValueError(f"active count {count} is not within 0..{len(self.units)}")
+        if count == len(self.units):
+            count = None
+        for name in self.linear_names:
+            getattr(self, name).active = count
+        self._units_changed(len(self.units) if count is None else count)
 
     def _units_changed(self, num_local_units: int) -> None:
         pass

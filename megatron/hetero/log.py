@@ -129,6 +129,29 @@ class Logger:
                                wire_bytes=result.wire_bytes, primitive=result.primitive,
                                seconds=result.seconds, predicted_seconds=predictions)
 
+    def resize(self, iteration, resizer, why) -> None:
+        """One line per resize decision: asked and realized skipped shares per rank."""
+        realized = resizer.realized_shares()
+        shares = ", ".join(f"{a:.0%}/{r:.1%}" for a, r in zip(resizer.shares, realized))
+        self.info(f"> het-TP resize at iteration {iteration} ({why}): skipped share per TP rank "
+                  f"(asked/realized) {shares} | priority {resizer.scorer}, refreshed every "
+                  f"{resizer.interval} iterations" + (f" | skipped gradients imputed with "
+                                                      f"{resizer.impute:g}" if resizer.impute
+                                                      is not None else ""))
+        if self.metrics is not None:
+            self.metrics.write("resize", iteration=iteration, why=why, shares=list(resizer.shares),
+                               realized=realized, priority=resizer.scorer,
+                               impute=resizer.impute)
+
+    def priorities(self, iteration, resizer, swapped) -> None:
+        """A priority refresh: how many units it swapped between skipped and active."""
+        if resizer.resized_ranks:
+            self.info(f"> het-TP priorities refreshed at iteration {iteration} "
+                      f"({resizer.scorer}): {swapped} skipped units swapped in")
+        if self.metrics is not None:
+            self.metrics.write("priorities", iteration=iteration, priority=resizer.scorer,
+                               swapped=swapped)
+
     def saved(self, iteration, path) -> None:
         self.info(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")
         if self.metrics is not None:

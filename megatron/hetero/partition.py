@@ -20,7 +20,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
 from hettp.exchange import TensorSpec, run_transfer
-from hettp.plan import BLOCKS, PartitionPlan
+from hettp.plan import BLOCKS, PartitionPlan, PlanError
 from hettp.transfer import CostModel, plan_transfer
 
 from . import cpu_compat
@@ -85,6 +85,27 @@ class HetPartition:
             # runs collectives.
             _rebuild(state, replaced)
 
+    def reorder(self, state, plan: PartitionPlan) -> None:
+        """Adopt `plan`, which only changes local orders: permute weights and optimizer state
+        in place (same parameter objects, so DDP and the optimizer stay as they are). Local."""
+        self.check(plan)
+        for index in range(plan.num_layers):
+            for block in BLOCKS:
+                for rank in range(plan.tp_size):
+                    if set(plan.units(index, block, rank)) != set(self.plan.units(index, block, rank)):
+                        raise PlanError(f"reorder: layer {index} {block} rank {rank} would change "
+                                        "owners; that is a repartition")
+        optimizer = _OptimizerView(state.optimizer)
+        blocks = het_blocks(state.model)
+        keys = _state_keys(optimizer, blocks)
+        with torch.no_grad(), cpu_compat.suspended():
+            for (index, name), block in blocks.items():
+                new_units = plan.units(index, name, self.rank)
+                if new_units != block.units:
+                    _permute(_unit_tensors(block, optimizer, keys), block.units, new_units)
+                    block.reorder(new_units)
+        self.plan = plan
+
     # ------------------------------------------------------------------------------------
 
     def _move(self, module, plan, optimizer, step, fault):
@@ -120,6 +141,10 @@ class HetPartition:
             if old_units == new_units:
                 continue
             mine, kept = pieces[(index, name)], positions[(index, name)]
+            if set(old_units) == set(new_units):  # order only: in place, same parameters
+                _permute(mine, old_units, new_units)
+                block.reorder(new_units)
+                continue
             columns = [_payload(mine, len(old_units), kept[unit]) if unit in kept
                        else incoming[(index, name, unit)] for unit in new_units]
             rebuilt = [layout.assemble([col[i] for col in columns], tensor)
@@ -190,6 +215,14 @@ def _unit_tensors(block, optimizer, state_keys):
 def _payload(pieces, num_local_units, position):
     """A unit's slice of every (tensor, layout) in `pieces`."""
     return [layout.payload(tensor, num_local_units, position) for tensor, layout in pieces]
+
+
+def _permute(pieces, old_units, new_units):
+    """Put every (tensor, layout) of `pieces` into the order `new_units`, in place."""
+    position = {u: i for i, u in enumerate(old_units)}
+    order = [position[u] for u in new_units]
+    for tensor, layout in pieces:
+        tensor.copy_(layout.permuted(tensor, len(old_units), order))
 
 
 def _unit_specs(block, state_keys) -> list[TensorSpec]:

@@ -41,6 +41,7 @@ class TrainState:
     scheduler: OptimizerParamScheduler
     config: object  # the TransformerConfig the schedule reads its hooks from
     partition: object = None  # HetPartition when --het-tp
+    resizer: object = None  # Resizer when resizing is configured
 
 
 @dataclasses.dataclass
@@ -152,7 +153,15 @@ def setup_model_and_optimizer(args, vocab_size) -> TrainState:
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss if (args.fp16 or args.bf16) else None
-    return TrainState(model, optimizer, scheduler, config, partition)
+    state = TrainState(model, optimizer, scheduler, config, partition)
+    if getattr(args, "het_tp_resize_shares", None) is not None:
+        from .resize import ZERO_IMPUTED_GRAD, Resizer
+
+        state.resizer = Resizer(partition, model, args.het_tp_priority, args.het_tp_priority_interval,
+                                args.het_tp_max_resize,
+                                ZERO_IMPUTED_GRAD if args.het_tp_policy == "zero" else None)
+        state.resizer.resize(state, args.het_tp_resize_shares)
+    return state
 
 
 def loss_func(loss_mask, output_tensor):
@@ -195,7 +204,11 @@ def train_step(args, state: TrainState, data_iterator):
         num_microbatches=args.num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False,
     )
+    if state.resizer is not None:
+        state.resizer.before_step(state)
     update_successful, grad_norm, _ = optimizer.step()
+    if state.resizer is not None:
+        state.resizer.after_step(state)
     if update_successful:
         state.scheduler.step(increment=1)
     loss = _token_mean(_add_reports(torch.zeros(2, dtype=torch.float64), losses_reduced))
@@ -256,6 +269,8 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
     if state.partition is not None:
         logger.plan(iteration, state.partition.plan, "initial")
+    if state.resizer is not None:
+        logger.resize(iteration, state.resizer, "initial")
 
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -286,6 +301,10 @@ def pretrain(args, on_step_end=None) -> TrainResult:
             logger.evaluation(iteration, eval_losses[iteration])
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             saved_at = save(iteration)
+        if state.resizer is not None:
+            swapped = state.resizer.step_end(iteration, state)
+            if swapped is not None:
+                logger.priorities(iteration, state.resizer, swapped)
         if on_step_end is not None:
             on_step_end(iteration, state, logger)
         if args.exit_interval and iteration % args.exit_interval == 0:

@@ -1,0 +1,146 @@
+"""Resizing: a straggling TP rank computes only its highest-priority units.
+
+Pure data and arithmetic, no process group: how many units a share skips, the cap check, the
+priority table and the plan whose local orders follow it. The Megatron side
+(megatron/hetero/resize.py) applies them.
+
+A rank's units are kept in priority order, so its active units are a prefix of its shard and
+the skipped ones a suffix: the layers slice views, nothing is gathered on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .plan import BLOCKS, PartitionPlan
+
+
+class ResizeError(ValueError):
+    """Resize shares that are malformed or exceed the cap."""
+
+
+# Scorers: how a unit's priority is measured between refreshes.
+#   dw        - accumulated |weight change| per step (the paper's accumulated |dW|)
+#   magnitude - |weight| at the refresh
+#   wg        - accumulated |weight x gradient| per step (first-order estimate of the loss change
+#               if the unit were dropped)
+SCORERS = ("dw", "magnitude", "wg")
+
+
+def skipped_count(num_local_units: int, share: float) -> int:
+    """Units a rank with `num_local_units` skips for a resize `share`: never more than the
+    share (rounded down), so the realized share never exceeds the cap."""
+    return math.floor(num_local_units * share + 1e-9)
+
+
+def parse_shares(text: str, tp_size: int, cap: float, flag: str = "--het-tp-resize") -> tuple:
+    """'0,0.25' -> (0.0, 0.25): per TP rank, the share of its units it skips."""
+    try:
+        shares = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ResizeError(f"{flag} '{text}': expected one share per TP rank, e.g. "
+                          f"'{','.join(['0'] * (tp_size - 1) + ['0.5'])}'") from None
+    if len(shares) != tp_size:
+        raise ResizeError(f"{flag} '{text}': {len(shares)} shares given, the TP size is {tp_size}")
+    check_shares(shares, cap, flag)
+    return shares
+
+
+def check_shares(shares: Sequence[float], cap: float, flag: str = "--het-tp-resize") -> None:
+    """Raise ResizeError unless every share is in [0, cap] (the cap is --het-tp-max-resize)."""
+    for rank, share in enumerate(shares):
+        if not 0.0 <= share <= 1.0 or math.isnan(share):
+            raise ResizeError(f"{flag}: rank {rank} share {share} is not within [0, 1]")
+        if share > cap + 1e-12:
+            raise ResizeError(f"{flag}: rank {rank} would skip {share:.0%} of its units, more "
+                              f"than --het-tp-max-resize {cap:g} allows")
+
+
+@dataclass
+class Priorities:
+    """Per (layer, block): one score per global unit, identical on every rank of a TP group.
+
+    None marks a unit that was never measured: it ranks above every measured unit, so a unit
+    skipped from the start is tried at the next refresh instead of staying skipped for good.
+    """
+
+    scores: dict  # (layer, block) -> list[float | None]
+
+    @classmethod
+    def unmeasured(cls, plan: PartitionPlan) -> "Priorities":
+        return cls({(i, b): [None] * plan.num_units(b)
+                    for i in range(plan.num_layers) for b in BLOCKS})
+
+    def updated(self, measured: Mapping) -> "Priorities":
+        """New scores for the units in `measured` ((layer, block) -> {unit: score}); the others
+        keep theirs (a skipped unit keeps the score it had when it last ran).
+
+        Scores are relative: each refresh divides its measurements by their mean, so a score
+        kept from an earlier interval (when, say, the learning rate was higher) compares
+        fairly with fresh ones instead of always winning.
+        """
+        scores = {key: list(values) for key, values in self.scores.items()}
+        for key, per_unit in measured.items():
+            mean = sum(per_unit.values()) / len(per_unit) if per_unit else 0.0
+            for unit, score in per_unit.items():
+                scores[key][unit] = float(score) / mean if mean > 0 else float(score)
+        return Priorities(scores)
+
+    def order(self, key, units: Sequence[int]) -> tuple[int, ...]:
+        """`units` from highest to lowest priority; ties keep their current order."""
+        scores = self.scores[key]
+        return tuple(sorted(units, key=lambda u: (scores[u] is not None,
+                                                  -(scores[u] or 0.0))))
+
+    def ordered_plan(self, plan: PartitionPlan, ranks: Sequence[int]) -> PartitionPlan:
+        """`plan` with the local order of `ranks` sorted by priority (owners unchanged)."""
+        chosen = set(ranks)
+        layers = []
+        for index, layer in enumerate(plan.layers):
+            layers.append({block: tuple(self.order((index, block), units) if rank in chosen
+                                        else units for rank, units in enumerate(owners))
+                           for block, owners in layer.items()})
+        return PartitionPlan(plan.tp_size, plan.attn_units, plan.mlp_units, plan.mlp_unit_size,
+                             tuple(layers))
+
+
+def active_counts(plan: PartitionPlan, shares: Sequence[float]) -> dict:
+    """(layer, block) -> per-rank number of active units (the prefix each rank computes)."""
+    counts = {}
+    for index in range(plan.num_layers):
+        for block in BLOCKS:
+            counts[(index, block)] = tuple(
+                len(units) - skipped_count(len(units), shares[rank])
+                for rank, units in enumerate(plan.layers[index][block]))
+    return counts
+
+
+def realized_share(plan: PartitionPlan, shares: Sequence[float], rank: int,
+                   weights: Mapping[str, float] | None = None) -> float:
+    """The share of `rank`'s unit work skipped, with blocks weighted by `weights` (e.g. work
+    per unit; default: one per unit). Differs from the asked share where counts round down."""
+    weights = weights or {b: 1.0 for b in BLOCKS}
+    counts = active_counts(plan, shares)
+    total = skipped = 0.0
+    for (index, block), active in counts.items():
+        owned = len(plan.layers[index][block][rank])
+        total += owned * weights[block]
+        skipped += (owned - active[rank]) * weights[block]
+    return skipped / total if total else 0.0
+
+
+def skipped_units(plan: PartitionPlan, shares: Sequence[float]) -> dict:
+    """(layer, block, rank) -> the units that rank skips: the suffix of its local order."""
+    skipped = {}
+    for (index, block), active in active_counts(plan, shares).items():
+        for rank, units in enumerate(plan.layers[index][block]):
+            skipped[(index, block, rank)] = frozenset(units[active[rank]:])
+    return skipped
+
+
+def swapped_units(old: PartitionPlan, new: PartitionPlan, shares: Sequence[float]) -> int:
+    """How many units a re-sort brings back from skipped to active, over the whole group."""
+    before, after = skipped_units(old, shares), skipped_units(new, shares)
+    return sum(len(units - after[key]) for key, units in before.items())

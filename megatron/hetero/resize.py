@@ -1,0 +1,238 @@
+"""Resizing on a megatron-core model built with the het spec: a rank computes only its top units.
+
+`Resizer` owns the resize state of one TP group: the per-rank shares (every rank knows all of
+them), the unit priorities (identical on every rank), and on this rank the bookkeeping that keeps
+skipped units frozen. Resized ranks keep their local units in priority order, so the skipped
+units are a suffix of the shard; the layers compute the prefix with views (layers.py).
+
+Skipped units get no gradient (they are not in the forward); the optimizer still visits their
+elements, so the resizer puts back their weights, fp32 masters and Adam moments after every
+step from a copy taken when the resize began: they resume exactly where they stopped. Adam's
+step count is per tensor, so a resumed unit's bias correction uses its tensor's count.
+
+The paper's baseline (`--het-tp-policy zero`) instead fills skipped gradients with a tiny constant
+and lets the optimizer update them, as its public code does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from hettp.resize import (SCORERS, Priorities, check_shares, realized_share, skipped_count,
+                          swapped_units)
+
+from . import cpu_compat
+from .partition import _OptimizerView, _state_keys, _unit_tensors, het_blocks
+
+# Gradient the paper's public code gives skipped units ("data imputation").
+ZERO_IMPUTED_GRAD = 1e-8
+
+
+class Resizer:
+    """Resize shares, priorities and frozen skipped units of one TP group (on every rank)."""
+
+    def __init__(self, partition, model, scorer: str = "dw", interval: int = 50,
+                 cap: float = 0.5, impute: float | None = None):
+        if scorer not in SCORERS:
+            raise ValueError(f"unknown priority scorer '{scorer}'; choose from {SCORERS}")
+        if interval < 1:
+            raise ValueError(f"priority refresh interval must be >= 1, got {interval}")
+        self.partition = partition
+        self._unit_numel = _unit_numel(het_blocks(model))
+        self.scorer, self.interval, self.cap, self.impute = scorer, interval, cap, impute
+        self.shares = (0.0,) * partition.plan.tp_size
+        self.priorities = Priorities.unmeasured(partition.plan)
+        self._evidence = None  # (layer, block) -> (score sums, measured steps), global unit ids
+        self._stash = []  # (view into a skipped suffix, its frozen copy)
+        self._stashed_state = True  # False until the optimizer has created its moments
+        self._before = None  # weights before the step (the dw scorer)
+
+    @property
+    def rank(self) -> int:
+        return self.partition.rank
+
+    @property
+    def resized_ranks(self) -> list[int]:
+        return [r for r, share in enumerate(self.shares) if share > 0]
+
+    # ---- decisions (every rank, same step boundary) --------------------------------------
+
+    def resize(self, state, shares) -> None:
+        """Make rank r skip `shares[r]` of its units from the next step on (0: none).
+
+        Checked against the cap before anything changes. Local work only: resized ranks sort
+        their units by priority (in place) and slice; restoring is just a share of 0.
+        """
+        shares = tuple(float(s) for s in shares)
+        if len(shares) != len(self.shares):
+            raise ValueError(f"resize: {len(shares)} shares for a TP group of {len(self.shares)}")
+        check_shares(shares, self.cap)
+        self.shares = shares
+        plan = self.priorities.ordered_plan(self.partition.plan, self.resized_ranks)
+        self.partition.reorder(state, plan)
+        self._activate(state)
+
+    def repartition(self, state, plan, step=None, fault=None) -> None:
+        """Migrate to `plan` keeping resized ranks in priority order; resizes carry over."""
+        self.refresh(state)  # scores of units about to move must not be lost
+        plan = self.priorities.ordered_plan(plan, self.resized_ranks)
+        self.partition.repartition(state, plan, step=step, fault=fault)
+        self._activate(state)
+
+    def refresh(self, state) -> int:
+        """Fold the evidence since the last refresh into the priorities (one all-reduce over
+        the TP group), re-sort resized ranks, and return how many units this rank swapped
+        between active and skipped."""
+        blocks = het_blocks(state.model)
+        evidence = self._collect(blocks)
+        if self.scorer == "magnitude":  # known for every unit, skipped ones included
+            for key, block in blocks.items():
+                sums, steps = evidence[key]
+                _add(sums, steps, block.units, _unit_scores(block, lambda p: p.detach().abs()))
+        keys = list(evidence)
+        flat = torch.cat([t for key in keys for t in evidence[key]])
+        dist.all_reduce(flat, group=self.partition.group)
+        measured, offset = {}, 0
+        for key in keys:
+            n = evidence[key][0].numel()
+            sums, steps = flat[offset:offset + n], flat[offset + n:offset + 2 * n]
+            offset += 2 * n
+            seen = torch.nonzero(steps > 0).flatten().tolist()
+            measured[key] = dict(zip(seen, (sums[seen] / steps[seen]).tolist()))
+        self.priorities = self.priorities.updated(measured)
+        self._evidence = None
+        old = self.partition.plan
+        plan = self.priorities.ordered_plan(old, self.resized_ranks)
+        if plan != old:
+            self.partition.reorder(state, plan)
+            self._activate(state)
+        return swapped_units(old, plan, self.shares)
+
+    def realized_shares(self) -> list[float]:
+        """Per rank, the share of its unit parameters (~ its sharded GEMM work) skipped."""
+        return [realized_share(self.partition.plan, self.shares, rank, self._unit_numel)
+                for rank in range(len(self.shares))]
+
+    # ---- every step ---------------------------------------------------------------------
+
+    def before_step(self, state) -> None:
+        """After backward, before optimizer.step(): impute or score gradients, keep weights."""
+        blocks = het_blocks(state.model)
+        if self.impute is not None:
+            with torch.no_grad():
+                for block in blocks.values():
+                    n, active = len(block.units), block.active
+                    if active < n:
+                        for _, _, param, layout in block.unit_tensors():
+                            for view in layout.suffix(_grad(param), n, active):
+                                view.fill_(self.impute)
+        if self.scorer == "wg":
+            self._observe(blocks, lambda p: (p.detach() * _grad(p)).abs())
+        elif self.scorer == "dw":
+            self._before = {p: p.detach().clone() for b in blocks.values()
+                            for _, _, p, _ in b.unit_tensors()}
+
+    def after_step(self, state) -> None:
+        """After optimizer.step(): put skipped units back, score the update."""
+        with torch.no_grad():
+            for view, frozen in self._stash:
+                view.copy_(frozen)
+        if not self._stashed_state and self._stash_state(state):
+            self._stashed_state = True
+        if self.scorer == "dw" and self._before is not None:
+            before, self._before = self._before, None
+            self._observe(het_blocks(state.model), lambda p: (p.detach() - before[p]).abs())
+
+    def step_end(self, iteration: int, state) -> int | None:
+        """At the step boundary: refresh priorities every `interval` iterations."""
+        if iteration % self.interval == 0:
+            return self.refresh(state)
+        return None
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _activate(self, state) -> None:
+        """Set each block's active prefix from the shares and freeze the skipped suffix."""
+        share = self.shares[self.rank]
+        self._stash = []
+        for block in het_blocks(state.model).values():
+            n = len(block.units)
+            block.set_active(n - skipped_count(n, share))
+        self._stashed_state = self.impute is not None or self._stash_state(state, weights=True)
+
+    def _stash_state(self, state, weights=False) -> bool:
+        """Freeze the skipped suffix of weights (and masters, moments once they exist).
+        Returns whether the optimizer's moments were there to be frozen."""
+        if self.impute is not None:
+            return True
+        optimizer = _OptimizerView(state.optimizer)
+        blocks = het_blocks(state.model)
+        keys = _state_keys(optimizer, blocks)
+        has_moments = any(k != "master" for k in keys)
+        wanted = set(keys) | ({"param"} if weights else set())
+        if not weights:
+            wanted -= {"master"}
+        with torch.no_grad():
+            for block in blocks.values():
+                n, active = len(block.units), block.active
+                if active == n:
+                    continue
+                tensors = _unit_tensors(block, optimizer, keys)
+                names = [k for _ in block.unit_tensors() for k in ["param", *keys]]
+                for name, (tensor, layout) in zip(names, tensors):
+                    if name in wanted:
+                        self._stash.extend((v, v.clone()) for v in layout.suffix(tensor, n, active))
+        return has_moments
+
+    def _observe(self, blocks, evidence) -> None:
+        """Add one step of per-unit evidence for the units that ran."""
+        with torch.no_grad():
+            self._collect(blocks)
+            for key, block in blocks.items():
+                updated = block.units if self.impute is not None else block.units[:block.active]
+                if updated:
+                    sums, steps = self._evidence[key]
+                    _add(sums, steps, updated, _unit_scores(block, evidence)[:len(updated)])
+
+    def _collect(self, blocks):
+        if self._evidence is None:
+            device = next(iter(blocks.values())).unit_tensors().__next__()[2].device
+            if not torch.cuda.is_available():
+                device = "cpu"
+            self._evidence = {key: (torch.zeros(b.num_units, dtype=torch.float64, device=device),
+                                    torch.zeros(b.num_units, dtype=torch.float64, device=device))
+                              for key, b in blocks.items()}
+        return self._evidence
+
+
+def _unit_numel(blocks) -> dict:
+    """Parameters per unit of each block kind: the weight of a unit's share of the work."""
+    numel = {}
+    for (_, name), block in blocks.items():
+        numel[name] = sum(math.prod(layout.payload_shape(param.shape))
+                          for _, _, param, layout in block.unit_tensors())
+    return numel
+
+
+def _grad(param):
+    """The gradient the optimizer will read: DDP's main_grad (or .grad without DDP)."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+def _unit_scores(block, evidence) -> torch.Tensor:
+    """Per local unit, the sum of `evidence(param)` over all of the block's unit tensors."""
+    n = len(block.units)
+    with cpu_compat.suspended():
+        return sum(layout.unit_sums(evidence(param), n) for _, _, param, layout in block.unit_tensors())
+
+
+def _add(sums, steps, units, scores) -> None:
+    index = torch.tensor(list(units), dtype=torch.long, device=sums.device)
+    sums.index_add_(0, index, scores.to(sums.device, torch.float64))
+    steps.index_add_(0, index, torch.ones(len(units), dtype=torch.float64, device=sums.device))
+
+
