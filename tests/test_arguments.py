@@ -84,6 +84,10 @@ def test_het_tp_flags():
     args = _args("--het-tp --het-tp-granularity 4 --tensor-model-parallel-size 2", world_size=2)
     assert args.het_tp and args.het_tp_plan_obj is None and args.het_tp_granularity == 4
     assert not _args().het_tp
+    args = _args("--tensor-model-parallel-size 2 --het-tp-resize 0,0.75 --het-tp-max-resize 0.8",
+                 world_size=2)
+    assert args.het_tp and args.het_tp_resize_shares == (0.0, 0.75)
+    assert args.het_tp_priority == "dw" and args.het_tp_policy == "static"
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -93,6 +97,16 @@ def test_het_tp_flags():
     ("--het-tp --het-tp-granularity 256", "= 1 MLP units must split evenly over --tensor-model-parallel-size 2"),
     ("--het-tp-granularity 0", "--het-tp-granularity must be positive"),
     ("--het-tp-plan missing.json", "--het-tp-plan: plan file missing.json: No such file or directory"),
+    ("--het-tp-resize 0,0.6", "--het-tp-resize: rank 1 would skip 60% of its units, more than --het-tp-max-resize 0.5 allows"),
+    ("--het-tp-resize 0,0.6 --het-tp-max-resize 0.5", "more than --het-tp-max-resize 0.5 allows"),
+    ("--het-tp-resize 0.5", "--het-tp-resize '0.5': 1 shares given, the TP size is 2"),
+    ("--het-tp-resize 0,half", "--het-tp-resize '0,half': expected one share per TP rank"),
+    ("--het-tp-resize 0,-0.1", "--het-tp-resize: rank 1 share -0.1 is not within [0, 1]"),
+    ("--het-tp-max-resize 1.5", "--het-tp-max-resize must be within [0, 1], got 1.5"),
+    ("--het-tp-priority-interval 0", "--het-tp-priority-interval must be positive"),
+    ("--het-tp --het-tp-policy zero", "--het-tp-policy zero needs --het-tp-resize"),
+    ("--het-tp-policy zero --het-tp-resize 0,0.25", "cuts a fixed 50%: --het-tp-resize shares must be 0 or 0.5"),
+    ("--het-tp-policy zero --het-tp-resize 0,0.5 --het-tp-priority wg", "--het-tp-policy zero ranks units by accumulated |dW|"),
 ])
 def test_het_tp_flag_errors(extra, message):
     with pytest.raises(ArgumentError) as err:

@@ -222,9 +222,51 @@ def _gather_full(module, group, dp_group=None) -> dict:
     return full
 
 
-def het_numerics(argv: list[str], plans: list) -> list:
+def _unit_slices(full_name, module, units_by_block):
+    """Views of the canonical full tensor `full_name`'s slices for units_by_block[(layer, block)]."""
+    from megatron.hetero.partition import het_blocks
+
+    for (index, block_name), block in het_blocks(module).items():
+        units = units_by_block.get((index, block_name), ())
+        for linear, param_name, _, layout in block.unit_tensors():
+            if f"decoder.layers.{index}.{'self_attention' if block_name == 'attn' else 'mlp'}." \
+                    f"{linear}.{param_name}" == full_name:
+                return [(layout, u) for u in units]
+    return []
+
+
+def _mask_units(full, module, units_by_block):
+    """Zero the given units' slices of every gathered tensor; report whether their gradients
+    were zero already."""
+    all_zero = True
+    for key, tensor in full.items():
+        what, _, name = key.partition(":")
+        for layout, unit in _unit_slices(name, module, units_by_block):
+            for part in range(layout.parts):
+                index, _ = layout.global_fragment(unit, part, _num_units(module, name))
+                view = tensor.narrow(layout.axis, index * layout.width, layout.width)
+                if what == "grad":
+                    all_zero = all_zero and bool((view == 0).all())
+                view.zero_()
+    return all_zero
+
+
+def _num_units(module, name):
+    from megatron.hetero.partition import het_blocks
+
+    layer = int(name.split(".")[2])
+    block = "attn" if ".self_attention." in name else "mlp"
+    return het_blocks(module)[(layer, block)].num_units
+
+
+def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=None) -> list:
     """Forward + backward of one fixed batch under each plan; per-token losses and every
-    parameter and gradient in the canonical full layout (from rank 0)."""
+    parameter and gradient in the canonical full layout (from rank 0).
+
+    Resizing: `shares` (per TP rank) makes each rank compute only the prefix of its units that
+    the share leaves; `zeroed` ({(layer, block): units}, TP=1) zeroes those units' weights
+    instead. The units in `masked` are zeroed out of the gathered weights and gradients
+    ("skipped_grads_zero" says whether their gradients were exactly zero)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -263,6 +305,23 @@ def het_numerics(argv: list[str], plans: list) -> list:
                 p = partition.plan
                 partition.install(module, PartitionPlan.parse(spec_text, p.tp_size, p.num_layers,
                                                               p.attn_units, p.mlp_units, p.mlp_unit_size))
+            if shares is not None:
+                from hettp.resize import skipped_count
+                from megatron.hetero.partition import het_blocks
+
+                for block in het_blocks(module).values():
+                    n = len(block.units)
+                    block.set_active(n - skipped_count(n, shares[dist.get_rank(tp_group)]))
+            if zeroed is not None:
+                from megatron.hetero.partition import het_blocks
+
+                with torch.no_grad():
+                    for key, block in het_blocks(module).items():
+                        for _, _, param, layout in block.unit_tensors():
+                            for unit in zeroed.get(key, ()):
+                                for part in range(layout.parts):
+                                    param.data.narrow(layout.axis, (part * len(block.units) + unit)
+                                                      * layout.width, layout.width).zero_()
             module.zero_grad(set_to_none=True)
             losses = module(mine, position, mask, labels=labels)
             losses.mean().backward()
@@ -271,6 +330,8 @@ def het_numerics(argv: list[str], plans: list) -> list:
                     dist.all_reduce(param.grad, group=dp_group)
                     param.grad /= dp
             full = _gather_full(module, tp_group)
+            if masked is not None:
+                full["skipped_grads_zero"] = _mask_units(full, module, masked)
             all_losses = [torch.empty_like(losses) for _ in range(dp)]
             dist.all_gather(all_losses, losses.detach().contiguous(), group=dp_group)
             full["losses"] = torch.cat(all_losses)
@@ -309,3 +370,54 @@ def exchange_primitives(world_cases: list) -> dict:
     dist.destroy_process_group()
     return {"rank": rank, "got": got, "model": {p: vars(getattr(model, p)) for p in
                                                 ("p2p", "all_to_all", "scatter", "broadcast")}}
+
+
+def train_with_resizes(argv: list[str], actions: dict) -> dict:
+    """pretrain with resizes and migrations at step boundaries: actions[iteration] is a list of
+    ("resize", shares) or ("migrate", "rebalance:attn=..;mlp=..").
+
+    After every step, records this rank's local unit order and active count per block, a copy
+    of every local unit's weights and optimizer state (by unit id), and the priorities."""
+    import torch
+
+    from megatron.hetero.arguments import parse_args
+    from megatron.hetero.partition import _OptimizerView, _state_keys, _unit_tensors, het_blocks
+    from megatron.hetero.training import pretrain, shutdown
+
+    records = {}
+
+    def hook(iteration, state, logger):
+        resizer = state.resizer
+        for kind, arg in actions.get(iteration, []):
+            if kind == "resize":
+                resizer.resize(state, arg)
+                logger.resize(iteration, resizer, "test")
+            else:
+                counts = dict(part.split("=") for part in arg[len("rebalance:"):].split(";"))
+                plan = state.partition.plan.rebalanced(
+                    *([int(c) for c in counts[b].split(",")] for b in ("attn", "mlp")))
+                resizer.repartition(state, plan, step=iteration)
+        optimizer = _OptimizerView(state.optimizer)
+        blocks = het_blocks(state.model)
+        keys = _state_keys(optimizer, blocks)
+        record = {}
+        for key, block in blocks.items():
+            tensors = _unit_tensors(block, optimizer, keys)
+            n = len(block.units)
+            record[key] = {
+                "units": block.units, "active": block.active,
+                "values": {u: [layout.payload(t, n, i).clone() for t, layout in tensors]
+                           for i, u in enumerate(block.units)},
+                "order_ok": resizer.priorities.order(key, block.units) == block.units,
+            }
+        records[iteration] = {"blocks": record, "state_keys": keys,
+                              "shares": resizer.shares}
+
+    args = parse_args(argv)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            result = pretrain(args, on_step_end=hook)
+    finally:
+        shutdown()
+    return {"losses": result.losses, "records": records, "stdout": out.getvalue()}
