@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from .plan import BLOCKS, PartitionPlan
 
@@ -21,12 +21,42 @@ class ResizeError(ValueError):
     """Resize shares that are malformed or exceed the cap."""
 
 
-# Scorers: how a unit's priority is measured between refreshes.
-#   dw        - accumulated |weight change| per step (the paper's accumulated |dW|)
-#   magnitude - |weight| at the refresh
-#   wg        - accumulated |weight x gradient| per step (first-order estimate of the loss change
-#               if the unit were dropped)
-SCORERS = ("dw", "magnitude", "wg")
+@dataclass(frozen=True)
+class Scorer:
+    """How a unit's priority is measured: an elementwise, non-negative evidence tensor, summed
+    over each unit's weights.
+
+    `per_step` scorers are observed after every optimizer step on the units that ran, and a
+    unit's score is its mean per step since the last refresh; the others are taken at each
+    refresh for every unit. `evidence(weight, grad, delta)` gets the weight after the step, the
+    gradient the optimizer used, and (when `needs_delta`) the weight change of the step.
+    """
+
+    name: str
+    evidence: Callable
+    per_step: bool = True
+    needs_delta: bool = False
+    help: str = ""
+
+
+SCORERS: dict[str, Scorer] = {}
+
+
+def register_scorer(scorer: Scorer) -> Scorer:
+    """Make `scorer` available to --het-tp-priority (register before parsing arguments)."""
+    if scorer.name in SCORERS:
+        raise ValueError(f"a priority scorer named '{scorer.name}' is already registered")
+    SCORERS[scorer.name] = scorer
+    return scorer
+
+
+register_scorer(Scorer("dw", lambda weight, grad, delta: delta.abs(), needs_delta=True,
+                       help="accumulated |weight change| per step (the paper's accumulated |dW|)"))
+register_scorer(Scorer("magnitude", lambda weight, grad, delta: weight.abs(), per_step=False,
+                       help="|weight| at the refresh"))
+register_scorer(Scorer("wg", lambda weight, grad, delta: (weight * grad).abs(),
+                       help="accumulated |weight x gradient| per step (first-order estimate of "
+                            "the loss change were the unit dropped)"))
 
 
 def skipped_count(num_local_units: int, share: float) -> int:

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from hettp.plan import PartitionPlan
-from hettp.resize import (Priorities, ResizeError, active_counts, check_shares, parse_shares,
-                          realized_share, skipped_count, skipped_units, swapped_units)
+from hettp.resize import (SCORERS, Priorities, ResizeError, Scorer, active_counts, check_shares,
+                          parse_shares, realized_share, register_scorer, skipped_count,
+                          skipped_units, swapped_units)
 from hettp.units import UnitLayout
 from tests.distributed import run_ranks
+from tests.test_arguments import BASE
 from tests.test_het_tp import GQA, MHA, _close
 from tests.workers import het_numerics, train, train_with_resizes
 
@@ -104,6 +106,31 @@ def test_unit_views_sums_and_permutation():
     assert view.data_ptr() == wide.data_ptr() and view.shape == (5, 6)
 
 
+def test_scorers_measure_what_they_say_and_are_pluggable():
+    layout = UnitLayout(axis=1, width=2)  # e.g. fc2: 3 units of 2 columns
+    weight = torch.tensor([[1.0, -2.0, 0.5, 0.5, 0.0, 3.0]])
+    grad = torch.tensor([[1.0, 1.0, -4.0, 0.0, 9.0, 1.0]])
+    delta = torch.tensor([[0.1, -0.1, 0.0, 0.0, 0.2, 0.0]])
+
+    def per_unit(name):
+        return layout.unit_sums(SCORERS[name].evidence(weight, grad, delta), 3).tolist()
+
+    assert per_unit("magnitude") == pytest.approx([3.0, 1.0, 3.0])
+    assert per_unit("wg") == pytest.approx([3.0, 2.0, 3.0])
+    assert per_unit("dw") == pytest.approx([0.2, 0.0, 0.2])
+    assert SCORERS["dw"].needs_delta and not SCORERS["magnitude"].per_step
+    with pytest.raises(ValueError, match="'dw' is already registered"):
+        register_scorer(Scorer("dw", lambda w, g, d: w))
+    register_scorer(Scorer("grad", lambda w, g, d: g.abs(), help="accumulated |gradient|"))
+    try:
+        from megatron.hetero.arguments import build_parser
+
+        args = build_parser().parse_args(BASE.split() + ["--het-tp-priority", "grad"])
+        assert args.het_tp_priority == "grad"
+    finally:
+        del SCORERS["grad"]
+
+
 # ---- numerics on real groups ------------------------------------------------------------
 
 RESIZE_CASES = {
@@ -154,12 +181,13 @@ def _same(a, b):
 @pytest.fixture(scope="module")
 def resized_run():
     """Rank 1 skips half its units from the start; restored at 6; rank 0 resized at 8;
-    units migrate to rank 0 at 10 (priorities refreshed every 4 iterations)."""
+    units migrate to rank 0 at 10 (priorities refreshed every 4 iterations). Under --bf16, so
+    the fp32 master weights are frozen too."""
     actions = {6: [("resize", (0.0, 0.0))], 8: [("resize", (0.5, 0.0))],
                10: [("migrate", "rebalance:attn=3,1;mlp=160,96")]}
     return run_ranks(train_with_resizes, 2,
-                     TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "4"],
-                     actions)
+                     TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "4",
+                              "--bf16"], actions)
 
 
 def test_skipped_units_stay_frozen_and_resume_when_restored(resized_run):
@@ -169,7 +197,7 @@ def test_skipped_units_stay_frozen_and_resume_when_restored(resized_run):
     frozen = changed = 0
     for it in range(1, 6):
         before, after = records[it], records[it + 1]
-        assert "exp_avg" in after["state_keys"] and "exp_avg_sq" in after["state_keys"]
+        assert set(after["state_keys"]) == {"master", "exp_avg", "exp_avg_sq"}
         for key, skipped in _skipped(before).items():
             for unit, values in before["blocks"][key]["values"].items():
                 later = after["blocks"][key]["values"][unit]
@@ -219,3 +247,19 @@ def test_paper_baseline_updates_skipped_units_with_imputed_gradients():
                 for key, units in _skipped(records[2]).items() for u in units
                 if u in _skipped(records[3])[key])
     assert moved > 0  # not frozen: the optimizer steps them (weight decay, imputed gradient)
+
+
+def test_resize_state_survives_a_checkpoint(tmp_path):
+    """Stop at 5 and resume: the same losses as one straight run, through a priority refresh at
+    4 and 8 and a restore at 6 (the resumed run must bring back the saved skipped units and
+    the saved priorities, not the initial ones)."""
+    argv = TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "4",
+                    "--train-iters", "10"]
+    actions = {6: [("resize", (0.0, 0.0))]}
+    straight = run_ranks(train_with_resizes, 2, argv, actions)[0]["losses"]
+    ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "5"]
+    run_ranks(train_with_resizes, 2, argv + ckpt + ["--exit-interval", "5"], actions)
+    resumed = run_ranks(train_with_resizes, 2, argv + ckpt + ["--load", str(tmp_path / "ckpt")],
+                        actions)[0]["losses"]
+    assert sorted(resumed) == list(range(6, 11))
+    assert [resumed[i] for i in range(6, 11)] == [straight[i] for i in range(6, 11)]

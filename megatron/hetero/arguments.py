@@ -178,9 +178,11 @@ def _add_het_tp_args(parser):
                         "(implies --het-tp).")
     g.add_argument("--het-tp-max-resize", type=float, default=0.5,
                    help="Cap on the share of its units any rank may skip at any step.")
-    g.add_argument("--het-tp-priority", default="dw", choices=["dw", "magnitude", "wg"],
-                   help="Unit priority for resizing: accumulated |weight change| (dw), |weight| "
-                        "(magnitude), or accumulated |weight x gradient| (wg).")
+    from hettp.resize import SCORERS
+
+    g.add_argument("--het-tp-priority", default="dw", choices=sorted(SCORERS),
+                   help="Unit priority for resizing: " + "; ".join(
+                       f"{s.name}: {s.help}" for s in SCORERS.values()) + ".")
     g.add_argument("--het-tp-priority-interval", type=int, default=50,
                    help="Iterations between priority refreshes (re-sorting resized ranks).")
 

@@ -66,11 +66,10 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _rng_sharded_object() -> ShardedObject:
-    """One RNG state per TP position; data-parallel replicas share it (replica_id = DP rank)."""
+def _per_tp_rank(key: str, value) -> ShardedObject:
+    """One object per TP position; data-parallel replicas share it (replica_id = DP rank)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return ShardedObject("rng_state", _rng_state(), (1, tp),
-                         (0, parallel_state.get_tensor_model_parallel_rank()),
+    return ShardedObject(key, value, (1, tp), (0, parallel_state.get_tensor_model_parallel_rank()),
                          replica_id=parallel_state.get_data_parallel_rank())
 
 
@@ -82,17 +81,21 @@ def _sharded_state(model, optimizer, scheduler, *, with_rng: bool, is_loading: b
         "opt_param_scheduler": scheduler.state_dict(),
     }
     if with_rng:
-        state["rng_state"] = _rng_sharded_object()
+        state["rng_state"] = _per_tp_rank("rng_state", _rng_state())
     return state
 
 
 def save_checkpoint(root: str, iteration: int, consumed_train_samples: int, model, optimizer,
-                    scheduler, args) -> str:
+                    scheduler, args, resizer=None) -> str:
+    """`resizer`: het-TP resize state (priorities, evidence since the last refresh) to keep."""
     state = _sharded_state(model, optimizer, scheduler, with_rng=True, is_loading=False)
+    if resizer is not None:
+        state["het_tp_resize"] = _per_tp_rank("het_tp_resize", resizer.state_dict())
     state["iteration"] = iteration
     state["consumed_train_samples"] = consumed_train_samples
     state["args"] = {name: getattr(args, name) for name in SHAPE_ARGS}
     state["args"]["tensor_model_parallel_size"] = args.tensor_model_parallel_size
+    state["args"]["het_tp_resize"] = resizer is not None
 
     final = checkpoint_dir(root, iteration)
     staging = final + ".tmp"
@@ -113,9 +116,12 @@ def save_checkpoint(root: str, iteration: int, consumed_train_samples: int, mode
     return final
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, args) -> tuple[int, int] | None:
+def load_checkpoint(root: str, model, optimizer, scheduler, args,
+                    resizer=None) -> tuple[int, int] | None:
     """Restores the newest checkpoint under `root`; returns (iteration, consumed samples), or
-    None when `root` holds no checkpoint yet (training then starts from scratch)."""
+    None when `root` holds no checkpoint yet (training then starts from scratch).
+
+    `resizer` gets the saved resize state when the checkpoint has one of the same TP size."""
     iteration = latest_iteration(root)
     if iteration is None:
         return None
@@ -130,10 +136,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args) -> tuple[int, 
     # RNG states are per TP rank: they only carry over to the same TP size.
     with_rng = saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
     state = _sharded_state(model, optimizer, scheduler, with_rng=with_rng, is_loading=True)
+    with_resize = (resizer is not None and with_rng and saved.get("het_tp_resize", False))
+    if with_resize:
+        state["het_tp_resize"] = _per_tp_rank("het_tp_resize", resizer.state_dict())
     loaded = dist_checkpointing.load(state, path)
     model.module.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if with_rng:
         _set_rng_state(loaded["rng_state"])
+    if with_resize:
+        resizer.load_state_dict(loaded["het_tp_resize"])
     return loaded["iteration"], loaded["consumed_train_samples"]

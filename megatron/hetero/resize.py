@@ -37,7 +37,7 @@ class Resizer:
     def __init__(self, partition, model, scorer: str = "dw", interval: int = 50,
                  cap: float = 0.5, impute: float | None = None):
         if scorer not in SCORERS:
-            raise ValueError(f"unknown priority scorer '{scorer}'; choose from {SCORERS}")
+            raise ValueError(f"unknown priority scorer '{scorer}'; choose from {sorted(SCORERS)}")
         if interval < 1:
             raise ValueError(f"priority refresh interval must be >= 1, got {interval}")
         self.partition = partition
@@ -88,10 +88,12 @@ class Resizer:
         between active and skipped."""
         blocks = het_blocks(state.model)
         evidence = self._collect(blocks)
-        if self.scorer == "magnitude":  # known for every unit, skipped ones included
+        scorer = SCORERS[self.scorer]
+        if not scorer.per_step:  # known for every unit, skipped ones included
             for key, block in blocks.items():
                 sums, steps = evidence[key]
-                _add(sums, steps, block.units, _unit_scores(block, lambda p: p.detach().abs()))
+                _add(sums, steps, block.units, _unit_scores(
+                    block, lambda p: scorer.evidence(p.detach(), _grad(p), None)))
         keys = list(evidence)
         flat = torch.cat([t for key in keys for t in evidence[key]])
         dist.all_reduce(flat, group=self.partition.group)
@@ -116,6 +118,34 @@ class Resizer:
         return [realized_share(self.partition.plan, self.shares, rank, self._unit_numel)
                 for rank in range(len(self.shares))]
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (per TP rank): priorities and the evidence gathered since the
+        last refresh, so a resumed run re-sorts exactly as the original would have."""
+        evidence = None
+        if self._evidence is not None:
+            evidence = {f"{i}.{b}": (sums.cpu(), steps.cpu())
+                        for (i, b), (sums, steps) in self._evidence.items()}
+        return {"scorer": self.scorer,
+                "scores": {f"{i}.{b}": list(v) for (i, b), v in self.priorities.scores.items()},
+                "evidence": evidence}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take saved priorities (only those of the same scorer; else start unmeasured)."""
+        if state["scorer"] != self.scorer:
+            return
+        def key(text):
+            layer, block = text.split(".")
+            return int(layer), block
+        scores = {key(k): list(v) for k, v in state["scores"].items()}
+        if set(scores) != set(self.priorities.scores):
+            raise ValueError("saved het-TP priorities are for another model")
+        self.priorities = Priorities(scores)
+        self._evidence = None
+        if state["evidence"] is not None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._evidence = {key(k): (sums.to(device), steps.to(device))
+                              for k, (sums, steps) in state["evidence"].items()}
+
     # ---- every step ---------------------------------------------------------------------
 
     def before_step(self, state) -> None:
@@ -129,9 +159,8 @@ class Resizer:
                         for _, _, param, layout in block.unit_tensors():
                             for view in layout.suffix(_grad(param), n, active):
                                 view.fill_(self.impute)
-        if self.scorer == "wg":
-            self._observe(blocks, lambda p: (p.detach() * _grad(p)).abs())
-        elif self.scorer == "dw":
+        scorer = SCORERS[self.scorer]
+        if scorer.per_step and scorer.needs_delta:
             self._before = {p: p.detach().clone() for b in blocks.values()
                             for _, _, p, _ in b.unit_tensors()}
 
@@ -142,9 +171,11 @@ class Resizer:
                 view.copy_(frozen)
         if not self._stashed_state and self._stash_state(state):
             self._stashed_state = True
-        if self.scorer == "dw" and self._before is not None:
+        scorer = SCORERS[self.scorer]
+        if scorer.per_step:
             before, self._before = self._before, None
-            self._observe(het_blocks(state.model), lambda p: (p.detach() - before[p]).abs())
+            self._observe(het_blocks(state.model), lambda p: scorer.evidence(
+                p.detach(), _grad(p), None if before is None else p.detach() - before[p]))
 
     def step_end(self, iteration: int, state) -> int | None:
         """At the step boundary: refresh priorities every `interval` iterations."""

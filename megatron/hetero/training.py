@@ -160,7 +160,6 @@ def setup_model_and_optimizer(args, vocab_size) -> TrainState:
         state.resizer = Resizer(partition, model, args.het_tp_priority, args.het_tp_priority_interval,
                                 args.het_tp_max_resize,
                                 ZERO_IMPUTED_GRAD if args.het_tp_policy == "zero" else None)
-        state.resizer.resize(state, args.het_tp_resize_shares)
     return state
 
 
@@ -257,7 +256,7 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     iteration, consumed = 0, 0
     if args.load:
         restored = checkpointing.load_checkpoint(args.load, state.model, state.optimizer,
-                                                 state.scheduler, args)
+                                                 state.scheduler, args, state.resizer)
         if restored is not None:
             iteration, consumed = restored
 
@@ -269,7 +268,8 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
     if state.partition is not None:
         logger.plan(iteration, state.partition.plan, "initial")
-    if state.resizer is not None:
+    if state.resizer is not None:  # after loading: it freezes the loaded skipped units
+        state.resizer.resize(state, args.het_tp_resize_shares)
         logger.resize(iteration, state.resizer, "initial")
 
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
@@ -279,7 +279,8 @@ def pretrain(args, on_step_end=None) -> TrainResult:
 
     def save(iteration):
         path = checkpointing.save_checkpoint(args.save, iteration, consumed, state.model,
-                                             state.optimizer, state.scheduler, args)
+                                             state.optimizer, state.scheduler, args,
+                                             state.resizer)
         logger.saved(iteration, path)
         return iteration
 
