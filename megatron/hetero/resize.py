@@ -84,8 +84,8 @@ class Resizer:
 
     def refresh(self, state) -> int:
         """Fold the evidence since the last refresh into the priorities (one all-reduce over
-        the TP group), re-sort resized ranks, and return how many units this rank swapped
-        between active and skipped."""
+        the TP group), re-sort resized ranks, and return how many skipped units the re-sort
+        brought back, over the whole group."""
         blocks = het_blocks(state.model)
         evidence = self._collect(blocks)
         scorer = SCORERS[self.scorer]
@@ -133,6 +133,7 @@ class Resizer:
         """Take saved priorities (only those of the same scorer; else start unmeasured)."""
         if state["scorer"] != self.scorer:
             return
+
         def key(text):
             layer, block = text.split(".")
             return int(layer), block

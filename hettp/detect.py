@@ -1,0 +1,92 @@
+"""Straggler detection from per-rank compute timings, with hysteresis.
+
+Input, every report interval: each TP rank's seconds of sharded compute per unit of work (its
+own compute only, never wall time: collectives make every rank wait for the slowest, so wall
+times look equal). Output: each rank's smoothed slowdown against the fastest rank, and which
+ranks are straggling. A rank starts straggling after its slowdown stays at or above `onset` for
+`patience` reports and stops after it stays at or below `end` for `patience` reports, so noise
+around a steady cluster never flips the state; `changed` asks the planner to act.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class DetectError(ValueError):
+    """Bad detector thresholds or timings."""
+
+
+@dataclass(frozen=True)
+class Detection:
+    slowdown: tuple[float, ...]  # smoothed time per unit / the fastest rank's (1.0 = fastest)
+    stragglers: frozenset  # ranks currently straggling
+    changed: bool  # the straggler set changed, or a straggler's slowdown moved by > `replan`
+    onsets: frozenset  # ranks that started straggling at this report
+    ends: frozenset  # ranks that stopped at this report
+
+
+class StragglerDetector:
+    def __init__(self, tp_size: int, onset: float = 1.3, end: float = 1.15, patience: int = 2,
+                 window: int = 3, replan: float = 0.25):
+        if not 1.0 <= end < onset:
+            raise DetectError(f"thresholds: need 1 <= end ({end}) < onset ({onset})")
+        if patience < 1 or window < 1:
+            raise DetectError(f"patience ({patience}) and window ({window}) must be >= 1")
+        self.tp_size, self.onset, self.end = tp_size, onset, end
+        self.patience, self.replan = patience, replan
+        self._history = [deque(maxlen=window) for _ in range(tp_size)]
+        self._above = [0] * tp_size
+        self._below = [0] * tp_size
+        self.stragglers: frozenset = frozenset()
+        self._planned_for: dict = {}  # straggler -> slowdown the last decision used
+
+    def update(self, per_unit_seconds: Sequence[float | None]) -> Detection:
+        """One report: seconds per unit of work per rank (None: the rank ran no units)."""
+        if len(per_unit_seconds) != self.tp_size:
+            raise DetectError(f"{len(per_unit_seconds)} timings for a TP group of {self.tp_size}")
+        for rank, value in enumerate(per_unit_seconds):
+            if value is not None:
+                if not value > 0:
+                    raise DetectError(f"rank {rank}: time per unit must be positive, got {value}")
+                self._history[rank].append(float(value))
+        smoothed = [statistics.median(h) if h else None for h in self._history]
+        known = [v for v in smoothed if v is not None]
+        if not known:
+            return Detection((1.0,) * self.tp_size, self.stragglers, False, frozenset(),
+                             frozenset())
+        fastest = min(known)
+        slowdown = tuple(1.0 if v is None else v / fastest for v in smoothed)
+        onsets, ends = set(), set()
+        for rank, factor in enumerate(slowdown):
+            self._above[rank] = self._above[rank] + 1 if factor >= self.onset else 0
+            self._below[rank] = self._below[rank] + 1 if factor <= self.end else 0
+            if rank not in self.stragglers and self._above[rank] >= self.patience:
+                onsets.add(rank)
+            elif rank in self.stragglers and self._below[rank] >= self.patience:
+                ends.add(rank)
+        self.stragglers = (self.stragglers | onsets) - ends
+        # A straggler whose slowdown moved a lot (2x -> 4x) needs a new plan; one falling back
+        # into the hysteresis band waits for its end instead.
+        drifted = any(slowdown[r] >= self.onset and
+                      abs(slowdown[r] / self._planned_for.get(r, slowdown[r]) - 1) > self.replan
+                      for r in self.stragglers)
+        changed = bool(onsets or ends or drifted)
+        if changed:
+            self._planned_for = {r: slowdown[r] for r in self.stragglers}
+        return Detection(slowdown, self.stragglers, changed, frozenset(onsets), frozenset(ends))
+
+
+def slowest_replica(reports: Sequence[Sequence[float | None]]) -> tuple:
+    """Per TP position, the slowest data-parallel replica's time per unit.
+
+    Replicas at one TP position all-reduce their gradients, so they must share one plan; the
+    slowest of them sets everyone's pace, so that is the one to plan for."""
+    out = []
+    for values in zip(*reports):
+        known = [v for v in values if v is not None]
+        out.append(max(known) if known else None)
+    return tuple(out)

@@ -1,0 +1,209 @@
+"""The planner: from measured rank speeds to a decision (resize, migrate, both, or nothing).
+
+Pure data in, pure data out: a decision is a partition plan plus per-rank resize shares, the
+reason, and the predicted step time before and after. The caller (one rank per TP group)
+broadcasts it and every rank applies it at the same step boundary.
+
+Cost model: a step takes `rest + max_r(seconds_per_unit[r] * work[r])`, where work is the rank's
+active units weighted by their size and `rest` (embedding, logits, optimizer, collectives) does
+not depend on the partition. A migration costs its predicted transfer time; a resize costs
+accuracy in proportion to the resized share, and nothing in time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from .detect import Detection
+from .plan import BLOCKS, PartitionPlan
+from .resize import check_shares, skipped_count
+
+POLICIES = ("none", "static", "resize", "migrate", "hybrid", "zero")
+
+
+@dataclass(frozen=True)
+class StepModel:
+    rest: float  # seconds per step outside the sharded compute
+    seconds_per_unit: tuple[float, ...]  # per rank, per unit of work (its speed)
+
+    def step_time(self, work: Sequence[float]) -> float:
+        return self.rest + max(t * w for t, w in zip(self.seconds_per_unit, work))
+
+
+def plan_work(plan: PartitionPlan, unit_work: Mapping[str, float],
+              shares: Sequence[float] | None = None) -> tuple[float, ...]:
+    """Per rank, the work of its active units (every layer and block)."""
+    shares = shares or (0.0,) * plan.tp_size
+    work = [0.0] * plan.tp_size
+    for layer in plan.layers:
+        for block in BLOCKS:
+            for rank, units in enumerate(layer[block]):
+                work[rank] += (len(units) - skipped_count(len(units), shares[rank])) * unit_work[block]
+    return tuple(work)
+
+
+def proportional_plan(plan: PartitionPlan, speeds: Sequence[float]) -> PartitionPlan:
+    """Unit counts proportional to `speeds`, moving the fewest units from `plan`.
+
+    Where a block's target share is fractional, layers round differently so that the counts
+    summed over layers track the target (e.g. 4 query groups at speeds 2:1 give 3/1 and 2/2
+    in turn)."""
+    total = sum(speeds)
+    if total <= 0 or any(s < 0 for s in speeds):
+        raise ValueError(f"speeds must be non-negative with a positive sum, got {list(speeds)}")
+    new = plan
+    for block in BLOCKS:
+        n = plan.num_units(block)
+        target = [n * s / total for s in speeds]
+        assigned = [0] * plan.tp_size
+        for index in range(plan.num_layers):
+            counts = [math.floor(t) for t in target]  # each layer within one unit of target
+            behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
+            order = sorted(range(plan.tp_size), key=lambda r: (-behind[r], r))
+            for rank in order[:n - sum(counts)]:  # who is furthest behind gets the spare units
+                counts[rank] += 1
+            assigned = [a + c for a, c in zip(assigned, counts)]
+            kwargs = {"attn_counts" if block == "attn" else "mlp_counts": counts}
+            new = new.rebalanced(**kwargs, layers=[index])
+    return new
+
+
+def balancing_shares(plan: PartitionPlan, unit_work: Mapping[str, float], model: StepModel,
+                     stragglers, cap: float) -> tuple[float, ...]:
+    """Resize shares that bring each straggler down to the slowest other rank's compute time
+    (no migration: everybody else keeps its work), within the cap."""
+    work = plan_work(plan, unit_work)
+    others = [t * w for r, (t, w) in enumerate(zip(model.seconds_per_unit, work))
+              if r not in stragglers]
+    target = max(others) if others else 0.0
+    shares = []
+    for rank, (t, w) in enumerate(zip(model.seconds_per_unit, work)):
+        if rank not in stragglers or t * w <= target or w == 0:
+            shares.append(0.0)
+        else:
+            shares.append(round(min(cap, 1.0 - target / (t * w)), 4))
+    return tuple(shares)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # resize | migrate | hybrid-resize | hybrid-migrate | restore | zero
+    plan: PartitionPlan  # the plan to be in after the decision (unchanged for a resize)
+    shares: tuple[float, ...]
+    reason: str
+    predicted_before: float  # seconds per step, before and after
+    predicted_after: float
+    details: dict = field(default_factory=dict)
+
+    @property
+    def migrates(self) -> bool:
+        return self.action in ("migrate", "hybrid-migrate")
+
+
+class Planner:
+    """Decides for one TP group. `migration_seconds(old, new)` predicts a transfer's time."""
+
+    def __init__(self, policy: str, unit_work: Mapping[str, float], cap: float = 0.5,
+                 migration_seconds: Callable[[PartitionPlan, PartitionPlan], float] = None,
+                 min_gain: float = 0.03, zero_share: float = 0.5):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy '{policy}'; choose from {POLICIES}")
+        self.policy, self.unit_work, self.cap = policy, dict(unit_work), cap
+        self.migration_seconds = migration_seconds or (lambda old, new: 0.0)
+        self.min_gain, self.zero_share = min_gain, zero_share
+        self._onset = None  # iteration the current straggle began (hybrid)
+
+    def decide(self, iteration: int, detection: Detection, model: StepModel,
+               plan: PartitionPlan, shares: Sequence[float]) -> Decision | None:
+        if self.policy in ("none", "static"):
+            return None
+        shares = tuple(shares)
+        before = model.step_time(plan_work(plan, self.unit_work, shares))
+        stragglers = detection.stragglers
+        if self.policy == "zero":
+            if not detection.changed:
+                return None
+            new = tuple(self.zero_share if r in stragglers else 0.0 for r in range(plan.tp_size))
+            return self._resize(new, plan, model, before, "zero",
+                                f"straggling ranks {sorted(stragglers)}: fixed "
+                                f"{self.zero_share:.0%} cut (paper baseline)")
+        if self.policy == "resize":
+            if not detection.changed:
+                return None
+            new = balancing_shares(plan, self.unit_work, model, stragglers, self.cap)
+            why = (f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
+                   if stragglers else "no straggler left")
+            return self._resize(new, plan, model, before, "resize" if any(new) else "restore", why)
+        if self.policy == "migrate":
+            if not detection.changed:
+                return None
+            return self._migrate(plan, model, before, detection, "migrate", shares)
+        return self._hybrid(iteration, detection, model, plan, shares, before)
+
+    # ---- policies ------------------------------------------------------------------------
+
+    def _hybrid(self, iteration, detection, model, plan, shares, before):
+        stragglers = detection.stragglers
+        if detection.changed:
+            self._onset = iteration if stragglers else None
+            if stragglers:  # resize at once; migration may follow once it pays
+                new = balancing_shares(plan, self.unit_work, model, stragglers, self.cap)
+                if new != shares:
+                    return self._resize(new, plan, model, before, "hybrid-resize",
+                                        f"ranks {sorted(stragglers)} at "
+                                        f"{_factors(detection, stragglers)}; resize now")
+            else:  # the straggle ended: back to the plan that fits the speeds now
+                decision = self._migrate(plan, model, before, detection, "hybrid-migrate",
+                                         shares, why="no straggler left")
+                if decision is None and any(shares):
+                    return self._resize((0.0,) * plan.tp_size, plan, model, before, "restore",
+                                        "no straggler left")
+                return decision
+        if not stragglers or self._onset is None:
+            return None
+        target = proportional_plan(plan, _speeds(model))
+        if target == plan:
+            return None
+        # Against the straggle without the resize: the resize is a lossy stopgap that the
+        # migration replaces, so it must repay the move on time alone.
+        unresized = model.step_time(plan_work(plan, self.unit_work))
+        after = model.step_time(plan_work(target, self.unit_work))
+        cost = self.migration_seconds(plan, target)
+        remaining = max(1, iteration - self._onset)  # lasted t steps: ~t more predicted
+        gain = remaining * (unresized - after)
+        details = {"remaining_steps": remaining, "gain_s": round(gain, 4),
+                   "migration_s": round(cost, 4), "resized_share": sum(shares) / len(shares)}
+        if gain <= cost:
+            return None
+        self._onset = None  # handled: the next move waits for the detector to see a change
+        return Decision("hybrid-migrate", target, (0.0,) * plan.tp_size,
+                        f"straggle predicted to last ~{remaining} more steps: saves {gain:.2f} s "
+                        f"over the unresized plan for a {cost:.2f} s move; resize undone",
+                        before, after, details)
+
+    def _migrate(self, plan, model, before, detection, action, shares, why=None):
+        target = proportional_plan(plan, _speeds(model))
+        after = model.step_time(plan_work(target, self.unit_work))
+        if target == plan or before - after <= self.min_gain * before:
+            return None
+        stragglers = detection.stragglers
+        why = why or (f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
+                      if stragglers else "no straggler left")
+        return Decision(action, target, (0.0,) * plan.tp_size, why, before, after,
+                        {"migration_s": self.migration_seconds(plan, target)})
+
+    def _resize(self, new, plan, model, before, action, why):
+        check_shares(new, self.cap, "planner")
+        after = model.step_time(plan_work(plan, self.unit_work, new))
+        return Decision(action, plan, tuple(new), why, before, after,
+                        {"resized_share": sum(new) / len(new)})
+
+
+def _speeds(model: StepModel) -> list[float]:
+    return [1.0 / t for t in model.seconds_per_unit]
+
+
+def _factors(detection: Detection, ranks) -> str:
+    return ", ".join(f"{detection.slowdown[r]:.2f}x" for r in sorted(ranks))

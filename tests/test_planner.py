@@ -1,0 +1,172 @@
+"""Detection and planning on simulated timing traces: pure, no process group, milliseconds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hettp.detect import DetectError, StragglerDetector, slowest_replica
+from hettp.plan import PartitionPlan
+from hettp.planner import (Planner, StepModel, balancing_shares, plan_work,
+                           proportional_plan)
+
+UNIT_WORK = {"attn": 4.0, "mlp": 1.0}
+
+
+def _trace(factors, noise=0.0, seed=0):
+    """Per report, per rank seconds per unit: 1.0 x factor x (1 +- noise)."""
+    rng = random.Random(seed)
+    return [[f * (1 + rng.uniform(-noise, noise)) for f in row] for row in factors]
+
+
+def _run(detector, trace):
+    return [detector.update(row) for row in trace]
+
+
+def test_steady_noisy_cluster_never_triggers_a_decision():
+    detector = StragglerDetector(4)
+    results = _run(detector, _trace([[1, 1, 1, 1]] * 300, noise=0.10, seed=3))
+    assert not any(r.changed for r in results)
+    assert all(max(r.slowdown) < 1.3 for r in results)
+
+
+def test_persistent_straggler_onset_and_end_with_hysteresis():
+    detector = StragglerDetector(2, onset=1.3, end=1.15, patience=2, window=3)
+    trace = [[1, 1]] * 5 + [[1, 2]] * 10 + [[1, 1]] * 10
+    results = _run(detector, _trace(trace, noise=0.05, seed=1))
+    onsets = [i for i, r in enumerate(results) if r.onsets]
+    ends = [i for i, r in enumerate(results) if r.ends]
+    # 2x from report 5: the median of 3 sees it at 6, and 2 reports above 1.3 make it an onset
+    assert onsets == [7] and results[7].onsets == {1}
+    assert all(results[i].stragglers == {1} for i in range(7, ends[0]))
+    assert ends == [17] and not results[-1].stragglers
+    assert [i for i, r in enumerate(results) if r.changed] == [7, 17]
+
+
+def test_short_burst_below_patience_is_ignored_and_drift_replans():
+    detector = StragglerDetector(2, patience=3, window=1)
+    results = _run(detector, [[1, 1], [1, 3], [1, 3], [1, 1], [1, 1]])
+    assert not any(r.changed for r in results)
+    detector = StragglerDetector(2, patience=1, window=1, replan=0.25)
+    results = _run(detector, [[1, 2], [1, 2.2], [1, 4], [1, 4]])
+    assert [r.changed for r in results] == [True, False, True, False]
+
+
+def test_detector_rejects_bad_input():
+    with pytest.raises(DetectError, match="end .* < onset"):
+        StragglerDetector(2, onset=1.1, end=1.2)
+    with pytest.raises(DetectError, match="3 timings for a TP group of 2"):
+        StragglerDetector(2).update([1, 1, 1])
+    with pytest.raises(DetectError, match="rank 1: time per unit must be positive"):
+        StragglerDetector(2).update([1, 0])
+
+
+def test_replicas_plan_for_the_slowest():
+    a, b = [1.0, 2.1, None, 1.0], [1.1, 1.0, 1.0, None]
+    assert slowest_replica([a, b]) == (1.1, 2.1, 1.0, 1.0)
+    # both replicas feed the same combined report, so every decision is the same on both
+    decisions = []
+    for _ in range(2):
+        detector, planner = StragglerDetector(4, patience=1), Planner("migrate", UNIT_WORK)
+        plan = PartitionPlan.even(4, 3, 8, 64)
+        detection = detector.update(slowest_replica([a, b]))
+        model = StepModel(0.1, slowest_replica([a, b]))
+        decisions.append(planner.decide(5, detection, model, plan, (0,) * 4))
+    assert decisions[0] == decisions[1] and decisions[0].plan != PartitionPlan.even(4, 3, 8, 64)
+
+
+@pytest.mark.parametrize("speeds", [(1, 0.5), (1, 1, 1, 0.5), (1, 0.125, 1, 0.25),
+                                    (0.5, 1, 1, 1), (1, 1, 1, 1)])
+def test_proportional_plan_within_one_unit_per_layer_and_fewest_moves(speeds):
+    tp = len(speeds)
+    even = PartitionPlan.even(tp, 6, 8, 96)
+    plan = proportional_plan(even, speeds)
+    for block in ("attn", "mlp"):
+        n = even.num_units(block)
+        target = [n * s / sum(speeds) for s in speeds]
+        totals = [0] * tp
+        for layer in range(plan.num_layers):
+            counts = plan.counts(layer, block)
+            assert all(abs(c - t) < 1 for c, t in zip(counts, target)), (layer, counts, target)
+            totals = [a + c for a, c in zip(totals, counts)]
+            # fewest moves: a rank keeps min(old, new) of its own units
+            for rank in range(tp):
+                kept = set(plan.units(layer, block, rank)) & set(even.units(layer, block, rank))
+                assert len(kept) == min(len(even.units(layer, block, rank)), counts[rank])
+        # over the layers, the fractional target is tracked to within one unit
+        assert all(abs(t - plan.num_layers * x) <= 1 for t, x in zip(totals, target))
+
+
+def test_plan_work_and_balancing_shares():
+    plan = PartitionPlan.even(2, 2, 4, 8)
+    assert plan_work(plan, UNIT_WORK) == (2 * (2 * 4 + 4), 2 * (2 * 4 + 4))
+    assert plan_work(plan, UNIT_WORK, (0, 0.5)) == (24, 2 * (1 * 4 + 2))
+    model = StepModel(1.0, (1.0, 2.0))
+    shares = balancing_shares(plan, UNIT_WORK, model, {1}, cap=0.9)
+    assert shares == (0.0, 0.5)  # rank 1 at half its units matches rank 0's time
+    assert balancing_shares(plan, UNIT_WORK, StepModel(1.0, (1.0, 8.0)), {1}, 0.5) == (0.0, 0.5)
+
+
+def _simulate(policy, factors, noise=0.05, interval=5, cost=0.5, seed=0):
+    """A TP=4 group under `factors` (one row per report): the decisions the planner takes,
+    applying each one, with compute times that follow the applied plan and shares."""
+    plan = PartitionPlan.even(4, 4, 8, 128)
+    shares = (0.0,) * 4
+    detector = StragglerDetector(4)
+    planner = Planner(policy, UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: cost)
+    rng = random.Random(seed)
+    decisions = []
+    for report, row in enumerate(factors):
+        per_unit = [0.001 * f * (1 + rng.uniform(-noise, noise)) for f in row]
+        detection = detector.update(per_unit)
+        model = StepModel(0.05, tuple(per_unit))
+        decision = planner.decide(report * interval, detection, model, plan, shares)
+        if decision is not None:
+            decisions.append((report, decision))
+            plan, shares = decision.plan, decision.shares
+    return decisions, plan, shares
+
+
+PERSISTENT = [[1, 1, 1, 1]] * 4 + [[1, 2, 1, 1]] * 40
+TRANSIENT = [[1, 1, 1, 1]] * 4 + [[1, 2, 1, 1]] * 3 + [[1, 1, 1, 1]] * 20
+
+
+def test_policies_on_a_persistent_straggler():
+    resize, plan, shares = _simulate("resize", PERSISTENT)
+    assert [d.action for _, d in resize] == ["resize"] and shares[1] > 0.3 and plan == \
+        PartitionPlan.even(4, 4, 8, 128)
+    migrate, plan, shares = _simulate("migrate", PERSISTENT)
+    assert [d.action for _, d in migrate] == ["migrate"] and not any(shares)
+    assert plan.counts(0, "mlp")[1] < 32 and migrate[0][1].predicted_after < \
+        migrate[0][1].predicted_before
+    hybrid, plan, shares = _simulate("hybrid", PERSISTENT)
+    actions = [d.action for _, d in hybrid]
+    assert actions == ["hybrid-resize", "hybrid-migrate"], actions
+    assert not any(shares) and plan.counts(0, "mlp")[1] < 32
+    assert "resize undone" in hybrid[1][1].reason and hybrid[1][1].details["migration_s"] == 0.5
+    zero, _, shares = _simulate("zero", PERSISTENT)
+    assert [d.action for _, d in zero] == ["zero"] and shares == (0.0, 0.5, 0.0, 0.0)
+    assert _simulate("none", PERSISTENT)[0] == [] and _simulate("static", PERSISTENT)[0] == []
+
+
+def test_hybrid_does_not_migrate_for_a_transient_straggle():
+    hybrid, plan, shares = _simulate("hybrid", TRANSIENT, cost=5.0)
+    assert [d.action for _, d in hybrid] == ["hybrid-resize", "restore"]
+    assert plan == PartitionPlan.even(4, 4, 8, 128) and not any(shares)
+    # the same straggle, persistent: the move pays off once it has lasted long enough
+    persistent, _, _ = _simulate("hybrid", PERSISTENT, cost=5.0)
+    assert [d.action for _, d in persistent] == ["hybrid-resize", "hybrid-migrate"]
+    assert persistent[1][1].details["remaining_steps"] * 1 > 5
+
+
+def test_migrate_policy_moves_back_when_the_straggle_ends():
+    factors = [[1, 1, 1, 1]] * 4 + [[1, 2, 1, 1]] * 10 + [[1, 1, 1, 1]] * 10
+    decisions, plan, _ = _simulate("migrate", factors)
+    assert [d.action for _, d in decisions] == ["migrate", "migrate"]
+    assert decisions[1][1].reason == "no straggler left" and plan.counts(0, "mlp") == (32,) * 4
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="unknown policy 'fast'"):
+        Planner("fast", UNIT_WORK)
