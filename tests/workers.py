@@ -378,7 +378,6 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
 
     After every step, records this rank's local unit order and active count per block, a copy
     of every local unit's weights and optimizer state (by unit id), and the priorities."""
-    import torch
 
     from megatron.hetero.arguments import parse_args
     from megatron.hetero.partition import _OptimizerView, _state_keys, _unit_tensors, het_blocks
