@@ -88,6 +88,14 @@ def test_het_tp_flags():
                  world_size=2)
     assert args.het_tp and args.het_tp_resize_shares == (0.0, 0.75)
     assert args.het_tp_priority == "dw" and args.het_tp_policy == "static"
+    args = _args("--tensor-model-parallel-size 2 --het-tp-policy hybrid --het-tp-emulate "
+                 "persistent:rank=1,factor=2,start=20", world_size=2)
+    assert args.het_tp and args.het_tp_interval == 10 and args.het_tp_resize_shares is None
+    args = _args("--tensor-model-parallel-size 2 --het-tp-policy none --het-tp-emulate "
+                 "rotating:factor=2,period=5", world_size=2)
+    assert not args.het_tp
+    with pytest.raises(ArgumentError, match="--het-tp-emulate is implemented for CPU runs"):
+        _args("--het-tp-policy migrate --het-tp-emulate none", cuda=True)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -104,7 +112,12 @@ def test_het_tp_flags():
     ("--het-tp-resize 0,-0.1", "--het-tp-resize: rank 1 share -0.1 is not within [0, 1]"),
     ("--het-tp-max-resize 1.5", "--het-tp-max-resize must be within [0, 1], got 1.5"),
     ("--het-tp-priority-interval 0", "--het-tp-priority-interval must be positive"),
-    ("--het-tp --het-tp-policy zero", "--het-tp-policy zero needs --het-tp-resize"),
+    ("--het-tp-policy none --het-tp-plan attn=3,1;mlp=200,56", "--het-tp-policy none runs vanilla megatron-core layers; drop --het-tp-plan"),
+    ("--het-tp-policy hybrid --het-tp-resize 0,0.5", "--het-tp-resize sets fixed shares; --het-tp-policy hybrid decides them itself"),
+    ("--het-tp-policy migrate --het-tp-interval 0", "--het-tp-interval must be positive, got 0"),
+    ("--het-tp-policy migrate --het-tp-end 1.5", "--het-tp-end (1.5) must be >= 1 and below --het-tp-onset (1.3)"),
+    ("--het-tp-policy resize --het-tp-emulate persistent:rank=2,factor=2", "--het-tp-emulate 'persistent:rank=2,factor=2': rank 2 is not a TP rank (TP size 2)"),
+    ("--het-tp-policy resize --het-tp-emulate slow", "unknown scenario 'slow'"),
     ("--het-tp-policy zero --het-tp-resize 0,0.25", "cuts a fixed 50%: --het-tp-resize shares must be 0 or 0.5"),
     ("--het-tp-policy zero --het-tp-resize 0,0.5 --het-tp-priority wg", "--het-tp-policy zero ranks units by accumulated |dW|"),
 ])

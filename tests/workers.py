@@ -420,3 +420,25 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
     finally:
         shutdown()
     return {"losses": result.losses, "records": records, "stdout": out.getvalue()}
+
+
+def train_with_control(argv: list[str]) -> dict:
+    """pretrain with the control loop; records this rank's plan and shares after every step."""
+    from megatron.hetero.arguments import parse_args
+    from megatron.hetero.training import pretrain, shutdown
+
+    seen = {}
+
+    def hook(iteration, state, logger):
+        seen[iteration] = (state.partition.plan.to_json() if state.partition else None,
+                           state.resizer.shares if state.resizer else None)
+
+    args = parse_args(argv)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            result = pretrain(args, on_step_end=hook)
+    finally:
+        shutdown()
+    return {"losses": result.losses, "seen": seen, "stdout": out.getvalue(),
+            "metrics_file": result.metrics_file}

@@ -168,11 +168,30 @@ def _add_het_tp_args(parser):
                         "layer, e.g. 'attn=3,1;mlp=768,256' (implies --het-tp).")
     g.add_argument("--het-tp-granularity", type=int, default=1,
                    help="ffn neurons per MLP unit (attention units are query groups).")
-    g.add_argument("--het-tp-policy", default="static", choices=["static", "zero"],
-                   help="static: the given --het-tp-plan and --het-tp-resize for the whole run; "
-                        "zero: the paper's public-code baseline, a fixed 50%% cut of the ranks "
-                        "--het-tp-resize names, by accumulated |dW|, skipped gradients imputed "
-                        "with a tiny constant.")
+    g.add_argument("--het-tp-policy", default="static",
+                   choices=["none", "static", "resize", "migrate", "hybrid", "zero"],
+                   help="none: vanilla megatron-core layers, timed; static: the given "
+                        "--het-tp-plan and --het-tp-resize for the whole run; resize / migrate / "
+                        "hybrid: act on detected stragglers (hybrid resizes at once and migrates "
+                        "when the straggle is predicted to repay the move); zero: the paper's "
+                        "public-code baseline, a fixed 50%% cut of a straggler by accumulated "
+                        "|dW| with imputed gradients (of the ranks --het-tp-resize names, else "
+                        "of detected stragglers). resize/migrate/hybrid/zero imply --het-tp.")
+    g.add_argument("--het-tp-interval", type=int, default=10,
+                   help="Iterations between timing reports (and planner decisions).")
+    g.add_argument("--het-tp-onset", type=float, default=1.3,
+                   help="A rank straggles once its compute per unit is this many times the "
+                        "fastest rank's ...")
+    g.add_argument("--het-tp-end", type=float, default=1.15,
+                   help="... and stops once it is back at or below this (hysteresis).")
+    g.add_argument("--het-tp-patience", type=int, default=1,
+                   help="Consecutive reports beyond a threshold before the state changes.")
+    g.add_argument("--het-tp-window", type=int, default=1,
+                   help="Reports whose median smooths each rank's timing.")
+    g.add_argument("--het-tp-emulate", default=None, metavar="SCENARIO",
+                   help="Emulated stragglers (CPU): none, persistent:rank=R,factor=F[,start=I]"
+                        "[,stop=I], transient:rank=R,factor=F,start=I,length=N,period=P, "
+                        "rotating:factor=F,period=P, multi:factors=8/6/4/2.")
     g.add_argument("--het-tp-resize", default=None, metavar="SHARES",
                    help="Per TP rank, the share of its units it skips (resizing), e.g. '0,0.5' "
                         "(implies --het-tp).")
@@ -332,16 +351,39 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     # Heterogeneous TP.
     _require(args.het_tp_granularity > 0,
              f"--het-tp-granularity must be positive, got {args.het_tp_granularity}")
-    args.het_tp = args.het_tp or args.het_tp_plan is not None or args.het_tp_resize is not None
+    dynamic = args.het_tp_policy in ("resize", "migrate", "hybrid", "zero")
+    if args.het_tp_policy == "none":
+        for flag in ("het_tp", "het_tp_plan", "het_tp_resize"):
+            _require(not getattr(args, flag),
+                     f"--het-tp-policy none runs vanilla megatron-core layers; drop "
+                     f"--{flag.replace('_', '-')}")
+    args.het_tp = (args.het_tp or args.het_tp_plan is not None or args.het_tp_resize is not None
+                   or dynamic)
+    for flag in ("het_tp_interval", "het_tp_patience", "het_tp_window"):
+        _require(getattr(args, flag) > 0,
+                 f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    _require(1.0 <= args.het_tp_end < args.het_tp_onset,
+             f"--het-tp-end ({args.het_tp_end}) must be >= 1 and below --het-tp-onset "
+             f"({args.het_tp_onset})")
+    if args.het_tp_emulate is not None:
+        from hettp.emulate import Scenario, ScenarioError
+
+        _require(not cuda_available, "--het-tp-emulate is implemented for CPU runs; on GPUs "
+                                     "create real contention (scripts/noisy_neighbor.py)")
+        try:
+            Scenario.parse(args.het_tp_emulate, tp)
+        except ScenarioError as err:
+            raise ArgumentError(str(err))
     args.het_tp_plan_obj = None
     args.het_tp_resize_shares = None
     _require(0.0 <= args.het_tp_max_resize <= 1.0,
              f"--het-tp-max-resize must be within [0, 1], got {args.het_tp_max_resize}")
     _require(args.het_tp_priority_interval > 0,
              f"--het-tp-priority-interval must be positive, got {args.het_tp_priority_interval}")
+    _require(args.het_tp_resize is None or args.het_tp_policy in ("static", "zero"),
+             f"--het-tp-resize sets fixed shares; --het-tp-policy {args.het_tp_policy} decides "
+             "them itself")
     if args.het_tp_policy == "zero":
-        _require(args.het_tp_resize is not None,
-                 "--het-tp-policy zero needs --het-tp-resize naming the straggler(s), e.g. '0,0.5'")
         _require(args.het_tp_priority == "dw",
                  f"--het-tp-policy zero ranks units by accumulated |dW|; drop --het-tp-priority "
                  f"{args.het_tp_priority}")

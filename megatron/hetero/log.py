@@ -152,6 +152,35 @@ class Logger:
             self.metrics.write("priorities", iteration=iteration, priority=resizer.scorer,
                                swapped=swapped)
 
+    def timing(self, iteration, computes, per_unit, wall, slowdown) -> None:
+        """A timing report (JSONL only): per-rank compute per step, per unit, and slowdowns."""
+        if self.metrics is not None:
+            self.metrics.write("timing", iteration=iteration, compute_s=computes,
+                               per_unit_s=per_unit, step_s=wall, slowdown=slowdown)
+
+    def decision(self, iteration, decision, detection, transfer) -> None:
+        """One line per planner decision: what, why, predicted step time before and after."""
+        shares = ", ".join(f"{s:.0%}" for s in decision.shares)
+        line = (f"> het-TP decision at iteration {iteration}: {decision.action} "
+                f"({decision.reason}) | resize shares {shares} | predicted step "
+                f"{decision.predicted_before * 1e3:.1f} ms -> {decision.predicted_after * 1e3:.1f} ms")
+        if decision.migrates:
+            line += f" | plan {decision.plan.summary()}"
+        if transfer is not None:
+            schedule, result, _ = transfer
+            line += (f" | moved {len(schedule.moves)} units, {result.payload_bytes} bytes in "
+                     f"{result.seconds * 1e3:.1f} ms")
+        self.info(line)
+        if self.metrics is not None:
+            self.metrics.write(
+                "decision", iteration=iteration, action=decision.action, reason=decision.reason,
+                shares=list(decision.shares), plan=decision.plan.to_json(),
+                predicted_before_s=decision.predicted_before,
+                predicted_after_s=decision.predicted_after, details=decision.details,
+                slowdown=list(detection.slowdown) if detection is not None else None,
+                units_moved=len(transfer[0].moves) if transfer else 0,
+                bytes=transfer[1].payload_bytes if transfer else 0)
+
     def saved(self, iteration, path) -> None:
         self.info(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")
         if self.metrics is not None:

@@ -35,14 +35,15 @@ class Resizer:
     """Resize shares, priorities and frozen skipped units of one TP group (on every rank)."""
 
     def __init__(self, partition, model, scorer: str = "dw", interval: int = 50,
-                 cap: float = 0.5, impute: float | None = None):
+                 cap: float = 0.5, impute: float | None = None, scoring: bool = True):
         if scorer not in SCORERS:
             raise ValueError(f"unknown priority scorer '{scorer}'; choose from {sorted(SCORERS)}")
         if interval < 1:
             raise ValueError(f"priority refresh interval must be >= 1, got {interval}")
         self.partition = partition
-        self._unit_numel = _unit_numel(het_blocks(model))
+        self.unit_work = _unit_numel(het_blocks(model))
         self.scorer, self.interval, self.cap, self.impute = scorer, interval, cap, impute
+        self.scoring = scoring  # False when no policy will ever resize (priorities unused)
         self.shares = (0.0,) * partition.plan.tp_size
         self.priorities = Priorities.unmeasured(partition.plan)
         self._evidence = None  # (layer, block) -> (score sums, measured steps), global unit ids
@@ -115,7 +116,7 @@ class Resizer:
 
     def realized_shares(self) -> list[float]:
         """Per rank, the share of its unit parameters (~ its sharded GEMM work) skipped."""
-        return [realized_share(self.partition.plan, self.shares, rank, self._unit_numel)
+        return [realized_share(self.partition.plan, self.shares, rank, self.unit_work)
                 for rank in range(len(self.shares))]
 
     def state_dict(self) -> dict:
@@ -161,7 +162,7 @@ class Resizer:
                             for view in layout.suffix(_grad(param), n, active):
                                 view.fill_(self.impute)
         scorer = SCORERS[self.scorer]
-        if scorer.per_step and scorer.needs_delta:
+        if self.scoring and scorer.per_step and scorer.needs_delta:
             self._before = {p: p.detach().clone() for b in blocks.values()
                             for _, _, p, _ in b.unit_tensors()}
 
@@ -173,14 +174,14 @@ class Resizer:
         if not self._stashed_state and self._stash_state(state):
             self._stashed_state = True
         scorer = SCORERS[self.scorer]
-        if scorer.per_step:
+        if self.scoring and scorer.per_step:
             before, self._before = self._before, None
             self._observe(het_blocks(state.model), lambda p: scorer.evidence(
                 p.detach(), _grad(p), None if before is None else p.detach() - before[p]))
 
     def step_end(self, iteration: int, state) -> int | None:
         """At the step boundary: refresh priorities every `interval` iterations."""
-        if iteration % self.interval == 0:
+        if self.scoring and iteration % self.interval == 0:
             return self.refresh(state)
         return None
 

@@ -154,12 +154,14 @@ def setup_model_and_optimizer(args, vocab_size) -> TrainState:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss if (args.fp16 or args.bf16) else None
     state = TrainState(model, optimizer, scheduler, config, partition)
-    if getattr(args, "het_tp_resize_shares", None) is not None:
+    if args.het_tp and (args.het_tp_resize_shares is not None or
+                        args.het_tp_policy in ("resize", "migrate", "hybrid", "zero")):
         from .resize import ZERO_IMPUTED_GRAD, Resizer
 
         state.resizer = Resizer(partition, model, args.het_tp_priority, args.het_tp_priority_interval,
                                 args.het_tp_max_resize,
-                                ZERO_IMPUTED_GRAD if args.het_tp_policy == "zero" else None)
+                                ZERO_IMPUTED_GRAD if args.het_tp_policy == "zero" else None,
+                                scoring=args.het_tp_policy != "migrate")
     return state
 
 
@@ -268,9 +270,16 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
     if state.partition is not None:
         logger.plan(iteration, state.partition.plan, "initial")
-    if state.resizer is not None:  # after loading: it freezes the loaded skipped units
+    if state.resizer is not None and args.het_tp_resize_shares is not None:
+        # after loading: it freezes the loaded skipped units
         state.resizer.resize(state, args.het_tp_resize_shares)
         logger.resize(iteration, state.resizer, "initial")
+    controller = None
+    if args.het_tp_emulate or args.het_tp_policy in ("none", "resize", "migrate", "hybrid") or (
+            args.het_tp_policy == "zero" and args.het_tp_resize_shares is None):
+        from .control import Controller
+
+        controller = Controller(args, state)
 
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -289,6 +298,8 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     state.model.train()
     while iteration < args.train_iters:
         lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
+        if controller is not None:
+            controller.begin_step(iteration + 1)
         start = time.perf_counter()
         loss, grad_norm, skipped = train_step(args, state, train_iterator)
         elapsed = time.perf_counter() - start
@@ -306,6 +317,8 @@ def pretrain(args, on_step_end=None) -> TrainResult:
             swapped = state.resizer.step_end(iteration, state)
             if swapped is not None:
                 logger.priorities(iteration, state.resizer, swapped)
+        if controller is not None:
+            controller.end_step(iteration, state, logger, elapsed)
         if on_step_end is not None:
             on_step_end(iteration, state, logger)
         if args.exit_interval and iteration % args.exit_interval == 0:
