@@ -43,6 +43,15 @@ class StragglerDetector:
         self._below = [0] * tp_size
         self.stragglers: frozenset = frozenset()
         self._planned_for: dict = {}  # straggler -> slowdown the last decision used
+        self._rebased = False
+
+    def rebase(self) -> None:
+        """After a decision changed the work split: forget the smoothing history and take the
+        next report as the new reference for drift, so timing-model error after a move cannot
+        trigger another move. Onsets and ends still need their thresholds crossed."""
+        for history in self._history:
+            history.clear()
+        self._rebased = True
 
     def update(self, per_unit_seconds: Sequence[float | None]) -> Detection:
         """One report: seconds per unit of work per rank (None: the rank ran no units)."""
@@ -71,6 +80,9 @@ class StragglerDetector:
         self.stragglers = (self.stragglers | onsets) - ends
         # A straggler whose slowdown moved a lot (2x -> 4x) needs a new plan; one falling back
         # into the hysteresis band waits for its end instead.
+        if self._rebased:
+            self._rebased = False
+            self._planned_for = {r: slowdown[r] for r in self.stragglers}
         drifted = any(slowdown[r] >= self.onset and
                       abs(slowdown[r] / self._planned_for.get(r, slowdown[r]) - 1) > self.replan
                       for r in self.stragglers)

@@ -170,3 +170,39 @@ def test_migrate_policy_moves_back_when_the_straggle_ends():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown policy 'fast'"):
         Planner("fast", UNIT_WORK)
+
+
+# ---- emulated straggler scenarios --------------------------------------------------------
+
+from hettp.emulate import Scenario, ScenarioError  # noqa: E402
+
+
+def test_scenarios():
+    s = Scenario.parse("persistent:rank=1,factor=2,start=20", 2)
+    assert [s.factor(1, i) for i in (19, 20, 500)] == [1.0, 2.0, 2.0] and s.factor(0, 30) == 1.0
+    s = Scenario.parse("persistent:rank=0,factor=3,start=5,stop=8", 4)
+    assert [s.factor(0, i) for i in range(4, 10)] == [1, 3, 3, 3, 1, 1]
+    s = Scenario.parse("transient:rank=2,factor=4,start=10,length=3,period=10", 4)
+    assert [i for i in range(0, 40) if s.factor(2, i) > 1] == [10, 11, 12, 20, 21, 22, 30, 31, 32]
+    s = Scenario.parse("rotating:factor=2,period=5", 2)
+    assert [s.factor(1, i) for i in range(0, 20, 5)] == [1, 2, 1, 2]
+    s = Scenario.parse("multi:factors=8/6/4/2", 8)
+    assert s.speeds(0) == (1 / 8, 1 / 6, 1 / 4, 1 / 2, 1, 1, 1, 1)
+    assert Scenario.parse("none", 2).speeds(7) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("slow", "unknown scenario 'slow'"),
+    ("persistent:rank=1", "persistent needs factor"),
+    ("persistent:rank=2,factor=2", "rank 2 is not a TP rank (TP size 2)"),
+    ("persistent:rank=1,factor=0.5", "factors must be >= 1"),
+    ("persistent:rank=1,speed=2", "'speed=2' is not one of"),
+    ("rotating:factor=2,period=0", "period must be >= 1"),
+    ("transient:rank=0,factor=2,start=0,length=5,period=3", "length exceeds period"),
+    ("multi:factors=8/6/4", "3 factors for 2 TP ranks"),
+    ("persistent:rank=one,factor=2", "bad value for rank: 'one'"),
+])
+def test_bad_scenarios_name_the_flag(text, message):
+    with pytest.raises(ScenarioError, match="--het-tp-emulate") as err:
+        Scenario.parse(text, 2)
+    assert message in str(err.value)

@@ -41,7 +41,7 @@ class Resizer:
         if interval < 1:
             raise ValueError(f"priority refresh interval must be >= 1, got {interval}")
         self.partition = partition
-        self._unit_numel = _unit_numel(het_blocks(model))
+        self.unit_work = _unit_numel(het_blocks(model))
         self.scorer, self.interval, self.cap, self.impute = scorer, interval, cap, impute
         self.shares = (0.0,) * partition.plan.tp_size
         self.priorities = Priorities.unmeasured(partition.plan)
@@ -115,7 +115,7 @@ class Resizer:
 
     def realized_shares(self) -> list[float]:
         """Per rank, the share of its unit parameters (~ its sharded GEMM work) skipped."""
-        return [realized_share(self.partition.plan, self.shares, rank, self._unit_numel)
+        return [realized_share(self.partition.plan, self.shares, rank, self.unit_work)
                 for rank in range(len(self.shares))]
 
     def state_dict(self) -> dict:

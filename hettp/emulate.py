@@ -1,0 +1,96 @@
+"""Straggler scenarios for emulation: which rank is how many times slower at which iteration.
+
+    none
+    persistent:rank=1,factor=2[,start=20][,stop=80]
+    transient:rank=1,factor=4,start=20,length=10,period=50     bursts of `length` every `period`
+    rotating:factor=2,period=50[,start=0]                       rank (i - start) // period % tp
+    multi:factors=8/6/4/2[,start=0]                             ranks 0.. at those factors
+
+A slowed rank sleeps (factor - 1) x the compute it just did (megatron/hetero/timing.py), so its
+injected delay shrinks when its work does, as a slow GPU's would. Iterations count from 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ScenarioError(ValueError):
+    """A malformed --het-tp-emulate scenario."""
+
+
+_KEYS = {
+    "none": set(),
+    "persistent": {"rank", "factor", "start", "stop"},
+    "transient": {"rank", "factor", "start", "length", "period"},
+    "rotating": {"factor", "period", "start"},
+    "multi": {"factors", "start"},
+}
+_REQUIRED = {
+    "none": set(), "persistent": {"rank", "factor"},
+    "transient": {"rank", "factor", "start", "length", "period"},
+    "rotating": {"factor", "period"}, "multi": {"factors"},
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    kind: str
+    tp_size: int
+    params: tuple  # sorted (key, value) pairs
+
+    @classmethod
+    def parse(cls, text: str, tp_size: int, flag: str = "--het-tp-emulate") -> "Scenario":
+        kind, _, rest = text.strip().partition(":")
+        if kind not in _KEYS:
+            raise ScenarioError(f"{flag} '{text}': unknown scenario '{kind}'; choose from "
+                                f"{', '.join(_KEYS)}")
+        params = {}
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in _KEYS[kind]:
+                raise ScenarioError(f"{flag} '{text}': '{item}' is not one of "
+                                    f"{sorted(_KEYS[kind]) or 'nothing'} (key=value)")
+            try:
+                params[key] = (tuple(float(v) for v in value.split("/")) if key == "factors"
+                               else float(value) if key == "factor" else int(value))
+            except ValueError:
+                raise ScenarioError(f"{flag} '{text}': bad value for {key}: '{value}'") from None
+        missing = _REQUIRED[kind] - set(params)
+        if missing:
+            raise ScenarioError(f"{flag} '{text}': {kind} needs {', '.join(sorted(missing))}")
+        factors = params.get("factors", (params.get("factor", 1.0),))
+        if any(f < 1.0 for f in factors):
+            raise ScenarioError(f"{flag} '{text}': slowdown factors must be >= 1")
+        if "rank" in params and not 0 <= params["rank"] < tp_size:
+            raise ScenarioError(f"{flag} '{text}': rank {params['rank']} is not a TP rank "
+                                f"(TP size {tp_size})")
+        if len(params.get("factors", ())) > tp_size:
+            raise ScenarioError(f"{flag} '{text}': {len(params['factors'])} factors for "
+                                f"{tp_size} TP ranks")
+        for key in ("period", "length"):
+            if key in params and params[key] < 1:
+                raise ScenarioError(f"{flag} '{text}': {key} must be >= 1")
+        if kind == "transient" and params["length"] > params["period"]:
+            raise ScenarioError(f"{flag} '{text}': length exceeds period")
+        return cls(kind, tp_size, tuple(sorted(params.items())))
+
+    def factor(self, rank: int, iteration: int) -> float:
+        """How many times slower TP rank `rank` computes at `iteration` (1.0: full speed)."""
+        p = dict(self.params)
+        start = p.get("start", 0)
+        if self.kind == "none" or iteration < start:
+            return 1.0
+        if self.kind == "persistent":
+            stop = p.get("stop")
+            return p["factor"] if rank == p["rank"] and (stop is None or iteration < stop) else 1.0
+        if self.kind == "transient":
+            in_burst = (iteration - start) % p["period"] < p["length"]
+            return p["factor"] if rank == p["rank"] and in_burst else 1.0
+        if self.kind == "rotating":
+            return p["factor"] if rank == (iteration - start) // p["period"] % self.tp_size else 1.0
+        factors = p["factors"]
+        return factors[rank] if rank < len(factors) else 1.0
+
+    def speeds(self, iteration: int) -> tuple[float, ...]:
+        return tuple(1.0 / self.factor(r, iteration) for r in range(self.tp_size))
