@@ -4,9 +4,10 @@ Pure data in, pure data out: a decision is a partition plan plus per-rank resize
 reason, and the predicted step time before and after. The caller (one rank per TP group)
 broadcasts it and every rank applies it at the same step boundary.
 
-Cost model: a step takes `rest + max_r(seconds_per_unit[r] * work[r])`, where work is the rank's
-active units weighted by their size and `rest` (embedding, logits, optimizer, collectives) does
-not depend on the partition. A migration costs its predicted transfer time; a resize costs
+Cost model (StepModel): a step takes `rest + max_r factor_r * (intercept + slope * work_r)`,
+where work is the rank's active units weighted by their size, the intercept and slope describe an
+unslowed rank's sharded linears, and `rest` (embedding, logits, optimizer, collectives) does not
+depend on the partition. A migration costs its predicted transfer time; a resize costs
 accuracy in proportion to the resized share, and nothing in time.
 """
 
@@ -25,11 +26,41 @@ POLICIES = ("none", "static", "resize", "migrate", "hybrid", "zero")
 
 @dataclass(frozen=True)
 class StepModel:
-    rest: float  # seconds per step outside the sharded compute
-    seconds_per_unit: tuple[float, ...]  # per rank, per unit of work (its speed)
+    """A step takes `rest + max_r factor_r * (intercept + slope * work_r)`.
+
+    `intercept + slope * work` is an unslowed rank's time in its sharded linears (fitted by
+    ComputeFit: per-call costs do not shrink with the work), `factor_r` the rank's slowdown."""
+
+    rest: float
+    factors: tuple[float, ...]
+    slope: float
+    intercept: float = 0.0
+
+    @classmethod
+    def per_unit(cls, rest: float, seconds_per_unit) -> "StepModel":
+        """No per-call cost: each rank's time is proportional to its work."""
+        fastest = min(seconds_per_unit)
+        return cls(rest, tuple(t / fastest for t in seconds_per_unit), fastest)
+
+    def rank_time(self, rank: int, work: float) -> float:
+        return self.factors[rank] * (self.intercept + self.slope * work)
 
     def step_time(self, work: Sequence[float]) -> float:
-        return self.rest + max(t * w for t, w in zip(self.seconds_per_unit, work))
+        return self.rest + max(self.rank_time(r, w) for r, w in enumerate(work))
+
+    def balanced_work(self, total: float) -> list[float]:
+        """Per-rank work that makes every rank finish together (ranks too slow for any work
+        get none)."""
+        active = set(range(len(self.factors)))
+        while True:
+            finish = ((total * self.slope + self.intercept * len(active))
+                      / sum(1.0 / self.factors[r] for r in active))
+            work = [max(0.0, (finish / f - self.intercept) / self.slope) if r in active else 0.0
+                    for r, f in enumerate(self.factors)]
+            dropped = {r for r in active if (finish / self.factors[r] - self.intercept) < 0}
+            if not dropped:
+                return work
+            active -= dropped
 
 
 def plan_work(plan: PartitionPlan, unit_work: Mapping[str, float],
@@ -75,15 +106,15 @@ def balancing_shares(plan: PartitionPlan, unit_work: Mapping[str, float], model:
     """Resize shares that bring each straggler down to the slowest other rank's compute time
     (no migration: everybody else keeps its work), within the cap."""
     work = plan_work(plan, unit_work)
-    others = [t * w for r, (t, w) in enumerate(zip(model.seconds_per_unit, work))
-              if r not in stragglers]
+    others = [model.rank_time(r, w) for r, w in enumerate(work) if r not in stragglers]
     target = max(others) if others else 0.0
     shares = []
-    for rank, (t, w) in enumerate(zip(model.seconds_per_unit, work)):
-        if rank not in stragglers or t * w <= target or w == 0:
+    for rank, w in enumerate(work):
+        if rank not in stragglers or w == 0 or model.rank_time(rank, w) <= target:
             shares.append(0.0)
-        else:
-            shares.append(round(min(cap, 1.0 - target / (t * w)), 4))
+            continue
+        keep = max(0.0, (target / model.factors[rank] - model.intercept) / model.slope)
+        shares.append(round(min(cap, 1.0 - keep / w), 4))
     return tuple(shares)
 
 
@@ -163,7 +194,7 @@ class Planner:
                 return decision
         if not stragglers or self._onset is None:
             return None
-        target = proportional_plan(plan, _speeds(model))
+        target = proportional_plan(plan, _speeds(model, plan, self.unit_work))
         if target == plan:
             return None
         # Against the straggle without the resize: the resize is a lossy stopgap that the
@@ -184,7 +215,7 @@ class Planner:
                         before, after, details)
 
     def _migrate(self, plan, model, before, detection, action, shares, why=None):
-        target = proportional_plan(plan, _speeds(model))
+        target = proportional_plan(plan, _speeds(model, plan, self.unit_work))
         after = model.step_time(plan_work(target, self.unit_work))
         if target == plan or before - after <= self.min_gain * before:
             return None
@@ -201,8 +232,9 @@ class Planner:
                         {"resized_share": sum(new) / len(new)})
 
 
-def _speeds(model: StepModel) -> list[float]:
-    return [1.0 / t for t in model.seconds_per_unit]
+def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:
+    """Per-rank shares of the work that balance the step under `model`."""
+    return model.balanced_work(sum(plan_work(plan, unit_work)))
 
 
 def _factors(detection: Detection, ranks) -> str:

@@ -11,9 +11,11 @@ from tests.distributed import run_ranks
 from tests.test_het_tp import MHA
 from tests.workers import train_with_control
 
-# Timing needs the sharded GEMMs to dominate their linears' call overheads: hidden 256.
-TRAIN = (MHA.replace("--train-iters 1", "--train-iters 40").replace("--hidden-size 64",
-                                                                    "--hidden-size 256") +
+# Timing wants the sharded GEMMs to dominate their linears' per-call costs: hidden 256 and
+# 512 tokens per micro-batch.
+TRAIN = (MHA.replace("--train-iters 1", "--train-iters 40")
+         .replace("--hidden-size 64", "--hidden-size 256").replace("--seq-length 32", "--seq-length 128")
+         .replace("--micro-batch-size 2", "--micro-batch-size 4") +
          " --global-batch-size 4 --tensor-model-parallel-size 2 --het-tp-interval 5").split()
 STRAGGLER = ["--het-tp-emulate", "persistent:rank=1,factor=2,start=20"]
 
@@ -29,8 +31,12 @@ def steady(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("steady"), "steady", ["--het-tp-policy", "migrate"])
 
 
-def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, steady):
-    ranks, records = _run(tmp_path, "migrate", ["--het-tp-policy", "migrate", *STRAGGLER])
+@pytest.mark.parametrize("clock", ["cpu", "wall"])
+def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, steady, clock):
+    """With the wall clock, the fast rank waits for the slow one inside its row-parallel
+    all-reduces: unless those waits are left out it looks just as slow and nothing happens."""
+    ranks, records = _run(tmp_path, "migrate", ["--het-tp-policy", "migrate", *STRAGGLER,
+                                                "--het-tp-timer", clock])
     decisions = [r for r in records if r["kind"] == "decision"]
     assert len(decisions) == 1, decisions
     first = decisions[0]
@@ -69,3 +75,39 @@ def test_hybrid_resizes_at_once_then_migrates(tmp_path):
     migrated = next(i for i, a in actions if a == "hybrid-migrate")
     assert ranks[1]["seen"][migrated][1] == (0.0, 0.0)  # the move undid the resize
     assert ranks[0]["seen"] == ranks[1]["seen"]
+
+
+def test_noisy_neighbour_pins_itself_and_the_given_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    core = max(os.sched_getaffinity(0))
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        out = subprocess.run([sys.executable, os.path.join(root, "scripts", "noisy_neighbor.py"),
+                              "--cpu", str(core), "--pin", str(victim.pid), "--duration", "0.3"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert os.sched_getaffinity(victim.pid) == {core}
+        assert f"noisy neighbour on core {core}, pinned [{victim.pid}] there" in out.stdout
+        bad = subprocess.run([sys.executable, os.path.join(root, "scripts", "noisy_neighbor.py"),
+                              "--cpu", "4096"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "--cpu 4096: this process may run on cores" in bad.stderr
+    finally:
+        victim.kill()
+
+
+def test_policy_none_is_vanilla_megatron_core_timed(tmp_path):
+    from tests.workers import train
+
+    argv = (MHA.replace("--train-iters 1", "--train-iters 10") + " --global-batch-size 4 "
+            "--tensor-model-parallel-size 2 --het-tp-interval 5").split()
+    plain = run_ranks(train, 2, argv)[0]["losses"]
+    metrics = str(tmp_path / "none.jsonl")
+    timed = run_ranks(train, 2, argv + ["--het-tp-policy", "none", "--metrics-file", metrics])[0]
+    assert timed["losses"] == plain  # the timing marks are identities
+    reports = [r for r in read_metrics(metrics) if r["kind"] == "timing"]
+    assert [r["iteration"] for r in reports] == [5, 10]
+    assert all(c > 0 for r in reports for c in r["compute_s"])

@@ -71,7 +71,7 @@ def test_replicas_plan_for_the_slowest():
         detector, planner = StragglerDetector(4, patience=1), Planner("migrate", UNIT_WORK)
         plan = PartitionPlan.even(4, 3, 8, 64)
         detection = detector.update(slowest_replica([a, b]))
-        model = StepModel(0.1, slowest_replica([a, b]))
+        model = StepModel.per_unit(0.1, slowest_replica([a, b]))
         decisions.append(planner.decide(5, detection, model, plan, (0,) * 4))
     assert decisions[0] == decisions[1] and decisions[0].plan != PartitionPlan.even(4, 3, 8, 64)
 
@@ -98,14 +98,29 @@ def test_proportional_plan_within_one_unit_per_layer_and_fewest_moves(speeds):
         assert all(abs(t - plan.num_layers * x) <= 1 for t, x in zip(totals, target))
 
 
+def test_step_model_with_per_call_costs():
+    model = StepModel(rest=1.0, factors=(1.0, 2.0), slope=0.1, intercept=2.0)
+    assert model.step_time((10, 10)) == pytest.approx(1.0 + 2 * (2 + 1))
+    work = model.balanced_work(30)
+    assert sum(work) == pytest.approx(30)
+    assert model.rank_time(0, work[0]) == pytest.approx(model.rank_time(1, work[1]))
+    # a rank so slow that its per-call cost alone exceeds the balanced time gets no work
+    slow = StepModel(0.0, (1.0, 1.0, 50.0), slope=1.0, intercept=1.0)
+    assert slow.balanced_work(4)[2] == 0 and sum(slow.balanced_work(4)) == pytest.approx(4)
+    plan = PartitionPlan.even(2, 2, 4, 8)
+    shares = balancing_shares(plan, UNIT_WORK, StepModel(0.0, (1.0, 1.5), 1.0, 6.0), {1}, 0.9)
+    # rank 0: 6 + 24 = 30; rank 1 must reach 30 / 1.5 - 6 = 14 of its 24 units of work
+    assert shares == (0.0, round(1 - 14 / 24, 4))
+
+
 def test_plan_work_and_balancing_shares():
     plan = PartitionPlan.even(2, 2, 4, 8)
     assert plan_work(plan, UNIT_WORK) == (2 * (2 * 4 + 4), 2 * (2 * 4 + 4))
     assert plan_work(plan, UNIT_WORK, (0, 0.5)) == (24, 2 * (1 * 4 + 2))
-    model = StepModel(1.0, (1.0, 2.0))
+    model = StepModel.per_unit(1.0, (1.0, 2.0))
     shares = balancing_shares(plan, UNIT_WORK, model, {1}, cap=0.9)
     assert shares == (0.0, 0.5)  # rank 1 at half its units matches rank 0's time
-    assert balancing_shares(plan, UNIT_WORK, StepModel(1.0, (1.0, 8.0)), {1}, 0.5) == (0.0, 0.5)
+    assert balancing_shares(plan, UNIT_WORK, StepModel.per_unit(1.0, (1.0, 8.0)), {1}, 0.5) == (0.0, 0.5)
 
 
 def _simulate(policy, factors, noise=0.05, interval=5, cost=0.5, seed=0):
@@ -120,7 +135,7 @@ def _simulate(policy, factors, noise=0.05, interval=5, cost=0.5, seed=0):
     for report, row in enumerate(factors):
         per_unit = [0.001 * f * (1 + rng.uniform(-noise, noise)) for f in row]
         detection = detector.update(per_unit)
-        model = StepModel(0.05, tuple(per_unit))
+        model = StepModel.per_unit(0.05, tuple(per_unit))
         decision = planner.decide(report * interval, detection, model, plan, shares)
         if decision is not None:
             decisions.append((report, decision))
@@ -206,3 +221,28 @@ def test_bad_scenarios_name_the_flag(text, message):
     with pytest.raises(ScenarioError, match="--het-tp-emulate") as err:
         Scenario.parse(text, 2)
     assert message in str(err.value)
+
+
+# ---- online compute fit ------------------------------------------------------------------
+
+from hettp.costfit import ComputeFit  # noqa: E402
+
+
+def test_compute_fit_learns_the_per_call_cost_and_keeps_factors_honest():
+    true = lambda w: 20.0 + 30.0 * w  # noqa: E731  an unslowed rank: 20 ms fixed + 30 ms/work
+    fit = ComputeFit()
+    # even split, rank 1 2x slow: proportional factors are right while work is equal
+    works, computes = [0.5, 0.5], [true(0.5), 2 * true(0.5)]
+    factors = fit.factors(works, computes)
+    assert factors == pytest.approx([1.0, 2.0])
+    fit.add(works, computes, slow={1})
+    # after a migration (0.7 / 0.3) rank 1 is back to full speed: a proportional model would
+    # call it 1.5x slow (fixed cost on less work); with the fast rank's two points the fit
+    # finds the intercept and rank 1's factor is 1 again
+    works = [0.7, 0.3]
+    computes = [true(0.7), true(0.3)]
+    assert fit.factors(works, computes)[1] > 1.3  # one work level seen: still proportional
+    fit.add(works, computes, slow=set())
+    intercept, slope = fit.curve()
+    assert intercept == pytest.approx(20.0) and slope == pytest.approx(30.0)
+    assert fit.factors([0.7, 0.3], [true(0.7), 2 * true(0.3)]) == pytest.approx([1.0, 2.0])

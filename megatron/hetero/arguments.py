@@ -188,6 +188,10 @@ def _add_het_tp_args(parser):
                    help="Consecutive reports beyond a threshold before the state changes.")
     g.add_argument("--het-tp-window", type=int, default=1,
                    help="Reports whose median smooths each rank's timing.")
+    g.add_argument("--het-tp-timer", default="cpu", choices=["cpu", "wall"],
+                   help="CPU runs: time the sharded GEMMs by thread CPU time (blind to waits and "
+                        "to time-sharing) or by wall time minus TP collective waits (sees real "
+                        "contention; no more ranks than cores). GPUs use CUDA events.")
     g.add_argument("--het-tp-emulate", default=None, metavar="SCENARIO",
                    help="Emulated stragglers (CPU): none, persistent:rank=R,factor=F[,start=I]"
                         "[,stop=I], transient:rank=R,factor=F,start=I,length=N,period=P, "

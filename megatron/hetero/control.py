@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from hettp.costfit import ComputeFit
 from hettp.detect import StragglerDetector
 from hettp.emulate import Scenario
 from hettp.planner import Planner, StepModel, plan_work
@@ -39,7 +40,8 @@ class Controller:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.scenario = (Scenario.parse(args.het_tp_emulate, self.tp_size)
                          if args.het_tp_emulate else None)
-        self.timer = ComputeTimer(state.model)
+        self.timer = ComputeTimer(state.model, args.het_tp_timer)
+        self.fit = ComputeFit()
         self.detector = StragglerDetector(self.tp_size, args.het_tp_onset, args.het_tp_end,
                                           args.het_tp_patience, args.het_tp_window)
         self.unit_work = state.resizer.unit_work if state.resizer is not None else None
@@ -82,24 +84,33 @@ class Controller:
             dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.dp_group)
         table = table.cpu().tolist()
         computes = [row[0] for row in table]
-        per_unit = [c / w if w > 0 else None for c, w, _ in table]
+        works = [row[1] for row in table]
         wall = max(row[2] for row in table)
+        factors = self.fit.factors(works, computes)
 
         decision, detection = None, None
         if self.tp_rank == 0 and self.planner is not None:
-            detection = self.detector.update(per_unit)
-            known = [p for p in per_unit if p is not None]
-            fill = max(known) if known else 1.0
+            detection = self.detector.update(factors)
+            intercept, slope = self.fit.curve(works, computes)
+            # Plan on the detector's verdict: measured factors for stragglers, 1 for the rest
+            # (their spread is noise; planning on it would shuffle units for nothing).
+            known = [f for f in factors if f is not None]
+            fastest = min(known) if known else 1.0
             model = StepModel(max(0.0, wall - max(computes)),
-                              tuple(fill if p is None else p for p in per_unit))
+                              tuple(max(1.0, (f or max(known)) / fastest)
+                                    if r in detection.stragglers else 1.0
+                                    for r, f in enumerate(factors)), slope * fastest,
+                              intercept * fastest)
             decision = self.planner.decide(iteration, detection, model, state.partition.plan,
                                            state.resizer.shares)
+        slow = {r for r, f in enumerate(factors) if f is not None and f >= self.detector.onset}
+        self.fit.add(works, computes, slow | (detection.stragglers if detection else set()))
         if self.planner is not None and self.tp_size > 1:
             box = [decision, detection]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),
                                        group=self.group)
             decision, detection = box
-        logger.timing(iteration, computes, per_unit, wall,
+        logger.timing(iteration, computes, works, factors, wall,
                       detection.slowdown if detection is not None else None)
         if decision is not None:
             self._apply(iteration, state, logger, decision, detection)

@@ -152,11 +152,12 @@ class Logger:
             self.metrics.write("priorities", iteration=iteration, priority=resizer.scorer,
                                swapped=swapped)
 
-    def timing(self, iteration, computes, per_unit, wall, slowdown) -> None:
-        """A timing report (JSONL only): per-rank compute per step, per unit, and slowdowns."""
+    def timing(self, iteration, computes, works, factors, wall, slowdown) -> None:
+        """A timing report (JSONL only): per-rank compute per step, work, fitted slowdown
+        factor, and the detector's smoothed slowdowns."""
         if self.metrics is not None:
-            self.metrics.write("timing", iteration=iteration, compute_s=computes,
-                               per_unit_s=per_unit, step_s=wall, slowdown=slowdown)
+            self.metrics.write("timing", iteration=iteration, compute_s=computes, work=works,
+                               factor=factors, step_s=wall, slowdown=slowdown)
 
     def decision(self, iteration, decision, detection, transfer) -> None:
         """One line per planner decision: what, why, predicted step time before and after."""

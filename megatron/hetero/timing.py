@@ -4,10 +4,13 @@ What a slow GPU stretches is its share of the sharded work, not its wall time: c
 every rank wait for the slowest, so wall times look equal. Identity autograd functions mark each
 sharded linear's input and output, so the timer runs from entry to exit in the forward and from
 exit to entry in the backward (its two GEMMs). Time in the GEMMs scales with the units a rank
-computes, which the planner relies on; per-call overheads do not, so models whose linears are
-tiny time poorly. On CPU it reads the thread's CPU time, which waiting in a gloo
-collective does not consume (and which time-sharing a core with other ranks does not inflate);
-on GPU, CUDA events on the current stream.
+computes; per-call costs do not (hettp/costfit.py fits both).
+
+On CPU the timer reads the thread's CPU time by default: waiting in a gloo collective costs
+none, and time-sharing a core with other ranks does not inflate it, but neither does real
+contention. `--het-tp-timer wall` reads perf_counter instead and leaves the TP collectives'
+waits out (it sees a noisy neighbour; use it with no more ranks than cores). On GPU, CUDA
+events on the current stream.
 
 Emulation: with a slowdown factor f, the rank sleeps (f - 1) x the compute it just did after
 each sharded GEMM, and that delay counts as compute: a rank with less work is delayed less.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from .model import unwrap_model
 
@@ -48,15 +52,73 @@ class _Exit(torch.autograd.Function):
         return grad, None
 
 
-class ComputeTimer:
-    """Seconds this rank spent computing in its sharded blocks since `reset()`."""
+_WALL_TIMERS = []  # wall-clock timers whose regions must not count collective waits
+_ORIGINAL_ALL_REDUCE = None
 
-    def __init__(self, model):
+
+class _PausingWork:
+    """An async collective's handle whose wait() does not count as compute."""
+
+    def __init__(self, work, timers):
+        self._work, self._timers = work, timers
+
+    def wait(self, *args, **kwargs):
+        running = [t for t in self._timers if t.running]
+        for timer in running:
+            timer.pause()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            for timer in running:
+                timer.resume()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _exclude_collectives() -> None:
+    """Make torch.distributed.all_reduce pause running wall-clock timers while it waits.
+    megatron-core looks the function up at each call, so its TP collectives go through this."""
+    global _ORIGINAL_ALL_REDUCE
+    if _ORIGINAL_ALL_REDUCE is not None:
+        return
+    _ORIGINAL_ALL_REDUCE = original = dist.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        running = [t for t in _WALL_TIMERS if t.running]
+        for timer in running:
+            timer.pause()
+        try:
+            work = original(*args, **kwargs)
+        finally:
+            for timer in running:
+                timer.resume()
+        return _PausingWork(work, running) if kwargs.get("async_op") else work
+
+    dist.all_reduce = all_reduce
+
+
+class ComputeTimer:
+    """Seconds this rank spent computing in its sharded linears since `reset()`.
+
+    clock "cpu": the thread's CPU time (blind to waiting, and to time-sharing a core, so also
+    to real contention); "wall": perf_counter with TP collectives' waits left out (sees real
+    contention; meant for no more ranks than cores). On GPU, CUDA events."""
+
+    def __init__(self, model, clock: str = "cpu"):
+        if clock not in ("cpu", "wall"):
+            raise ValueError(f"unknown timer clock '{clock}'")
         self.factor = 1.0  # emulated slowdown of this rank (CPU only)
         self.cuda = torch.cuda.is_available()
+        self.clock = clock
+        self._now = time.perf_counter if clock == "wall" else time.thread_time
+        if clock == "wall" and not self.cuda:
+            _exclude_collectives()
+            _WALL_TIMERS.append(self)
         self._seconds = 0.0
         self._events = []
         self._t0 = None
+        self._paused = 0.0
         self._handles = []
         for layer in unwrap_model(model).decoder.layers:
             for block in (layer.self_attention, layer.mlp):
@@ -84,6 +146,18 @@ class ComputeTimer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        if self in _WALL_TIMERS:
+            _WALL_TIMERS.remove(self)
+
+    @property
+    def running(self) -> bool:
+        return self._t0 is not None
+
+    def pause(self) -> None:
+        self._paused_at = self._now()
+
+    def resume(self) -> None:
+        self._paused += self._now() - self._paused_at
 
     # ---- marks ------------------------------------------------------------------------
 
@@ -92,7 +166,7 @@ class ComputeTimer:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
         else:
-            self._t0 = time.thread_time()
+            self._t0, self._paused = self._now(), 0.0
 
     def stop(self) -> None:
         if self._t0 is None:
@@ -102,7 +176,7 @@ class ComputeTimer:
             end.record()
             self._events.append((self._t0, end))
         else:
-            elapsed = time.thread_time() - self._t0
+            elapsed = self._now() - self._t0 - self._paused
             if self.factor > 1.0:
                 time.sleep((self.factor - 1.0) * elapsed)
             self._seconds += elapsed * self.factor
