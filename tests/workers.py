@@ -7,8 +7,8 @@ import io
 import os
 
 
-def train(argv: list[str]) -> dict:
-    """pretrain_gpt.py's main on this rank; returns its losses and what it printed."""
+def _pretrain(argv: list[str], hook=None):
+    """pretrain_gpt.py's main on this rank, printing into a buffer: (TrainResult, output)."""
     from megatron.hetero.arguments import parse_args
     from megatron.hetero.training import pretrain, shutdown
 
@@ -16,11 +16,17 @@ def train(argv: list[str]) -> dict:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            result = pretrain(args)
+            result = pretrain(args, on_step_end=hook)
     finally:
         shutdown()
+    return result, out.getvalue()
+
+
+def train(argv: list[str]) -> dict:
+    """pretrain_gpt.py's main on this rank; returns its losses and what it printed."""
+    result, stdout = _pretrain(argv)
     return {"losses": result.losses, "eval_losses": result.eval_losses,
-            "iteration": result.iteration, "stdout": out.getvalue(),
+            "iteration": result.iteration, "stdout": stdout,
             "metrics_file": result.metrics_file}
 
 
@@ -173,18 +179,10 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                        "local_units": {f"{k[0]}.{k[1]}": list(b.units)
                                        for k, b in het_blocks(state.model).items()}})
 
-    from megatron.hetero.arguments import parse_args
     from megatron.hetero.partition import het_blocks
-    from megatron.hetero.training import pretrain, shutdown
 
-    args = parse_args(argv)
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            result = pretrain(args, on_step_end=hook)
-    finally:
-        shutdown()
-    return {"losses": result.losses, "events": events, "stdout": out.getvalue()}
+    result, stdout = _pretrain(argv, hook)
+    return {"losses": result.losses, "events": events, "stdout": stdout}
 
 
 def _gather_full(module, group, dp_group=None) -> dict:
@@ -379,9 +377,7 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
     After every step, records this rank's local unit order and active count per block, a copy
     of every local unit's weights and optimizer state (by unit id), and the priorities."""
 
-    from megatron.hetero.arguments import parse_args
     from megatron.hetero.partition import _OptimizerView, _state_keys, _unit_tensors, het_blocks
-    from megatron.hetero.training import pretrain, shutdown
 
     records = {}
 
@@ -412,20 +408,12 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
         records[iteration] = {"blocks": record, "state_keys": keys,
                               "shares": resizer.shares}
 
-    args = parse_args(argv)
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            result = pretrain(args, on_step_end=hook)
-    finally:
-        shutdown()
-    return {"losses": result.losses, "records": records, "stdout": out.getvalue()}
+    result, stdout = _pretrain(argv, hook)
+    return {"losses": result.losses, "records": records, "stdout": stdout}
 
 
 def train_with_control(argv: list[str]) -> dict:
     """pretrain with the control loop; records this rank's plan and shares after every step."""
-    from megatron.hetero.arguments import parse_args
-    from megatron.hetero.training import pretrain, shutdown
 
     seen = {}
 
@@ -433,12 +421,6 @@ def train_with_control(argv: list[str]) -> dict:
         seen[iteration] = (state.partition.plan.to_json() if state.partition else None,
                            state.resizer.shares if state.resizer else None)
 
-    args = parse_args(argv)
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            result = pretrain(args, on_step_end=hook)
-    finally:
-        shutdown()
-    return {"losses": result.losses, "seen": seen, "stdout": out.getvalue(),
+    result, stdout = _pretrain(argv, hook)
+    return {"losses": result.losses, "seen": seen, "stdout": stdout,
             "metrics_file": result.metrics_file}
