@@ -26,30 +26,20 @@ import torch.distributed as dist
 from .model import unwrap_model
 
 
-class _Enter(torch.autograd.Function):
+class _Mark(torch.autograd.Function):
+    """Identity that calls timer.<on_forward>() when the forward passes it and
+    timer.<on_backward>() when the gradient does."""
+
     @staticmethod
-    def forward(ctx, x, timer):
-        ctx.timer = timer
-        timer.start()
+    def forward(ctx, x, timer, on_forward, on_backward):
+        ctx.timer, ctx.on_backward = timer, on_backward
+        getattr(timer, on_forward)()
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.timer.stop()
-        return grad, None
-
-
-class _Exit(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, timer):
-        ctx.timer = timer
-        timer.stop()
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.timer.start()
-        return grad, None
+        getattr(ctx.timer, ctx.on_backward)()
+        return grad, None, None, None
 
 
 _WALL_TIMERS = []  # wall-clock timers whose regions must not count collective waits
@@ -186,13 +176,13 @@ class ComputeTimer:
         if not (module.training and torch.is_grad_enabled()):
             return None
         if args:
-            return (_Enter.apply(args[0], self), *args[1:]), kwargs
-        kwargs = dict(kwargs, hidden_states=_Enter.apply(kwargs["hidden_states"], self))
+            return (_Mark.apply(args[0], self, "start", "stop"), *args[1:]), kwargs
+        kwargs = dict(kwargs, input_=_Mark.apply(kwargs["input_"], self, "start", "stop"))
         return args, kwargs
 
     def _exit(self, module, args, output):
         if not (module.training and torch.is_grad_enabled()):
             return None
         if isinstance(output, tuple):
-            return (_Exit.apply(output[0], self), *output[1:])
-        return _Exit.apply(output, self)
+            return (_Mark.apply(output[0], self, "stop", "start"), *output[1:])
+        return _Mark.apply(output, self, "stop", "start")
