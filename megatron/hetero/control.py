@@ -21,6 +21,7 @@ from hettp.emulate import Scenario
 from hettp.planner import Planner, StepModel, plan_work
 from hettp.transfer import plan_transfer
 
+from .partition import comm_device
 from .timing import ComputeTimer
 
 # Migration time as a multiple of the predicted transfer time: packing, committing and
@@ -55,7 +56,6 @@ class Controller:
             # weights and fp32 master or weights, and two Adam moments: 4 bytes each at most
             self._unit_bytes = {b: n * 4 * 4 for b, n in self.unit_work.items()}
         self._compute, self._wall = [], []
-        self.decisions = []  # (iteration, Decision) applied, for callers and tests
 
     # ---- per step -------------------------------------------------------------------------
 
@@ -74,9 +74,8 @@ class Controller:
         wall = statistics.median(self._wall)
         self._compute, self._wall = [], []
         work = self._work(state)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         mine = torch.tensor([compute, work[self.tp_rank], wall], dtype=torch.float64,
-                            device=device)
+                            device=comm_device())
         gathered = [torch.empty_like(mine) for _ in range(self.tp_size)]
         dist.all_gather(gathered, mine, group=self.group)
         table = torch.stack(gathered)  # [tp, (compute, work, wall)]
@@ -133,7 +132,6 @@ class Controller:
         except TransferError as err:  # every rank raises it; all keep their state
             logger.info(f"> het-TP decision at iteration {iteration} not applied: {err}")
             return
-        self.decisions.append((iteration, decision))
         logger.decision(iteration, decision, detection, state.partition.last_transfer
                         if decision.migrates else None)
 

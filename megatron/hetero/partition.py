@@ -48,7 +48,8 @@ def even_plan(module, tp_size: int) -> PartitionPlan:
     return PartitionPlan.even(tp_size, len(blocks) // 2, attn.num_units, mlp.num_units, unit_size)
 
 
-def _device():
+def comm_device():
+    """Where tensors for TP-group collectives live: the current GPU, or the CPU (gloo)."""
     return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 
@@ -125,7 +126,7 @@ class HetPartition:
 
         with cpu_compat.suspended():  # pure torch from here; the CPU device mode only slows it
             result = run_transfer(schedule, self.group, primitive, payload,
-                                  lambda move: specs[move.block], device=_device(), step=step,
+                                  lambda move: specs[move.block], device=comm_device(), step=step,
                                   fault=fault)
             replaced = self._commit(blocks, pieces, positions, plan, state_keys, result)
         self.plan = plan

@@ -25,7 +25,7 @@ from hettp.resize import (SCORERS, Priorities, check_shares, realized_share, ski
                           swapped_units)
 
 from . import cpu_compat
-from .partition import _OptimizerView, _state_keys, _unit_tensors, het_blocks
+from .partition import _OptimizerView, _state_keys, _unit_tensors, comm_device, het_blocks
 
 # Gradient the paper's public code gives skipped units ("data imputation").
 ZERO_IMPUTED_GRAD = 1e-8
@@ -144,7 +144,7 @@ class Resizer:
         self.priorities = Priorities(scores)
         self._evidence = None
         if state["evidence"] is not None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = comm_device()
             self._evidence = {key(k): (sums.to(device), steps.to(device))
                               for k, (sums, steps) in state["evidence"].items()}
 
@@ -232,9 +232,7 @@ class Resizer:
 
     def _collect(self, blocks):
         if self._evidence is None:
-            device = next(iter(blocks.values())).unit_tensors().__next__()[2].device
-            if not torch.cuda.is_available():
-                device = "cpu"
+            device = comm_device()
             self._evidence = {key: (torch.zeros(b.num_units, dtype=torch.float64, device=device),
                                     torch.zeros(b.num_units, dtype=torch.float64, device=device))
                               for key, b in blocks.items()}
