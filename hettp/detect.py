@@ -10,6 +10,7 @@ around a steady cluster never flips the state; `changed` asks the planner to act
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -24,14 +25,15 @@ class DetectError(ValueError):
 class Detection:
     slowdown: tuple[float, ...]  # smoothed time per unit / the fastest rank's (1.0 = fastest)
     stragglers: frozenset  # ranks currently straggling
-    changed: bool  # the straggler set changed, or a straggler's slowdown moved by > `replan`
+    changed: bool  # the straggler set changed, or a straggler's slowdown moved by a factor
+    # beyond 1 + `replan` either way (2x -> 3x or 3x -> 2x at the default 0.5)
     onsets: frozenset  # ranks that started straggling at this report
     ends: frozenset  # ranks that stopped at this report
 
 
 class StragglerDetector:
     def __init__(self, tp_size: int, onset: float = 1.3, end: float = 1.15, patience: int = 2,
-                 window: int = 3, replan: float = 0.25):
+                 window: int = 3, replan: float = 0.5):
         if not 1.0 <= end < onset:
             raise DetectError(f"thresholds: need 1 <= end ({end}) < onset ({onset})")
         if patience < 1 or window < 1:
@@ -84,7 +86,8 @@ class StragglerDetector:
             self._rebased = False
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
         drifted = any(slowdown[r] >= self.onset and
-                      abs(slowdown[r] / self._planned_for.get(r, slowdown[r]) - 1) > self.replan
+                      abs(math.log(slowdown[r] / self._planned_for.get(r, slowdown[r])))
+                      > math.log1p(self.replan)
                       for r in self.stragglers)
         changed = bool(onsets or ends or drifted)
         if changed:

@@ -51,6 +51,11 @@ def test_short_burst_below_patience_is_ignored_and_drift_replans():
     detector = StragglerDetector(2, patience=1, window=1, replan=0.25)
     results = _run(detector, [[1, 2], [1, 2.2], [1, 4], [1, 4]])
     assert [r.changed for r in results] == [True, False, True, False]
+    # default band: report-to-report noise after a move (2.4x vs 1.8x) is not a new straggle,
+    # a halving (4x -> 2x) is
+    detector = StragglerDetector(2, patience=1, window=1)
+    results = _run(detector, [[1, 2.4], [1, 1.8], [1, 2.2], [1, 4.4], [1, 2.1]])
+    assert [r.changed for r in results] == [True, False, False, True, True]
 
 
 def test_detector_rejects_bad_input():
