@@ -73,6 +73,15 @@ def plan_transfer(old: PartitionPlan, new: PartitionPlan,
     return TransferSchedule(old.tp_size, tuple(sorted(moves)))
 
 
+def minimum_bytes(old: PartitionPlan, new: PartitionPlan,
+                  unit_nbytes: Callable[[str], int]) -> int:
+    """The fewest bytes any transfer from `old`'s counts to `new`'s can move: per layer and
+    block, each rank that gains k units must receive k of them."""
+    return sum(max(0, b - a) * unit_nbytes(block)
+               for layer in range(old.num_layers) for block in BLOCKS
+               for a, b in zip(old.counts(layer, block), new.counts(layer, block)))
+
+
 @dataclass(frozen=True)
 class PrimitiveCost:
     """T = call + alpha * messages + bytes / beta, on the busiest rank's critical path."""

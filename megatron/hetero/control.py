@@ -1,6 +1,6 @@
 """The control loop: time every rank, detect stragglers, decide, and apply at a step boundary.
 
-Every `--het-tp-interval` iterations each rank's mean compute time per step (timing.py) and its
+Every `--het-tp-interval` iterations each rank's median compute time per step (timing.py) and its
 active work are all-gathered over the TP group and, with data parallelism, the slowest replica
 per TP position is taken (replicas share a plan). TP rank 0 of the group runs the detector and
 the planner (hettp, pure), broadcasts the decision, and every rank applies it before the next
@@ -70,7 +70,9 @@ class Controller:
         self._wall.append(wall_seconds)
         if iteration % self.interval:
             return None
-        compute = statistics.fmean(self._compute)
+        # The median step: one slow step (a hiccup, a burst's tail) does not make a report
+        # slow, and a straggle shows once it covers most of the interval.
+        compute = statistics.median(self._compute)
         wall = statistics.median(self._wall)
         self._compute, self._wall = [], []
         work = self._work(state)
@@ -123,6 +125,7 @@ class Controller:
         from hettp.exchange import TransferError
 
         resizer = state.resizer
+        before = state.partition.plan
         try:
             if decision.migrates:
                 resizer.resize(state, decision.shares)  # the move replaces the resize
@@ -133,7 +136,7 @@ class Controller:
             logger.info(f"> het-TP decision at iteration {iteration} not applied: {err}")
             return
         logger.decision(iteration, decision, detection, state.partition.last_transfer
-                        if decision.migrates else None)
+                        if decision.migrates else None, before)
 
     def _work(self, state):
         if state.resizer is None:  # vanilla or static: every rank the same even share

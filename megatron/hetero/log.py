@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hettp import __version__
+from hettp.transfer import minimum_bytes
 
 
 def _stamp() -> str:
@@ -159,7 +160,7 @@ class Logger:
             self.metrics.write("timing", iteration=iteration, compute_s=computes, work=works,
                                factor=factors, step_s=wall, slowdown=slowdown)
 
-    def decision(self, iteration, decision, detection, transfer) -> None:
+    def decision(self, iteration, decision, detection, transfer, before) -> None:
         """One line per planner decision: what, why, predicted step time before and after."""
         shares = ", ".join(f"{s:.0%}" for s in decision.shares)
         line = (f"> het-TP decision at iteration {iteration}: {decision.action} "
@@ -173,6 +174,10 @@ class Logger:
                      f"{result.seconds * 1e3:.1f} ms")
         self.info(line)
         if self.metrics is not None:
+            min_bytes = 0
+            if transfer:  # what the count change alone requires, for "bytes vs minimum"
+                sizes = {m.block: m.nbytes for m in transfer[0].moves}
+                min_bytes = minimum_bytes(before, decision.plan, lambda b: sizes.get(b, 0))
             self.metrics.write(
                 "decision", iteration=iteration, action=decision.action, reason=decision.reason,
                 shares=list(decision.shares), plan=decision.plan.to_json(),
@@ -180,7 +185,7 @@ class Logger:
                 predicted_after_s=decision.predicted_after, details=decision.details,
                 slowdown=list(detection.slowdown) if detection is not None else None,
                 units_moved=len(transfer[0].moves) if transfer else 0,
-                bytes=transfer[1].payload_bytes if transfer else 0)
+                bytes=transfer[1].payload_bytes if transfer else 0, min_bytes=min_bytes)
 
     def saved(self, iteration, path) -> None:
         self.info(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")
