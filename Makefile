@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hettp-installed
 
-.PHONY: setup demo test corpus clean
+.PHONY: setup demo test compare corpus clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+compare: setup
+	$(PY) scripts/compare.py
 
 corpus: setup
 	$(PY) scripts/preprocess_data.py --stdlib --output-prefix data/stdlib --max-bytes 8000000

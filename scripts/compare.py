@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""Policies side by side against vanilla Megatron, per straggler scenario, in one command.
+
+    python scripts/compare.py [--tp 2] [--dp 1] [--scenarios none,persistent-2x,transient,noisy]
+                              [--policies none,resize,migrate,hybrid] [--repeats 3]
+                              [--iters 24] [--interval 4] [--out results/compare]
+                              [--quick] [-- MEGATRON MODEL FLAGS]
+
+Each (scenario, policy) is a pretrain_gpt.py run on the same seed and mock data; runs are
+interleaved (round after round of every configuration) so machine drift hits all alike. Policy
+`none` is vanilla megatron-core layers (timed, never re-partitioned); the no-straggler vanilla
+runs give T_fast and C, measured here, never taken from a constant. Writes report.md,
+report.json, step_time.png and loss.png under --out, and each run's JSONL under --out/runs.
+
+Scenarios are built-in names (none, persistent-2x, persistent-4x, transient, rotating, multi,
+noisy, or all) or JSON files (hettp/scenarios.py). `noisy` is real contention: a busy process
+(scripts/noisy_neighbor.py) on rank 1's core; it needs a core per rank. Every rank is pinned to
+a core (rank % cores). The compute timer (--het-tp-timer) is thread CPU time, immune to the
+machine's own jitter, except in real-contention scenarios, which only wall-clock time (with
+collective waits left out) can see. Model flags after `--` replace the
+default model (a compute-dominated GPT: hidden 512, ffn 2048, 2 layers, 4x128 tokens per
+micro-batch); flags this script sets itself are refused there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from hettp.emulate import ScenarioError  # noqa: E402
+from hettp.metrics import read_metrics  # noqa: E402
+from hettp.report import VANILLA, Run, compare, markdown  # noqa: E402
+from hettp.scenarios import resolve  # noqa: E402
+
+POLICIES = ("none", "resize", "migrate", "hybrid", "zero")
+OWN_FLAGS = ("--tensor-model-parallel-size", "--train-iters", "--het-tp-policy",
+             "--het-tp-emulate", "--het-tp-interval", "--het-tp-timer", "--metrics-file",
+             "--seed", "--log-interval", "--global-batch-size", "--save", "--load")
+
+
+def model_flags(quick: bool) -> list[str]:
+    if quick:
+        return ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --mock-data "
+                "--vocab-size 255 --hidden-dropout 0 --attention-dropout 0").split()
+    return ("--num-layers 2 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048 "
+            "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 4 --lr 1e-4 "
+            "--mock-data --vocab-size 255 --hidden-dropout 0 --attention-dropout 0").split()
+
+
+def _flag_value(flags: list[str], name: str, default: str) -> str:
+    return flags[flags.index(name) + 1] if name in flags else default
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def _pin(core: int):
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+class Progress:
+    """One status line: run k of n, elapsed, ETA, and the running job's iteration."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.monotonic()
+        self.tty = sys.stdout.isatty()
+
+    def _clock(self, seconds: float) -> str:
+        seconds = int(seconds)
+        return f"{seconds // 60:02d}:{seconds % 60:02d}"
+
+    def show(self, label: str, iteration: int, iterations: int, final: bool = False) -> None:
+        elapsed = time.monotonic() - self.start
+        finished = self.done + int(final)
+        eta_text = (self._clock(elapsed / finished * (self.total - finished)) if finished
+                    else "--:--")
+        line = (f"[{self.done + 1:3d}/{self.total}  {self._clock(elapsed)} "
+                f"eta {eta_text}] {label}: iteration {iteration}/{iterations}")
+        if self.tty:
+            sys.stdout.write("\r" + line.ljust(100) + ("\n" if final else ""))
+            sys.stdout.flush()
+        elif final:
+            print(line, flush=True)
+
+
+def _timer(scenario) -> str:
+    """CPU time does not see a busy neighbour; wall time also sees a shared VM's jitter (on a
+    2-core VM it made a steady cluster look 1.3-1.5x uneven in a third of the runs)."""
+    return "wall" if scenario.real else "cpu"
+
+
+def _iterations_done(path: str) -> int:
+    """Train records written so far (complete lines only: the run is still writing)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return sum(1 for line in f if line.endswith("\n") and '"kind": "train"' in line)
+    except FileNotFoundError:
+        return 0
+
+
+def launch(a, flags: list[str], path: str, neighbor_core: int | None, label: str,
+           progress: Progress) -> None:
+    """Run pretrain_gpt.py on tp x dp pinned ranks (rank i on core i % cores); wait, showing
+    progress; raise SystemExit naming the run if any rank fails."""
+    world = a.tp * a.dp
+    cores = _cores()
+    for stale in (path, path[:-len(".jsonl")] + ".log"):
+        if os.path.exists(stale):
+            os.remove(stale)
+    port = _free_port()
+    log = open(path[:-len(".jsonl")] + ".log", "w")
+    neighbor = None
+    if neighbor_core is not None:
+        neighbor = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts",
+                                     "noisy_neighbor.py"), "--cpu", str(neighbor_core),
+                                     "--duration", "86400"], stdout=log, stderr=subprocess.STDOUT)
+    procs = []
+    try:
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags,
+                 "--metrics-file", path], env=env, cwd=ROOT,
+                preexec_fn=_pin(cores[rank % len(cores)]), stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + a.run_timeout
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            progress.show(label, _iterations_done(path), a.iters)
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        if neighbor is not None:
+            neighbor.terminate()
+            neighbor.wait()
+        log.close()
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        with open(path[:-len(".jsonl")] + ".log") as f:
+            sys.stderr.write(f.read()[-4000:])
+        raise SystemExit(f"compare: run {label} failed (exit codes {codes}); log "
+                         f"{path[:-len('.jsonl')]}.log")
+    progress.show(label, a.iters, a.iters, final=True)
+
+
+def parse(argv):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    p.add_argument("--scenarios", default=None,
+                   help="comma-separated built-in names and/or JSON files "
+                        "(default: none,persistent-2x,transient,noisy)")
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated from {', '.join(POLICIES)}; vanilla (none) always runs "
+                        "(default: none,resize,migrate,hybrid)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds of every run (default 3)")
+    p.add_argument("--iters", type=int, default=None, help="iterations per run (default 24)")
+    p.add_argument("--interval", type=int, default=None,
+                   help="--het-tp-interval of every run (default 4)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="output folder (default results/compare)")
+    p.add_argument("--report-only", action="store_true",
+                   help="launch nothing: rebuild the report from the runs already in --out/runs")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny model, 12 iterations, scenarios none,persistent-2x,noisy, "
+                        "policies none,migrate, 2 rounds: the whole path in about 2.5 minutes")
+    a = p.parse_args(argv)
+    # --quick includes the real-contention path when each of its 2 ranks can have a core
+    quick = dict(scenarios="none,persistent-2x" + (",noisy" if len(_cores()) >= 2 else ""),
+                 policies="none,migrate", repeats=2, iters=12,
+                 interval=3, out=os.path.join(ROOT, "results", "compare-quick"))
+    full = dict(scenarios="none,persistent-2x,transient,noisy", policies="none,resize,migrate,"
+                "hybrid", repeats=3, iters=24, interval=4,
+                out=os.path.join(ROOT, "results", "compare"))
+    for key, value in (quick if a.quick else full).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    for name, value, low in (("--tp", a.tp, 1), ("--dp", a.dp, 1), ("--repeats", a.repeats, 1),
+                             ("--iters", a.iters, 4), ("--interval", a.interval, 1)):
+        if value < low:
+            p.error(f"{name} must be >= {low}, got {value}")
+    if 2 * a.interval > a.iters:
+        p.error(f"--interval {a.interval} leaves fewer than two reports in --iters {a.iters}")
+    policies = [x.strip() for x in a.policies.split(",") if x.strip()]
+    bad = [x for x in policies if x not in POLICIES]
+    if bad:
+        p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(POLICIES)}")
+    a.policy_list = [VANILLA] + [x for x in dict.fromkeys(policies) if x != VANILLA]
+    try:
+        a.scenario_list = resolve(a.scenarios, a.tp, a.iters)
+    except ScenarioError as err:
+        p.error(str(err))
+    if "none" not in [s.name for s in a.scenario_list]:  # T_fast and C come from it
+        a.scenario_list.insert(0, resolve("none", a.tp, a.iters)[0])
+    taken = [f for f in extra if f.split("=")[0] in OWN_FLAGS]
+    if taken:
+        p.error(f"model flags after -- may not set {', '.join(taken)}: compare.py sets them")
+    a.model = extra or model_flags(a.quick)
+    world = a.tp * a.dp
+    if world > len(_cores()) and any(s.real for s in a.scenario_list):
+        p.error(f"real-contention scenarios need a core per rank: {world} ranks, "
+                f"{len(_cores())} cores")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    command = "python scripts/compare.py " + " ".join(
+        shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
+    runs_dir = os.path.join(a.out, "runs")
+    os.makedirs(runs_dir, exist_ok=True)
+    cores = _cores()
+    micro = int(_flag_value(a.model, "--micro-batch-size", "1"))
+    common = [*a.model, "--tensor-model-parallel-size", str(a.tp), "--global-batch-size",
+              str(micro * a.dp), "--train-iters", str(a.iters), "--log-interval", str(a.iters),
+              "--het-tp-interval", str(a.interval),
+              "--seed", str(a.seed)]
+    configs = [(s, policy) for s in a.scenario_list for policy in a.policy_list]
+    progress = Progress(len(configs) * a.repeats)
+    print(f"compare: TP={a.tp} DP={a.dp}, {len(a.scenario_list)} scenarios x "
+          f"{len(a.policy_list)} policies x {a.repeats} rounds = {progress.total} runs of "
+          f"{a.iters} iterations; ranks pinned to cores {cores}", flush=True)
+    start = time.monotonic()
+    runs = []
+    for repeat in range(a.repeats):  # interleaved: every configuration once per round
+        for scenario, policy in configs:
+            flags = [*common, "--het-tp-policy", policy, "--het-tp-timer", _timer(scenario)]
+            if scenario.emulate:
+                flags += ["--het-tp-emulate", scenario.emulate]
+            path = os.path.join(runs_dir, f"{scenario.name}.{policy}.{repeat}.jsonl")
+            neighbor_core = (cores[scenario.neighbor_rank % len(cores)] if scenario.real
+                             else None)
+            if not a.report_only:
+                launch(a, flags, path, neighbor_core,
+                       f"{scenario.name} / {policy} / round {repeat + 1}", progress)
+            elif not os.path.exists(path):
+                raise SystemExit(f"compare: --report-only but {path} is missing")
+            progress.done += 1
+            runs.append(Run.from_records(read_metrics(path), scenario.name, policy, repeat,
+                                         os.path.relpath(path, a.out)))
+    minutes = (time.monotonic() - start) / 60
+    previous = os.path.join(a.out, "report.json")
+    provenance = {}
+    if a.report_only and os.path.exists(previous):  # keep when, where and how long they ran
+        with open(previous) as f:
+            provenance = json.load(f)
+        minutes, command = provenance.get("minutes", minutes), provenance.get("command", command)
+    factors = {s.name: s.factors(a.tp, a.iters) for s in a.scenario_list}
+    varying = {s.name: s.varying(a.tp, a.iters) for s in a.scenario_list}
+    result = compare(runs, factors, varying, {s.name for s in a.scenario_list if s.real})
+    machine = (f"{platform.node()}: {len(os.sched_getaffinity(0))} cores "
+               f"({platform.processor() or platform.machine()}), Python "
+               f"{platform.python_version()}")
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine, date = provenance.get("machine", machine), provenance.get("date", date)
+    scenario_lines = [f"- `{s.name}`: {s.about or s.emulate or 'custom'}"
+                      + (f" (`--het-tp-emulate {s.emulate}`)" if s.emulate else "")
+                      + (", mean over the run" if varying[s.name] else "")
+                      + f"; compute timer {_timer(s)}"
+                      for s in a.scenario_list]
+    header = [f"# het-TP vs vanilla: TP={a.tp} DP={a.dp}", "",
+              f"`{command}` on {date}, {machine}; {progress.total} runs in {minutes:.1f} min.",
+              f"Model: `{' '.join(a.model)}`; {a.iters} iterations per run, reports every "
+              f"{a.interval}; medians over {a.repeats} interleaved rounds (spread = max - min); "
+              "step time = median of the second half, or the mean after iteration 1 where "
+              "who is slow changes.", "", *scenario_lines, ""]
+    with open(os.path.join(a.out, "report.md"), "w") as f:
+        f.write("\n".join(header) + "\n" + markdown(result))
+    with open(os.path.join(a.out, "report.json"), "w") as f:
+        json.dump({"command": command, "date": date, "machine": machine, "minutes": minutes,
+                   "tp": a.tp, "dp": a.dp, "iters": a.iters, "interval": a.interval,
+                   "repeats": a.repeats, "model": a.model,
+                   "scenarios": [{"name": s.name, "emulate": s.emulate, "timer": _timer(s),
+                                  "noisy_neighbor_rank": s.neighbor_rank, "about": s.about,
+                                  "varying": varying[s.name]} for s in a.scenario_list],
+                   **result}, f, indent=1)
+    from hettp.plots import plot
+
+    plot(runs, result["speeds"], result["baseline"], os.path.join(a.out, "step_time.png"),
+         os.path.join(a.out, "loss.png"))
+    print(markdown(result))
+    print(f"compare: {progress.total} runs in {minutes:.1f} min; report in "
+          f"{os.path.relpath(a.out, os.getcwd())}/report.md, report.json, step_time.png, "
+          "loss.png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

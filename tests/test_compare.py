@@ -1,0 +1,98 @@
+"""scripts/compare.py end to end on 2 ranks (--quick): launch, metrics, report, plots. Checks the
+outputs exist and agree with the runs' JSONL; never the timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from hettp.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "compare.py")
+
+
+def _steady(path):
+    steps = [r["elapsed_ms"] / 1e3 for r in read_metrics(path, "train")]
+    return statistics.median(steps[len(steps) // 2:])
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_quick_report_agrees_with_the_runs(quick):
+    out, stdout = quick
+    report = json.loads((out / "report.json").read_text())
+    names = [s["name"] for s in report["scenarios"]]
+    assert names[:2] == ["none", "persistent-2x"]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert "noisy" in names  # real contention ran
+    rows = {(r["scenario"], r["policy"]): r for r in report["rows"]}
+    assert set(rows) == {(s, p) for s in names for p in ("none", "migrate")}
+    base = [_steady(out / p) for p in rows[("none", "none")]["runs"]]
+    assert report["baseline"]["t_fast_s"] == pytest.approx(statistics.median(base))
+    table = (out / "report.md").read_text()
+    for (scenario, policy), row in rows.items():
+        paths = [out / p for p in row["runs"]]
+        assert len(paths) == report["repeats"] == 2 and all(p.exists() for p in paths)
+        if scenario in ("none", "persistent-2x"):  # constant scenarios: steady-state median
+            assert row["step_s"] == pytest.approx(statistics.median(_steady(p) for p in paths))
+        decisions = [list(read_metrics(p, "decision")) for p in paths]
+        assert row["decisions"] == statistics.median(len(d) for d in decisions)
+        assert row["bytes_moved"] == statistics.median(sum(r["bytes"] for r in d)
+                                                       for d in decisions)
+        finals = [list(read_metrics(p, "train"))[-1]["lm_loss"] for p in paths]
+        assert row["final_loss"] == pytest.approx(statistics.median(finals))
+        assert f"| {scenario} | {policy} | {row['step_s'] * 1e3:.1f} " in table
+    # the planner acted on the emulated straggler and the move was lossless and minimal
+    mig = rows[("persistent-2x", "migrate")]
+    assert mig["decisions"] >= 1 and mig["decisions_first_run"][0].startswith("migrate@")
+    assert mig["bytes_vs_min"] == pytest.approx(1.0)
+    assert abs(mig["loss_gap"]) <= 1e-5 * abs(mig["final_loss"])
+    assert rows[("persistent-2x", "none")]["E"] is not None
+    assert "report in" in stdout and "iteration 12/12" in stdout
+
+
+def test_quick_plots_are_images(quick):
+    import matplotlib.image as mpimg
+
+    out, _ = quick
+    for name in ("step_time.png", "loss.png"):
+        image = mpimg.imread(out / name)
+        assert image.shape[0] > 300 and image.shape[1] > 600  # one panel per scenario
+        assert image[..., :3].std() > 0.05  # not blank
+
+
+def test_report_only_rebuilds_the_same_table(quick):
+    out, _ = quick
+    before = (out / "report.json").read_text()
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(out),
+                           "--report-only"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "report.json").read_text())["rows"] == json.loads(before)["rows"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policies", "none,fast"], "--policies: unknown fast"),
+    (["--scenarios", "slowest"], "unknown scenario 'slowest'"),
+    (["--iters", "10", "--interval", "6"], "--interval 6 leaves fewer than two reports"),
+    (["--tp", "0"], "--tp must be >= 1"),
+    (["--", "--num-layers", "2", "--train-iters", "5"], "may not set --train-iters"),
+    (["--tp", "64", "--scenarios", "noisy"], "need a core per rank"),
+])
+def test_bad_arguments_name_the_flag(argv, message, tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), *argv],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "x").exists()  # nothing launched, nothing written

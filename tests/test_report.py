@@ -1,0 +1,161 @@
+"""Comparison scenarios and report metrics on synthetic run records: pure, milliseconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hettp.emulate import ScenarioError
+from hettp.plan import PartitionPlan
+from hettp.report import Run, compare, ideal_step, markdown, reaction_steps
+from hettp.scenarios import builtin, resolve
+from hettp.transfer import minimum_bytes, plan_transfer
+
+
+def _records(steps, losses=None, compute=None, decisions=(), interval=5, tokens=(4, 128)):
+    """JSONL-like records of one run: step seconds per iteration from 1, compute per rank per
+    report (constant), decisions as given."""
+    out = [{"kind": "run", "args": {"global_batch_size": tokens[0], "seq_length": tokens[1]}}]
+    for i, t in enumerate(steps, 1):
+        loss = losses[i - 1] if losses else 5.0 - 0.01 * i
+        out.append({"kind": "train", "iteration": i, "elapsed_ms": t * 1e3, "lm_loss": loss})
+        if compute is not None and i % interval == 0:
+            out.append({"kind": "timing", "iteration": i,
+                        "compute_s": compute(i) if callable(compute) else compute})
+    out.extend({"kind": "decision", **d} for d in decisions)
+    return out
+
+
+def _run(scenario, policy, steps, repeat=0, **kw):
+    return Run.from_records(_records(steps, **kw), scenario, policy, repeat,
+                            f"{scenario}.{policy}.{repeat}")
+
+
+def test_builtin_scenarios_scale_with_the_run_and_parse():
+    specs = builtin(4, 60)
+    assert set(specs) >= {"none", "persistent-2x", "persistent-4x", "transient", "rotating",
+                          "multi", "noisy"}
+    assert specs["multi"].emulate == "multi:factors=8/6"  # half of 4 ranks
+    assert specs["persistent-2x"].factors(4, 3)[0] == (1.0, 2.0, 1.0, 1.0)
+    assert not specs["persistent-2x"].varying(4, 60)
+    assert specs["transient"].varying(4, 60) and specs["rotating"].varying(4, 60)
+    assert specs["noisy"].real and specs["noisy"].factors(4, 2) == [(1.0,) * 4] * 2
+    for spec in specs.values():
+        spec.check(4)
+
+
+def test_scenario_files_and_errors(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps([{"name": "slow0", "emulate": "persistent:rank=0,factor=3"},
+                                {"name": "busy1", "noisy_neighbor": {"rank": 1}}]))
+    specs = resolve(f"none,{path}", 2, 20)
+    assert [s.name for s in specs] == ["none", "slow0", "busy1"]
+    assert specs[1].factors(2, 1) == [(3.0, 1.0)] and specs[2].neighbor_rank == 1
+    with pytest.raises(ScenarioError, match="unknown scenario 'slowest'"):
+        resolve("slowest", 2, 20)
+    with pytest.raises(ScenarioError, match="repeat: none"):
+        resolve("none,none", 2, 20)
+    bad = tmp_path / "bad.json"
+    for content, message in (
+            ([{"name": "x", "emulate": "persistent:rank=5,factor=2"}], "rank 5 is not a TP"),
+            ([{"name": "x", "noisy_neighbor": {"rank": 2}}], "rank 2 is not a TP rank"),
+            ([{"name": "x", "slow": 1}], "unknown keys \\['slow'\\]"),
+            ([{"emulate": "none"}], "needs a \"name\""),
+            ({"name": "x"}, "JSON list")):
+        bad.write_text(json.dumps(content))
+        with pytest.raises(ScenarioError, match=message):
+            resolve(str(bad), 2, 20)
+
+
+def test_minimum_bytes_counts_only_gains():
+    old = PartitionPlan.even(2, 2, 4, 8)
+    new = old.rebalanced(attn_counts=(3, 1), mlp_counts=(6, 2))
+    sizes = {"attn": 100, "mlp": 10}
+    assert minimum_bytes(old, new, sizes.get) == 2 * (1 * 100 + 2 * 10)
+    assert plan_transfer(old, new, sizes.get).total_bytes == minimum_bytes(old, new, sizes.get)
+    assert minimum_bytes(old, old, sizes.get) == 0
+
+
+def test_reaction_counts_steps_until_within_ten_percent():
+    steps = [2.0] * 6 + [1.05, 1.0, 0.98, 1.0, 1.02, 1.0]
+    run = _run("s", "migrate", steps)
+    assert reaction_steps(run, 1, 1.0) == 6  # settles at iteration 7
+    assert reaction_steps(_run("s", "m", [2.0] * 10), 1, 1.0) is None
+    # a late excursion resets it: it must stay settled
+    late = _run("s", "m", [1.0] * 5 + [1.5] * 3 + [1.0] * 4)
+    assert reaction_steps(late, 1, 1.0) == 8
+
+
+def test_compare_metrics_follow_the_design_definitions():
+    """T_fast 1.0 s with C 0.8 s, rank 1 2x slow at TP=2: T_ideal = 0.2 + 0.8 * 2 / 1.5."""
+    n = 20
+    compute = [0.8, 0.78]
+    fast = [1.0] * n
+    runs = [_run("none", "none", fast, compute=compute),
+            _run("none", "hybrid", [1.02] * n, compute=compute),
+            _run("slow", "none", [1.8] * n, compute=[0.8, 1.6]),
+            _run("slow", "migrate", [1.6] * 10 + [1.1] * 10, compute=compute,
+                 decisions=[{"action": "migrate", "iteration": 5, "bytes": 300,
+                             "min_bytes": 300}],
+                 losses=[5.0 - 0.01 * i + 1e-7 for i in range(1, n + 1)])]
+    factors = {"none": [(1.0, 1.0)] * n, "slow": [(1.0, 2.0)] * n}
+    result = compare(runs, factors, {"none": False, "slow": False})
+    b = result["baseline"]
+    assert b["t_fast_s"] == pytest.approx(1.0) and b["c_s"] == pytest.approx(0.8)
+    rows = {(r["scenario"], r["policy"]): r for r in result["rows"]}
+    t_ideal = 0.2 + 0.8 * 2 / 1.5
+    assert ideal_step(1.0, 0.8, (1.0, 0.5)) == pytest.approx(t_ideal)
+    mig = rows[("slow", "migrate")]
+    assert mig["t_ideal_s"] == pytest.approx(t_ideal)
+    assert mig["E"] == pytest.approx(t_ideal / 1.1)
+    assert mig["R"] == pytest.approx((1.8 - 1.1) / (1.8 - t_ideal))
+    assert mig["speedup"] == pytest.approx(1.8 / 1.1)
+    assert mig["tokens_per_s"] == pytest.approx(512 / 1.1)
+    assert mig["bytes_vs_min"] == pytest.approx(1.0) and mig["decisions"] == 1
+    assert mig["decisions_first_run"] == ["migrate@5"]
+    assert mig["loss_gap"] == pytest.approx(1e-7)
+    assert mig["reaction_steps"] == 10  # 1.6 until iteration 10, then steady 1.1
+    assert rows[("slow", "none")]["R"] == pytest.approx(0.0)
+    assert rows[("none", "hybrid")]["E"] is None and rows[("none", "hybrid")]["R"] is None
+    assert rows[("none", "hybrid")]["speedup"] == pytest.approx(1 / 1.02)
+    table = markdown(result)
+    assert "| slow | migrate | 1100.0 (0.0) |" in table and "C/T_fast 0.80" in table
+
+
+def test_medians_over_repeats_and_varying_scenarios():
+    n = 12
+    runs = [_run("none", "none", [1.0] * n, repeat=k, compute=[0.5, 0.5]) for k in range(3)]
+    # bursts: rank 0 4x slow on iterations 3-4 and 9-10; the step time is the mean after step 1
+    factors = [(4.0, 1.0) if i in (3, 4, 9, 10) else (1.0, 1.0) for i in range(1, n + 1)]
+    steps = [9.0] + [2.0 if i in (3, 4, 9, 10) else 1.0 for i in range(2, n + 1)]
+    for k, scale in enumerate((1.0, 1.1, 0.9)):
+        runs.append(_run("burst", "none", [s * scale for s in steps], repeat=k,
+                         compute=[0.5, 0.5]))
+    result = compare(runs, {"none": [(1.0, 1.0)] * n, "burst": factors},
+                     {"none": False, "burst": True})
+    row = [r for r in result["rows"] if r["scenario"] == "burst"][0]
+    mean = (4 * 2.0 + 7 * 1.0) / 11
+    assert row["step_s"] == pytest.approx(mean)  # median of the three rounds
+    assert row["spread_s"] == pytest.approx(0.2 * mean)
+    ideal = ideal_step(1.0, 0.5, (0.25, 1.0))
+    assert row["t_ideal_s"] == pytest.approx((4 * ideal + 7 * 1.0) / 11)
+    assert row["reaction_steps"] is None  # not a persistent straggle
+
+
+def test_real_contention_speeds_are_measured_from_vanilla():
+    n = 10
+    runs = [_run("none", "none", [1.0] * n, compute=[0.4, 0.4]),
+            _run("busy", "none", [1.4] * n, compute=[0.4, 0.8]),
+            _run("busy", "migrate", [1.2] * n, compute=[0.5, 0.5])]
+    result = compare(runs, {"none": [(1.0, 1.0)] * n, "busy": [(1.0, 1.0)] * n},
+                     {"none": False, "busy": False}, real={"busy"})
+    assert result["speeds"]["busy"][0] == pytest.approx((1.0, 0.5))
+    row = [r for r in result["rows"] if r["policy"] == "migrate"][0]
+    assert row["t_ideal_s"] == pytest.approx(0.6 + 0.4 * 2 / 1.5)
+
+
+def test_compare_needs_the_vanilla_baseline():
+    with pytest.raises(ValueError, match="no-straggler vanilla"):
+        compare([_run("slow", "none", [1.0] * 4, compute=[0.1, 0.1])],
+                {"slow": [(2.0, 1.0)] * 4}, {"slow": False})
