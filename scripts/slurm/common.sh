@@ -1,0 +1,67 @@
+# Shared by the sbatch scripts: knobs (environment variables with defaults), the launch helper
+# and --dry-run. Source it; do not run it.
+#
+#   HETTP_DIR   repository root            (default: the directory sbatch was called from)
+#   PYTHON      interpreter with hettp     (default: $HETTP_DIR/.venv/bin/python if present, else python3)
+#   TP          tensor-parallel size       (default 2)
+#   ITERS       training iterations        (default 40)
+#   POLICY      --het-tp-policy            (default hybrid)
+#   INTERVAL    --het-tp-interval          (default 5)
+#   EMULATE     --het-tp-emulate scenario  (default: none; CPU only)
+#   MODEL_ARGS  Megatron model/optimizer flags (default: a small GPT on mock data)
+#   EXTRA_ARGS  appended to every pretrain_gpt.py command line (default --log-interval 5)
+#   OUT         metrics and logs folder    (default $HETTP_DIR/logs/slurm-$SLURM_JOB_ID)
+#   MASTER_PORT rendezvous port            (default: derived from the job id)
+HETTP_DIR=${HETTP_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$HETTP_DIR/.venv/bin/python" ]; then PYTHON=$HETTP_DIR/.venv/bin/python; else PYTHON=python3; fi
+fi
+TP=${TP:-2}
+ITERS=${ITERS:-40}
+POLICY=${POLICY:-hybrid}
+INTERVAL=${INTERVAL:-5}
+EMULATE=${EMULATE:-}
+MODEL_ARGS=${MODEL_ARGS:---num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 --attention-dropout 0}
+EXTRA_ARGS=${EXTRA_ARGS:---log-interval 5}
+OUT=${OUT:-$HETTP_DIR/logs/slurm-${SLURM_JOB_ID:-dry}}
+export HETTP_DIR PYTHON OUT
+export PYTHONPATH=$HETTP_DIR${PYTHONPATH:+:$PYTHONPATH}
+
+DRY_RUN=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    *) echo "$(basename "$0"): unknown argument '$arg' (only --dry-run)" >&2; exit 2 ;;
+  esac
+done
+
+hettp_fail() { echo "$(basename "$0"): $*" >&2; exit 2; }
+[[ "$TP" =~ ^[1-9][0-9]*$ ]] || hettp_fail "TP must be a positive integer, got '$TP'"
+[[ "$ITERS" =~ ^[1-9][0-9]*$ ]] || hettp_fail "ITERS must be a positive integer, got '$ITERS'"
+[[ "$INTERVAL" =~ ^[1-9][0-9]*$ ]] || hettp_fail "INTERVAL must be a positive integer, got '$INTERVAL'"
+
+# pretrain_gpt.py's flags for one run: hettp_args POLICY METRICS_FILE [EMULATE]
+hettp_args() {
+  local policy=$1 metrics=$2 emulate=${3:-}
+  # shellcheck disable=SC2206  # MODEL_ARGS and EXTRA_ARGS are word lists on purpose
+  ARGS=($MODEL_ARGS --tensor-model-parallel-size "$TP" --train-iters "$ITERS"
+        --metrics-file "$metrics" $EXTRA_ARGS)
+  if [ "$policy" != vanilla ]; then
+    ARGS+=(--het-tp-policy "$policy" --het-tp-interval "$INTERVAL")
+    [ -n "$emulate" ] && ARGS+=(--het-tp-emulate "$emulate")
+  fi
+  return 0
+}
+
+# One task per GPU: srun starts them; each derives RANK etc. from Slurm (hettp.launch_env).
+hettp_srun() {
+  local cmd=(srun --kill-on-bad-exit=1 bash "$HETTP_DIR/scripts/slurm/task.sh" "${ARGS[@]}")
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "+ $(printf '%q ' "${cmd[@]}")"
+    echo "# task environment (SLURM_PROCID=${SLURM_PROCID:-0}):"
+    "$PYTHON" -m hettp.launch_env | sed 's/^/#   /'
+    return 0
+  fi
+  mkdir -p "$OUT"
+  "${cmd[@]}"
+}
