@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-from .report import Run, ideal_step
+from .report import VANILLA, Run, ideal_step
 
 
 def _per_iteration_median(runs: Sequence[Run], field: str) -> tuple[list[int], list[float]]:
@@ -53,8 +53,10 @@ def plot(runs: Sequence[Run], speeds: dict[str, list[tuple[float, ...]]], baseli
                     continue
                 its, values = _per_iteration_median(group, field)
                 scale = 1e3 if field == "step_s" else 1.0
-                ax.plot(its, [v * scale for v in values], color=colors[policy], lw=1.3,
-                        label=policy)
+                vanilla = policy == VANILLA  # wide and pale: lossless policies lie on it
+                ax.plot(its, [v * scale for v in values], color=colors[policy],
+                        lw=3.5 if vanilla else 1.3, alpha=0.45 if vanilla else 1.0,
+                        zorder=1 if vanilla else 2, label=policy)
                 later = [v * scale for i, v in zip(its, values) if i > 1]
                 top = max(top, max(later, default=0.0))
             if field == "step_s":
