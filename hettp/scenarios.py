@@ -88,6 +88,9 @@ def from_dict(item: dict, where: str) -> ScenarioSpec:
     if unknown:
         raise ScenarioError(f"{where}: scenario '{item['name']}' has unknown keys "
                             f"{sorted(unknown)} (known: name, emulate, noisy_neighbor, about)")
+    if not isinstance(item.get("emulate", ""), str):
+        raise ScenarioError(f"{where}: scenario '{item['name']}': emulate must be a "
+                            "--het-tp-emulate string, e.g. \"persistent:rank=1,factor=2\"")
     neighbor = item.get("noisy_neighbor")
     if neighbor is not None and not (isinstance(neighbor, dict) and
                                      isinstance(neighbor.get("rank"), int)):

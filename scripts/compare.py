@@ -234,8 +234,8 @@ def parse(argv):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    command = "python scripts/compare.py " + " ".join(
-        shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
+    command = " ".join(["python scripts/compare.py"] + [
+        shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)])
     runs_dir = os.path.join(a.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     cores = _cores()

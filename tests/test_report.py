@@ -62,6 +62,7 @@ def test_scenario_files_and_errors(tmp_path):
             ([{"name": "x", "noisy_neighbor": {"rank": 2}}], "rank 2 is not a TP rank"),
             ([{"name": "x", "slow": 1}], "unknown keys \\['slow'\\]"),
             ([{"emulate": "none"}], "needs a \"name\""),
+            ([{"name": "x", "emulate": {"rank": 1}}], "emulate must be a --het-tp-emulate"),
             ({"name": "x"}, "JSON list")):
         bad.write_text(json.dumps(content))
         with pytest.raises(ScenarioError, match=message):
