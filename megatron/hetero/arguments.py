@@ -352,7 +352,20 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         raise ArgumentError("--tensorboard-dir needs the tensorboard package "
                             "(pip install tensorboard, or the project's [tensorboard] extra)")
 
-    # Heterogeneous TP.
+    validate_het_tp_args(args, cuda_available)
+
+    # Checkpointing.
+    if args.save_interval is not None:
+        _require(args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}")
+        _require(args.save is not None, "--save-interval needs --save")
+    if args.exit_interval is not None:
+        _require(args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}")
+
+
+def validate_het_tp_args(args, cuda_available: bool) -> None:
+    """The --het-tp group's checks and derived values (het_tp, het_tp_plan_obj,
+    het_tp_resize_shares); also used on an upstream Megatron-LM checkout (upstream.py)."""
+    tp = args.tensor_model_parallel_size
     _require(args.het_tp_granularity > 0,
              f"--het-tp-granularity must be positive, got {args.het_tp_granularity}")
     dynamic = args.het_tp_policy in ("resize", "migrate", "hybrid", "zero")
@@ -419,13 +432,6 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
                     args.ffn_hidden_size // gran, gran)
             except PlanError as err:
                 raise ArgumentError(f"--het-tp-plan: {err}")
-
-    # Checkpointing.
-    if args.save_interval is not None:
-        _require(args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}")
-        _require(args.save is not None, "--save-interval needs --save")
-    if args.exit_interval is not None:
-        _require(args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}")
 
 
 def _is_number(text):
