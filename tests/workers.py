@@ -424,3 +424,69 @@ def train_with_control(argv: list[str]) -> dict:
     result, stdout = _pretrain(argv, hook)
     return {"losses": result.losses, "seen": seen, "stdout": stdout,
             "metrics_file": result.metrics_file}
+
+
+def train_like_upstream(argv: list[str]) -> dict:
+    """Upstream Megatron-LM's train() as patches/ wires it: the model built with
+    upstream.layer_spec and install_partition, wrapped and optimized by megatron-core, and the
+    hook's calls at the places the patch puts them. Returns losses, output, and whether the
+    model and optimizer objects were replaced."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.hetero import upstream
+    from megatron.hetero.arguments import parse_args
+    from megatron.hetero.data import build_datasets, build_loader, build_tokenizer
+    from megatron.hetero.model import build_gpt_model, transformer_config
+    from megatron.hetero.training import (_add_reports, _token_mean, forward_step, initialize,
+                                          optimizer_config, scheduler_kwargs, shutdown)
+
+    args = parse_args(argv)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            initialize(args)
+            tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+            config = transformer_config(args)
+            module = build_gpt_model(args, config, tokenizer.vocab_size, upstream.layer_spec(args))
+            upstream.install_partition(args, module)
+            model = [DDP(config, DistributedDataParallelConfig(), module)]
+            optimizer = get_megatron_optimizer(optimizer_config(args), model)
+            scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
+            config.no_sync_func = model[0].no_sync
+            config.finalize_model_grads_func = finalize_model_grads
+            first = (model[0], optimizer)
+            hook = upstream.StepHook.create(args, model, optimizer, scheduler, config)
+            train_ds, _, _ = build_datasets(args, tokenizer)
+            data = iter(build_loader(train_ds, 0, args, parallel_state.get_data_parallel_rank(),
+                                     parallel_state.get_data_parallel_world_size()))
+            losses = {}
+            for iteration in range(args.train_iters):
+                if hook is not None:
+                    hook.begin_step(iteration + 1)
+                model[0].zero_grad_buffer()
+                optimizer.zero_grad()
+                reports = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=data, model=model,
+                    num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, forward_only=False)
+                upstream.before_optimizer_step()
+                ok, _, _ = optimizer.step()
+                upstream.after_optimizer_step()
+                if ok:
+                    scheduler.step(increment=1)
+                losses[iteration + 1] = _token_mean(
+                    _add_reports(torch.zeros(2, dtype=torch.float64), reports))
+                if hook is not None:
+                    model, optimizer = hook.end_step(iteration + 1)
+            replaced = model[0] is not first[0] and optimizer is not first[1]
+            plan = upstream._PARTITION.plan.summary() if upstream._PARTITION else None
+    finally:
+        shutdown()
+    return {"losses": losses, "stdout": out.getvalue(), "replaced": replaced, "plan": plan,
+            "hook": hook is not None}

@@ -154,15 +154,41 @@ def setup_model_and_optimizer(args, vocab_size) -> TrainState:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss if (args.fp16 or args.bf16) else None
     state = TrainState(model, optimizer, scheduler, config, partition)
-    if args.het_tp and (args.het_tp_resize_shares is not None or
-                        args.het_tp_policy in ("resize", "migrate", "hybrid", "zero")):
-        from .resize import ZERO_IMPUTED_GRAD, Resizer
-
-        state.resizer = Resizer(partition, model, args.het_tp_priority, args.het_tp_priority_interval,
-                                args.het_tp_max_resize,
-                                ZERO_IMPUTED_GRAD if args.het_tp_policy == "zero" else None,
-                                scoring=args.het_tp_policy != "migrate")
+    state.resizer = make_resizer(args, partition, model)
     return state
+
+
+def make_resizer(args, partition, model):
+    """The Resizer when resizing or a dynamic policy is configured, else None."""
+    if not (args.het_tp and (args.het_tp_resize_shares is not None or
+                             args.het_tp_policy in ("resize", "migrate", "hybrid", "zero"))):
+        return None
+    from .resize import ZERO_IMPUTED_GRAD, Resizer
+
+    return Resizer(partition, model, args.het_tp_priority, args.het_tp_priority_interval,
+                   args.het_tp_max_resize,
+                   ZERO_IMPUTED_GRAD if args.het_tp_policy == "zero" else None,
+                   scoring=args.het_tp_policy != "migrate")
+
+
+def make_controller(args, state):
+    """The control loop when something is to be timed or decided, else None."""
+    if args.het_tp_emulate or args.het_tp_policy in ("none", "resize", "migrate", "hybrid") or (
+            args.het_tp_policy == "zero" and args.het_tp_resize_shares is None):
+        from .control import Controller
+
+        return Controller(args, state)
+    return None
+
+
+def het_tp_step_end(iteration, state, controller, logger, elapsed) -> None:
+    """At a step boundary, on every rank: refresh priorities, then report, decide and apply."""
+    if state.resizer is not None:
+        swapped = state.resizer.step_end(iteration, state)
+        if swapped is not None:
+            logger.priorities(iteration, state.resizer, swapped)
+    if controller is not None:
+        controller.end_step(iteration, state, logger, elapsed)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -274,12 +300,7 @@ def pretrain(args, on_step_end=None) -> TrainResult:
         # after loading: it freezes the loaded skipped units
         state.resizer.resize(state, args.het_tp_resize_shares)
         logger.resize(iteration, state.resizer, "initial")
-    controller = None
-    if args.het_tp_emulate or args.het_tp_policy in ("none", "resize", "migrate", "hybrid") or (
-            args.het_tp_policy == "zero" and args.het_tp_resize_shares is None):
-        from .control import Controller
-
-        controller = Controller(args, state)
+    controller = make_controller(args, state)
 
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -313,12 +334,7 @@ def pretrain(args, on_step_end=None) -> TrainResult:
             logger.evaluation(iteration, eval_losses[iteration])
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             saved_at = save(iteration)
-        if state.resizer is not None:
-            swapped = state.resizer.step_end(iteration, state)
-            if swapped is not None:
-                logger.priorities(iteration, state.resizer, swapped)
-        if controller is not None:
-            controller.end_step(iteration, state, logger, elapsed)
+        het_tp_step_end(iteration, state, controller, logger, elapsed)
         if on_step_end is not None:
             on_step_end(iteration, state, logger)
         if args.exit_interval and iteration % args.exit_interval == 0:
