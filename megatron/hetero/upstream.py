@@ -44,8 +44,8 @@ def extra_args_provider(other=None):
 
 
 def layer_spec(args):
-    """Check the --het-tp flags (exit 2 naming the flag, before any model exists); the het-TP
-    layer spec when --het-tp, else None (upstream keeps its own)."""
+    """Check the --het-tp flags (exit with an error naming the flag, before any model
+    exists); the het-TP layer spec when --het-tp, else None (upstream keeps its own)."""
     # upstream keeps --num-query-groups at 1 unless --group-query-attention
     view = copy.copy(args)
     if not getattr(args, "group_query_attention", True):
