@@ -490,3 +490,10 @@ def train_like_upstream(argv: list[str]) -> dict:
         shutdown()
     return {"losses": losses, "stdout": out.getvalue(), "replaced": replaced, "plan": plan,
             "hook": hook is not None}
+
+
+def preloaded(names: list[str]) -> dict:
+    """Which of these modules the rank already had when it started (from the fork server)."""
+    import sys
+
+    return {name: name in sys.modules for name in names}
