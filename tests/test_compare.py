@@ -25,9 +25,7 @@ def _steady(path):
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    # one round keeps CI short; medians and spreads over rounds are tested in test_report.py
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--repeats", "1", "--out", str(out)],
-                          cwd=ROOT,
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout
@@ -47,7 +45,7 @@ def test_quick_report_agrees_with_the_runs(quick):
     table = (out / "report.md").read_text()
     for (scenario, policy), row in rows.items():
         paths = [out / p for p in row["runs"]]
-        assert len(paths) == report["repeats"] == 1 and all(p.exists() for p in paths)
+        assert len(paths) == report["repeats"] == 2 and all(p.exists() for p in paths)
         if scenario in ("none", "persistent-2x"):  # constant scenarios: steady-state median
             assert row["step_s"] == pytest.approx(statistics.median(_steady(p) for p in paths))
         decisions = [list(read_metrics(p, "decision")) for p in paths]
@@ -79,8 +77,8 @@ def test_quick_plots_are_images(quick):
 def test_report_only_rebuilds_the_same_table(quick):
     out, _ = quick
     before = (out / "report.json").read_text()
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--repeats", "1", "--out",
-                           str(out), "--report-only"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(out), "--report-only"],
+                          cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((out / "report.json").read_text())["rows"] == json.loads(before)["rows"]
 
@@ -98,3 +96,17 @@ def test_bad_arguments_name_the_flag(argv, message, tmp_path):
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "x").exists()  # nothing launched, nothing written
+
+
+def test_a_failing_run_is_named_with_its_log(tmp_path):
+    # compare.py's own flags are fine; pretrain_gpt.py refuses the model on every rank
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--scenarios", "none", "--repeats",
+                           "1", "--out", str(tmp_path), "--", "--num-layers", "1",
+                           "--hidden-size", "63", "--num-attention-heads", "4", "--seq-length",
+                           "16", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    log = tmp_path / "runs" / "none.none.0.log"
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"run none / none / round 1 failed (exit codes [2, 2]); log {log}" in proc.stderr
+    assert "--hidden-size (63) must be divisible" in log.read_text()
+    assert not (tmp_path / "report.json").exists()
