@@ -88,6 +88,10 @@ def test_het_tp_flags():
                  world_size=2)
     assert args.het_tp and args.het_tp_resize_shares == (0.0, 0.75)
     assert args.het_tp_priority == "dw" and args.het_tp_policy == "static"
+    assert args.het_tp_priority_sample_interval == 8  # one step in 8 of each 50-step refresh
+    args = _args("--tensor-model-parallel-size 2 --het-tp-resize 0,0.5 "
+                 "--het-tp-priority-interval 4", world_size=2)
+    assert args.het_tp_priority_sample_interval == 4  # at least one observed step per refresh
     args = _args("--tensor-model-parallel-size 2 --het-tp-policy hybrid --het-tp-emulate "
                  "persistent:rank=1,factor=2,start=20", world_size=2)
     assert args.het_tp and args.het_tp_interval == 10 and args.het_tp_resize_shares is None
@@ -112,6 +116,8 @@ def test_het_tp_flags():
     ("--het-tp-resize 0,-0.1", "--het-tp-resize: rank 1 share -0.1 is not within [0, 1]"),
     ("--het-tp-max-resize 1.5", "--het-tp-max-resize must be within [0, 1], got 1.5"),
     ("--het-tp-priority-interval 0", "--het-tp-priority-interval must be positive"),
+    ("--het-tp-priority-sample-interval 0", "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval 50], got 0"),
+    ("--het-tp-priority-interval 10 --het-tp-priority-sample-interval 11", "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval 10], got 11"),
     ("--het-tp-policy none --het-tp-plan attn=3,1;mlp=200,56", "--het-tp-policy none runs vanilla megatron-core layers; drop --het-tp-plan"),
     ("--het-tp-policy hybrid --het-tp-resize 0,0.5", "--het-tp-resize sets fixed shares; --het-tp-policy hybrid decides them itself"),
     ("--het-tp-policy migrate --het-tp-interval 0", "--het-tp-interval must be positive, got 0"),

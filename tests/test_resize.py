@@ -236,6 +236,18 @@ def test_resizer_with_no_share_is_bit_identical_to_plain_het_tp(tmp_path):
     assert plain == idle
 
 
+def test_scorer_observes_only_sampled_iterations():
+    """dw copies the sharded weights on the steps it observes (about 10% of a CPU step when it
+    observes every step), so it observes iterations divisible by the sample interval."""
+    argv = TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "8",
+                    "--het-tp-priority-sample-interval", "3", "--train-iters", "7"]
+    records = run_ranks(train_with_resizes, 2, argv, {})[1]["records"]
+    once = records[3]["observed"]  # unit-steps observed at iteration 3
+    assert once > 0
+    assert [records[it]["observed"] for it in range(1, 8)] == [
+        None, None, once, once, once, 2 * once, 2 * once]
+
+
 def test_paper_baseline_updates_skipped_units_with_imputed_gradients():
     result = run_ranks(train_with_resizes, 2, TRAIN + ["--het-tp-policy", "zero",
                                                        "--het-tp-resize", "0,0.5",

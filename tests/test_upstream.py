@@ -42,6 +42,7 @@ def _upstream_args(**overrides):
                 het_tp_interval=10, het_tp_onset=1.3, het_tp_end=1.15, het_tp_patience=1,
                 het_tp_window=1, het_tp_timer="cpu", het_tp_emulate=None, het_tp_resize=None,
                 het_tp_max_resize=0.5, het_tp_priority="dw", het_tp_priority_interval=50,
+                het_tp_priority_sample_interval=None,
                 tensor_model_parallel_size=2, num_layers=2, num_attention_heads=4,
                 num_query_groups=1, group_query_attention=False, ffn_hidden_size=256,
                 normalization="LayerNorm", num_experts=None, mtp_num_layers=None,

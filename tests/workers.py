@@ -405,8 +405,11 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
                            for i, u in enumerate(block.units)},
                 "order_ok": resizer.priorities.order(key, block.units) == block.units,
             }
+        evidence = resizer._evidence  # per block: (score sums, observed steps) per unit
         records[iteration] = {"blocks": record, "state_keys": keys,
-                              "shares": resizer.shares}
+                              "shares": resizer.shares,
+                              "observed": None if evidence is None else
+                              sum(steps.sum().item() for _, steps in evidence.values())}
 
     result, stdout = _pretrain(argv, hook)
     return {"losses": result.losses, "records": records, "stdout": stdout}

@@ -35,15 +35,23 @@ class Resizer:
     """Resize shares, priorities and frozen skipped units of one TP group (on every rank)."""
 
     def __init__(self, partition, model, scorer: str = "dw", interval: int = 50,
-                 cap: float = 0.5, impute: float | None = None, scoring: bool = True):
+                 cap: float = 0.5, impute: float | None = None, scoring: bool = True,
+                 sample: int = 1):
         if scorer not in SCORERS:
             raise ValueError(f"unknown priority scorer '{scorer}'; choose from {sorted(SCORERS)}")
         if interval < 1:
             raise ValueError(f"priority refresh interval must be >= 1, got {interval}")
+        if not 1 <= sample <= interval:
+            raise ValueError(f"priority sample interval must be within [1, {interval}], "
+                             f"got {sample}")
         self.partition = partition
         self.unit_work = _unit_numel(het_blocks(model))
         self.scorer, self.interval, self.cap, self.impute = scorer, interval, cap, impute
         self.scoring = scoring  # False when no policy will ever resize (priorities unused)
+        # Per-step scorers observe iterations divisible by `sample`: keyed on the iteration,
+        # so a resumed run observes the same steps as a straight one.
+        self.sample = sample
+        self._observing = scoring and SCORERS[scorer].per_step
         self.shares = (0.0,) * partition.plan.tp_size
         self.priorities = Priorities.unmeasured(partition.plan)
         self._evidence = None  # (layer, block) -> (score sums, measured steps), global unit ids
@@ -150,6 +158,11 @@ class Resizer:
 
     # ---- every step ---------------------------------------------------------------------
 
+    def begin_step(self, iteration: int) -> None:
+        """Before the step that will be `iteration`: whether the scorer observes it."""
+        self._observing = (self.scoring and SCORERS[self.scorer].per_step
+                           and iteration % self.sample == 0)
+
     def before_step(self, state) -> None:
         """After backward, before optimizer.step(): impute or score gradients, keep weights."""
         blocks = het_blocks(state.model)
@@ -161,8 +174,7 @@ class Resizer:
                         for _, _, param, layout in block.unit_tensors():
                             for view in layout.suffix(_grad(param), n, active):
                                 view.fill_(self.impute)
-        scorer = SCORERS[self.scorer]
-        if self.scoring and scorer.per_step and scorer.needs_delta:
+        if self._observing and SCORERS[self.scorer].needs_delta:
             self._before = {p: p.detach().clone() for b in blocks.values()
                             for _, _, p, _ in b.unit_tensors()}
 
@@ -174,7 +186,7 @@ class Resizer:
         if not self._stashed_state and self._stash_state(state):
             self._stashed_state = True
         scorer = SCORERS[self.scorer]
-        if self.scoring and scorer.per_step:
+        if self._observing:
             before, self._before = self._before, None
             self._observe(het_blocks(state.model), lambda p: scorer.evidence(
                 p.detach(), _grad(p), None if before is None else p.detach() - before[p]))

@@ -168,7 +168,8 @@ def make_resizer(args, partition, model):
     return Resizer(partition, model, args.het_tp_priority, args.het_tp_priority_interval,
                    args.het_tp_max_resize,
                    ZERO_IMPUTED_GRAD if args.het_tp_policy == "zero" else None,
-                   scoring=args.het_tp_policy != "migrate")
+                   scoring=args.het_tp_policy != "migrate",
+                   sample=args.het_tp_priority_sample_interval)
 
 
 def make_controller(args, state):
@@ -179,6 +180,15 @@ def make_controller(args, state):
 
         return Controller(args, state)
     return None
+
+
+def het_tp_step_begin(iteration, state, controller) -> None:
+    """Before the step that will be `iteration`, on every rank: start its timers, and tell the
+    resizer whether its scorer observes this step."""
+    if state.resizer is not None:
+        state.resizer.begin_step(iteration)
+    if controller is not None:
+        controller.begin_step(iteration)
 
 
 def het_tp_step_end(iteration, state, controller, logger, elapsed) -> None:
@@ -319,8 +329,7 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     state.model.train()
     while iteration < args.train_iters:
         lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
-        if controller is not None:
-            controller.begin_step(iteration + 1)
+        het_tp_step_begin(iteration + 1, state, controller)
         start = time.perf_counter()
         loss, grad_norm, skipped = train_step(args, state, train_iterator)
         elapsed = time.perf_counter() - start

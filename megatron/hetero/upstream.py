@@ -25,7 +25,8 @@ import torch
 
 from .arguments import ArgumentError, _add_het_tp_args, validate_het_tp_args
 from .log import Logger
-from .training import TrainState, het_tp_step_end, make_controller, make_resizer
+from .training import (TrainState, het_tp_step_begin, het_tp_step_end, make_controller,
+                       make_resizer)
 
 _PARTITION = None  # the HetPartition of the model built in this process
 _HOOK = None  # the StepHook of the running train()
@@ -114,8 +115,7 @@ class StepHook:
         return _HOOK
 
     def begin_step(self, iteration: int) -> None:
-        if self.controller is not None:
-            self.controller.begin_step(iteration)
+        het_tp_step_begin(iteration, self.state, self.controller)
         self._start = time.perf_counter()
 
     def end_step(self, iteration: int):
