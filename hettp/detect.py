@@ -4,8 +4,11 @@ Input, every report interval: each TP rank's seconds of sharded compute per unit
 own compute only, never wall time: collectives make every rank wait for the slowest, so wall
 times look equal). Output: each rank's smoothed slowdown against the fastest rank, and which
 ranks are straggling. A rank starts straggling after its slowdown stays at or above `onset` for
-`patience` reports and stops after it stays at or below `end` for `patience` reports, so noise
-around a steady cluster never flips the state; `changed` asks the planner to act.
+`patience` reports, or at once when it reaches `at_once`, and stops after it stays at or below
+`end` for `patience` reports, so noise around a steady cluster never flips the state;
+`changed` asks the planner to act. On a shared 2-core VM even CPU-time reports of a steady
+cluster reach 1.4-1.45x now and then, never twice in a row; real stragglers worth a move are
+seen at once.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ class Detection:
 
 class StragglerDetector:
     def __init__(self, tp_size: int, onset: float = 1.3, end: float = 1.15, patience: int = 2,
-                 window: int = 3, replan: float = 0.5):
+                 window: int = 3, replan: float = 0.5, at_once: float = 1.6):
         if not 1.0 <= end < onset:
             raise DetectError(f"thresholds: need 1 <= end ({end}) < onset ({onset})")
+        if not at_once >= onset:
+            raise DetectError(f"thresholds: need at_once ({at_once}) >= onset ({onset})")
         if patience < 1 or window < 1:
             raise DetectError(f"patience ({patience}) and window ({window}) must be >= 1")
-        self.tp_size, self.onset, self.end = tp_size, onset, end
+        self.tp_size, self.onset, self.end, self.at_once = tp_size, onset, end, at_once
         self.patience, self.replan = patience, replan
         self._history = [deque(maxlen=window) for _ in range(tp_size)]
         self._above = [0] * tp_size
@@ -75,7 +80,8 @@ class StragglerDetector:
         for rank, factor in enumerate(slowdown):
             self._above[rank] = self._above[rank] + 1 if factor >= self.onset else 0
             self._below[rank] = self._below[rank] + 1 if factor <= self.end else 0
-            if rank not in self.stragglers and self._above[rank] >= self.patience:
+            if rank not in self.stragglers and (self._above[rank] >= self.patience
+                                                or factor >= self.at_once):
                 onsets.add(rank)
             elif rank in self.stragglers and self._below[rank] >= self.patience:
                 ends.add(rank)

@@ -122,6 +122,7 @@ def test_het_tp_flags():
     ("--het-tp-policy hybrid --het-tp-resize 0,0.5", "--het-tp-resize sets fixed shares; --het-tp-policy hybrid decides them itself"),
     ("--het-tp-policy migrate --het-tp-interval 0", "--het-tp-interval must be positive, got 0"),
     ("--het-tp-policy migrate --het-tp-end 1.5", "--het-tp-end (1.5) must be >= 1 and below --het-tp-onset (1.3)"),
+    ("--het-tp-policy migrate --het-tp-onset-at-once 1.2", "--het-tp-onset-at-once (1.2) must be >= --het-tp-onset (1.3)"),
     ("--het-tp-policy resize --het-tp-emulate persistent:rank=2,factor=2", "--het-tp-emulate 'persistent:rank=2,factor=2': rank 2 is not a TP rank (TP size 2)"),
     ("--het-tp-policy resize --het-tp-emulate slow", "unknown scenario 'slow'"),
     ("--het-tp-policy zero --het-tp-resize 0,0.25", "cuts a fixed 50%: --het-tp-resize shares must be 0 or 0.5"),

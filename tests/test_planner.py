@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -32,7 +33,7 @@ def test_steady_noisy_cluster_never_triggers_a_decision():
 
 
 def test_persistent_straggler_onset_and_end_with_hysteresis():
-    detector = StragglerDetector(2, onset=1.3, end=1.15, patience=2, window=3)
+    detector = StragglerDetector(2, onset=1.3, end=1.15, patience=2, window=3, at_once=math.inf)
     trace = [[1, 1]] * 5 + [[1, 2]] * 10 + [[1, 1]] * 10
     results = _run(detector, _trace(trace, noise=0.05, seed=1))
     onsets = [i for i, r in enumerate(results) if r.onsets]
@@ -45,7 +46,7 @@ def test_persistent_straggler_onset_and_end_with_hysteresis():
 
 
 def test_short_burst_below_patience_is_ignored_and_drift_replans():
-    detector = StragglerDetector(2, patience=3, window=1)
+    detector = StragglerDetector(2, patience=3, window=1, at_once=math.inf)
     results = _run(detector, [[1, 1], [1, 3], [1, 3], [1, 1], [1, 1]])
     assert not any(r.changed for r in results)
     detector = StragglerDetector(2, patience=1, window=1, replan=0.25)
@@ -58,9 +59,24 @@ def test_short_burst_below_patience_is_ignored_and_drift_replans():
     assert [r.changed for r in results] == [True, False, False, True, True]
 
 
+def test_single_noisy_report_waits_for_patience_a_large_slowdown_does_not():
+    # seen on 2 CPU cores with the CPU-time timer: a steady cluster's report reaching 1.44x once
+    results = _run(StragglerDetector(2, window=1), [[1, 1.05], [1, 1.44], [1, 1.1], [1, 1.0]])
+    assert not any(r.changed for r in results)
+    results = _run(StragglerDetector(2, window=1), [[1, 1.05], [1, 2.0], [1, 2.1]])
+    assert [sorted(r.onsets) for r in results] == [[], [1], []]  # a 2x straggler: at once
+    results = _run(StragglerDetector(2, window=1), [[1, 1.0], [1, 1.4], [1, 1.45], [1, 1.4]])
+    assert [sorted(r.onsets) for r in results] == [[], [], [1], []]  # 1.4x: the second report
+    # ends always wait for patience: one quiet report inside a straggle changes nothing
+    results = _run(StragglerDetector(2, window=1), [[1, 2], [1, 1.1], [1, 2], [1, 1.1], [1, 1]])
+    assert [sorted(r.ends) for r in results] == [[], [], [], [], [1]]
+
+
 def test_detector_rejects_bad_input():
     with pytest.raises(DetectError, match="end .* < onset"):
         StragglerDetector(2, onset=1.1, end=1.2)
+    with pytest.raises(DetectError, match=r"at_once \(1.2\) >= onset \(1.3\)"):
+        StragglerDetector(2, at_once=1.2)
     with pytest.raises(DetectError, match="3 timings for a TP group of 2"):
         StragglerDetector(2).update([1, 1, 1])
     with pytest.raises(DetectError, match="rank 1: time per unit must be positive"):

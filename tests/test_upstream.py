@@ -39,7 +39,8 @@ def test_extra_args_provider_adds_the_group_after_upstreams():
 
 def _upstream_args(**overrides):
     base = dict(het_tp=False, het_tp_plan=None, het_tp_granularity=1, het_tp_policy="migrate",
-                het_tp_interval=10, het_tp_onset=1.3, het_tp_end=1.15, het_tp_patience=1,
+                het_tp_interval=10, het_tp_onset=1.3, het_tp_end=1.15, het_tp_patience=2,
+                het_tp_onset_at_once=1.6,
                 het_tp_window=1, het_tp_timer="cpu", het_tp_emulate=None, het_tp_resize=None,
                 het_tp_max_resize=0.5, het_tp_priority="dw", het_tp_priority_interval=50,
                 het_tp_priority_sample_interval=None,

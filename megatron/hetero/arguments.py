@@ -184,8 +184,11 @@ def _add_het_tp_args(parser):
                         "fastest rank's ...")
     g.add_argument("--het-tp-end", type=float, default=1.15,
                    help="... and stops once it is back at or below this (hysteresis).")
-    g.add_argument("--het-tp-patience", type=int, default=1,
-                   help="Consecutive reports beyond a threshold before the state changes.")
+    g.add_argument("--het-tp-onset-at-once", type=float, default=1.6,
+                   help="... or at the first report that reaches this (>= --het-tp-onset).")
+    g.add_argument("--het-tp-patience", type=int, default=2,
+                   help="Consecutive reports beyond a threshold before the state changes (a "
+                        "slowdown of --het-tp-onset-at-once or more needs one).")
     g.add_argument("--het-tp-window", type=int, default=1,
                    help="Reports whose median smooths each rank's timing.")
     g.add_argument("--het-tp-timer", default="cpu", choices=["cpu", "wall"],
@@ -386,6 +389,9 @@ def validate_het_tp_args(args, cuda_available: bool) -> None:
                  f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     _require(1.0 <= args.het_tp_end < args.het_tp_onset,
              f"--het-tp-end ({args.het_tp_end}) must be >= 1 and below --het-tp-onset "
+             f"({args.het_tp_onset})")
+    _require(args.het_tp_onset_at_once >= args.het_tp_onset,
+             f"--het-tp-onset-at-once ({args.het_tp_onset_at_once}) must be >= --het-tp-onset "
              f"({args.het_tp_onset})")
     if args.het_tp_emulate is not None:
         from hettp.emulate import Scenario, ScenarioError

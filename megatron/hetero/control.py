@@ -44,7 +44,8 @@ class Controller:
         self.timer = ComputeTimer(state.model, args.het_tp_timer)
         self.fit = ComputeFit()
         self.detector = StragglerDetector(self.tp_size, args.het_tp_onset, args.het_tp_end,
-                                          args.het_tp_patience, args.het_tp_window)
+                                          args.het_tp_patience, args.het_tp_window,
+                                          at_once=args.het_tp_onset_at_once)
         self.unit_work = state.resizer.unit_work if state.resizer is not None else None
         self.planner = None  # none, static and zero with fixed shares only time the ranks
         if state.resizer is not None and args.het_tp_policy != "static" and not (
