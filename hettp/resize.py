@@ -26,8 +26,9 @@ class Scorer:
     """How a unit's priority is measured: an elementwise, non-negative evidence tensor, summed
     over each unit's weights.
 
-    `per_step` scorers are observed after every optimizer step on the units that ran, and a
-    unit's score is its mean per step since the last refresh; the others are taken at each
+    `per_step` scorers are observed after the sampled optimizer steps (one in
+    --het-tp-priority-sample-interval) on the units that ran, and a unit's score is its mean
+    per observed step since the last refresh; the others are taken at each
     refresh for every unit. `evidence(weight, grad, delta)` gets the weight after the step, the
     gradient the optimizer used, and (when `needs_delta`) the weight change of the step.
     """
