@@ -8,10 +8,7 @@ ranks are straggling. A rank starts straggling after its slowdown stays at or ab
 `end` for `patience` reports, so noise around a steady cluster never flips the state;
 `changed` asks the planner to act. On a shared 2-core VM even CPU-time reports of a steady
 cluster reach 1.4-1.45x now and then, never twice in a row; real stragglers worth a move are
-seen at once. A straggler also ends at once when its slowdown falls below `onset` by more than
-the re-plan factor from what the last decision saw (4x -> 1.2x): after a move, the cost
-model's error on a rank holding little work reads 1.1-1.5x for a rank no longer slow, which
-would otherwise keep the straggle open inside the hysteresis band.
+seen at once.
 """
 
 from __future__ import annotations
@@ -53,7 +50,6 @@ class StragglerDetector:
         self._below = [0] * tp_size
         self.stragglers: frozenset = frozenset()
         self._planned_for: dict = {}  # straggler -> slowdown the last decision used
-        self._decided: dict = {}  # straggler -> slowdown when the last decision was taken
         self._rebased = False
 
     def rebase(self) -> None:
@@ -87,9 +83,7 @@ class StragglerDetector:
             if rank not in self.stragglers and (self._above[rank] >= self.patience
                                                 or factor >= self.at_once):
                 onsets.add(rank)
-            elif rank in self.stragglers and (
-                    self._below[rank] >= self.patience or factor < self.onset and
-                    self._decided.get(rank, factor) / factor > 1 + self.replan):
+            elif rank in self.stragglers and self._below[rank] >= self.patience:
                 ends.add(rank)
         self.stragglers = (self.stragglers | onsets) - ends
         # A straggler whose slowdown moved a lot (2x -> 4x) needs a new plan; one falling back
@@ -104,7 +98,6 @@ class StragglerDetector:
         changed = bool(onsets or ends or drifted)
         if changed:
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
-            self._decided = dict(self._planned_for)
         return Detection(slowdown, self.stragglers, changed, frozenset(onsets), frozenset(ends))
 
 

@@ -41,10 +41,8 @@ def test_persistent_straggler_onset_and_end_with_hysteresis():
     # 2x from report 5: the median of 3 sees it at 6, and 2 reports above 1.3 make it an onset
     assert onsets == [7] and results[7].onsets == {1}
     assert all(results[i].stragglers == {1} for i in range(7, ends[0]))
-    # back to 1x from report 15: the median sees it at 16, a collapse from 2x to below the
-    # onset, which ends the straggle at once
-    assert ends == [16] and not results[-1].stragglers
-    assert [i for i, r in enumerate(results) if r.changed] == [7, 16]
+    assert ends == [17] and not results[-1].stragglers
+    assert [i for i, r in enumerate(results) if r.changed] == [7, 17]
 
 
 def test_short_burst_below_patience_is_ignored_and_drift_replans():
@@ -69,30 +67,8 @@ def test_single_noisy_report_waits_for_patience_a_large_slowdown_does_not():
     assert [sorted(r.onsets) for r in results] == [[], [1], []]  # a 2x straggler: at once
     results = _run(StragglerDetector(2, window=1), [[1, 1.0], [1, 1.4], [1, 1.45], [1, 1.4]])
     assert [sorted(r.onsets) for r in results] == [[], [], [1], []]  # 1.4x: the second report
-    # ends wait for patience: one quiet report inside a straggle changes nothing
-    results = _run(StragglerDetector(2, window=1),
-                   [[1, 1.6], [1, 1.14], [1, 1.6], [1, 1.14], [1, 1.1]])
-    assert [sorted(r.ends) for r in results] == [[], [], [], [], [1]]
-
-
-def test_a_straggle_that_collapses_ends_at_once():
-    # a 4x burst is acted on; after the move the rank reads 1.19x (cost-model error on a rank
-    # with a third of the work), then 1.25x: the burst is over, not a 1.2x straggler
-    detector = StragglerDetector(2, window=1)
-    results = [detector.update([1, 4.05])]
-    detector.rebase()  # as the controller does after a decision: the rule keeps its level
-    results += _run(detector, [[1, 1.19], [1, 1.25]])
-    assert [sorted(r.onsets) for r in results] == [[1], [], []]
-    assert [sorted(r.ends) for r in results] == [[], [1], []] and not results[-1].stragglers
-    # a 2x straggler read at 1.75x after its move is still a straggler: no new decision
-    detector = StragglerDetector(2, window=1)
-    results = [detector.update([1, 2.0])]
-    detector.rebase()
-    results += _run(detector, [[1, 1.75], [1, 2.3], [1, 1.7]])
-    assert [r.changed for r in results] == [True, False, False, False]
-    # a straggle that eases into the band without collapsing still waits for its end
-    detector = StragglerDetector(2, window=1)
-    results = _run(detector, [[1, 1.7], [1, 1.25], [1, 1.2], [1, 1.14], [1, 1.14]])
+    # ends always wait for patience: one quiet report inside a straggle changes nothing
+    results = _run(StragglerDetector(2, window=1), [[1, 2], [1, 1.1], [1, 2], [1, 1.1], [1, 1]])
     assert [sorted(r.ends) for r in results] == [[], [], [], [], [1]]
 
 
@@ -224,8 +200,7 @@ def test_migrate_policy_moves_back_when_the_straggle_ends():
     factors = [[1, 1, 1, 1]] * 4 + [[1, 2, 1, 1]] * 10 + [[1, 1, 1, 1]] * 10
     decisions, plan, _ = _simulate("migrate", factors)
     assert [d.action for _, d in decisions] == ["migrate", "migrate"]
-    assert decisions[1][1].reason == "no straggler left"
-    assert all(abs(c - 32) <= 1 for c in plan.counts(0, "mlp"))  # even, up to the 5% noise
+    assert decisions[1][1].reason == "no straggler left" and plan.counts(0, "mlp") == (32,) * 4
 
 
 def test_unknown_policy():
