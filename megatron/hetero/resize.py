@@ -51,7 +51,8 @@ class Resizer:
         # Per-step scorers observe iterations divisible by `sample`: keyed on the iteration,
         # so a resumed run observes the same steps as a straight one.
         self.sample = sample
-        self._observing = scoring and SCORERS[scorer].per_step
+        self._scores_steps = scoring and SCORERS[scorer].per_step
+        self._observing = self._scores_steps
         self.shares = (0.0,) * partition.plan.tp_size
         self.priorities = Priorities.unmeasured(partition.plan)
         self._evidence = None  # (layer, block) -> (score sums, measured steps), global unit ids
@@ -160,8 +161,7 @@ class Resizer:
 
     def begin_step(self, iteration: int) -> None:
         """Before the step that will be `iteration`: whether the scorer observes it."""
-        self._observing = (self.scoring and SCORERS[self.scorer].per_step
-                           and iteration % self.sample == 0)
+        self._observing = self._scores_steps and iteration % self.sample == 0
 
     def before_step(self, state) -> None:
         """After backward, before optimizer.step(): impute or score gradients, keep weights."""
