@@ -47,7 +47,8 @@ from hettp.scenarios import resolve  # noqa: E402
 POLICIES = ("none", "resize", "migrate", "hybrid", "zero")
 OWN_FLAGS = ("--tensor-model-parallel-size", "--train-iters", "--het-tp-policy",
              "--het-tp-emulate", "--het-tp-interval", "--het-tp-timer", "--metrics-file",
-             "--seed", "--log-interval", "--global-batch-size", "--save", "--load")
+             "--seed", "--log-interval", "--global-batch-size", "--save", "--load",
+             "--het-tp-emulate-dilation")
 
 
 def model_flags(quick: bool) -> list[str]:
@@ -213,6 +214,10 @@ def parse(argv):
     p.add_argument("--out", default=None, help="output folder (default results/compare)")
     p.add_argument("--report-only", action="store_true",
                    help="launch nothing: rebuild the report from the runs already in --out/runs")
+    p.add_argument("--dilation", default="auto",
+                   help="--het-tp-emulate-dilation of every run: 'auto' (1 with a core per "
+                        "rank, else 1.5 x ranks per core, so that each rank behaves as if it "
+                        "had its own device) or a number >= 1")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--quick", action="store_true",
                    help="a tiny model, 12 iterations, scenarios none,persistent-2x,noisy, "
@@ -253,7 +258,26 @@ def parse(argv):
     if world > len(_cores()) and any(s.real for s in a.scenario_list):
         p.error(f"real-contention scenarios need a core per rank: {world} ranks, "
                 f"{len(_cores())} cores")
+    a.dilation = _dilation(p, a.dilation, world, len(_cores()))
+    if a.dilation > 1 and any(s.real for s in a.scenario_list):
+        p.error(f"--dilation {a.dilation:g} stretches CPU time, which a busy neighbour does not "
+                "show; real-contention scenarios need --dilation 1")
     return a
+
+
+def _dilation(p, value: str, world: int, cores: int) -> float:
+    """Ranks sharing a core take turns, so a sleeping straggler lends its core to the others
+    and costs vanilla nothing; stretching each GEMM past ranks-per-core times its CPU time
+    (timing.py) gives every rank the time of a device of its own."""
+    if value == "auto":
+        return 1.0 if world <= cores else 1.5 * world / cores
+    try:
+        dilation = float(value)
+    except ValueError:
+        dilation = 0.0
+    if not dilation >= 1.0:
+        p.error(f"--dilation must be 'auto' or a number >= 1, got {value!r}")
+    return dilation
 
 
 def main(argv=None) -> int:
@@ -268,6 +292,8 @@ def main(argv=None) -> int:
               str(micro * a.dp), "--train-iters", str(a.iters), "--log-interval", str(a.iters),
               "--het-tp-interval", str(a.interval),
               "--seed", str(a.seed)]
+    if a.dilation > 1:
+        common += ["--het-tp-emulate-dilation", f"{a.dilation:g}"]
     configs = [(s, policy) for s in a.scenario_list for policy in a.policy_list]
     progress = Progress(len(configs) * a.repeats)
     print(f"compare: TP={a.tp} DP={a.dp}, {len(a.scenario_list)} scenarios x "
@@ -316,13 +342,17 @@ def main(argv=None) -> int:
               f"Model: `{' '.join(a.model)}`; {a.iters} iterations per run, reports every "
               f"{a.interval}; medians over {a.repeats} interleaved rounds (spread = max - min); "
               "step time = median of the second half, or the mean after iteration 1 where "
-              "who is slow changes.", "", *scenario_lines, ""]
+              "who is slow changes."
+              + (f" Each sharded GEMM is stretched to {a.dilation:g}x its CPU time "
+                 f"(`--het-tp-emulate-dilation`): {a.tp * a.dp} ranks share {len(cores)} cores, and "
+                 "without it a sleeping straggler lends its core to the others."
+                 if a.dilation > 1 else ""), "", *scenario_lines, ""]
     with open(os.path.join(a.out, "report.md"), "w") as f:
         f.write("\n".join(header) + "\n" + markdown(result))
     with open(os.path.join(a.out, "report.json"), "w") as f:
         json.dump({"command": command, "date": date, "machine": machine, "minutes": minutes,
                    "tp": a.tp, "dp": a.dp, "iters": a.iters, "interval": a.interval,
-                   "repeats": a.repeats, "model": a.model,
+                   "repeats": a.repeats, "model": a.model, "dilation": a.dilation,
                    "scenarios": [{"name": s.name, "emulate": s.emulate, "timer": _timer(s),
                                   "noisy_neighbor_rank": s.neighbor_rank, "about": s.about,
                                   "varying": varying[s.name]} for s in a.scenario_list],

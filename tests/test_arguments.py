@@ -100,6 +100,12 @@ def test_het_tp_flags():
     assert not args.het_tp
     with pytest.raises(ArgumentError, match="--het-tp-emulate is implemented for CPU runs"):
         _args("--het-tp-policy migrate --het-tp-emulate none", cuda=True)
+    args = _args("--tensor-model-parallel-size 2 --het-tp-policy migrate "
+                 "--het-tp-emulate-dilation 3", world_size=2)
+    assert args.het_tp_emulate_dilation == 3.0 and args.het_tp_timer == "cpu"
+    with pytest.raises(ArgumentError, match="--het-tp-emulate-dilation emulates a device per "
+                                            "rank on CPU"):
+        _args("--het-tp-policy none --het-tp-emulate-dilation 2", cuda=True)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -125,6 +131,8 @@ def test_het_tp_flags():
     ("--het-tp-policy migrate --het-tp-onset-at-once 1.2", "--het-tp-onset-at-once (1.2) must be >= --het-tp-onset (1.3)"),
     ("--het-tp-policy resize --het-tp-emulate persistent:rank=2,factor=2", "--het-tp-emulate 'persistent:rank=2,factor=2': rank 2 is not a TP rank (TP size 2)"),
     ("--het-tp-policy resize --het-tp-emulate slow", "unknown scenario 'slow'"),
+    ("--het-tp-policy none --het-tp-emulate-dilation 0.5", "--het-tp-emulate-dilation must be >= 1, got 0.5"),
+    ("--het-tp-policy none --het-tp-emulate-dilation 3 --het-tp-timer wall", "it needs --het-tp-timer cpu, got wall"),
     ("--het-tp-policy zero --het-tp-resize 0,0.25", "cuts a fixed 50%: --het-tp-resize shares must be 0 or 0.5"),
     ("--het-tp-policy zero --het-tp-resize 0,0.5 --het-tp-priority wg", "--het-tp-policy zero ranks units by accumulated |dW|"),
 ])

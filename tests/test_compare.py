@@ -38,6 +38,7 @@ def test_quick_report_agrees_with_the_runs(quick):
     assert names[:2] == ["none", "persistent-2x"]
     if len(os.sched_getaffinity(0)) >= 2:
         assert "noisy" in names  # real contention ran
+        assert report["dilation"] == 1.0  # a core per rank: nothing to stretch
     rows = {(r["scenario"], r["policy"]): r for r in report["rows"]}
     assert set(rows) == {(s, p) for s in names for p in ("none", "migrate")}
     base = [_steady(out / p) for p in rows[("none", "none")]["runs"]]
@@ -90,6 +91,10 @@ def test_report_only_rebuilds_the_same_table(quick):
     (["--tp", "0"], "--tp must be >= 1"),
     (["--", "--num-layers", "2", "--train-iters", "5"], "may not set --train-iters"),
     (["--tp", "64", "--scenarios", "noisy"], "need a core per rank"),
+    (["--dilation", "0.5"], "--dilation must be 'auto' or a number >= 1, got '0.5'"),
+    (["--dilation", "2", "--scenarios", "noisy"],
+     "real-contention scenarios need --dilation 1"),
+    (["--", "--het-tp-emulate-dilation", "2"], "may not set --het-tp-emulate-dilation"),
 ])
 def test_bad_arguments_name_the_flag(argv, message, tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), *argv],
@@ -110,3 +115,16 @@ def test_a_failing_run_is_named_with_its_log(tmp_path):
     assert f"run none / none / round 1 failed (exit codes [2, 2]); log {log}" in proc.stderr
     assert "--hidden-size (63) must be divisible" in log.read_text()
     assert not (tmp_path / "report.json").exists()
+
+
+def test_dilation_gives_each_rank_a_device_when_ranks_outnumber_cores():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    cores = len(os.sched_getaffinity(0))
+    assert compare.parse(["--tp", str(cores), "--scenarios", "none"]).dilation == 1.0
+    # twice the ranks of cores: each GEMM takes up to 2x its CPU time; 1.5x that covers it
+    assert compare.parse(["--tp", str(2 * cores), "--scenarios", "none"]).dilation == 3.0
+    assert compare.parse(["--tp", "4", "--scenarios", "none", "--dilation", "2.5"]).dilation == 2.5

@@ -199,6 +199,11 @@ def _add_het_tp_args(parser):
                    help="Emulated stragglers (CPU): none, persistent:rank=R,factor=F[,start=I]"
                         "[,stop=I], transient:rank=R,factor=F,start=I,length=N,period=P, "
                         "rotating:factor=F,period=P, multi:factors=8/6/4/2.")
+    g.add_argument("--het-tp-emulate-dilation", type=float, default=1.0, metavar="D",
+                   help="CPU runs with more ranks than cores: stretch every sharded GEMM to D x "
+                        "its CPU time (x its emulated slowdown) by sleeping, so ranks no longer "
+                        "take turns on a core and each behaves as if it had its own device. D "
+                        "must exceed ranks per core; needs --het-tp-timer cpu.")
     g.add_argument("--het-tp-resize", default=None, metavar="SHARES",
                    help="Per TP rank, the share of its units it skips (resizing), e.g. '0,0.5' "
                         "(implies --het-tp).")
@@ -402,6 +407,14 @@ def validate_het_tp_args(args, cuda_available: bool) -> None:
             Scenario.parse(args.het_tp_emulate, tp)
         except ScenarioError as err:
             raise ArgumentError(str(err))
+    _require(args.het_tp_emulate_dilation >= 1.0,
+             f"--het-tp-emulate-dilation must be >= 1, got {args.het_tp_emulate_dilation}")
+    if args.het_tp_emulate_dilation > 1.0:
+        _require(not cuda_available, "--het-tp-emulate-dilation emulates a device per rank on "
+                                     "CPU; drop it on GPUs")
+        _require(args.het_tp_timer == "cpu",
+                 "--het-tp-emulate-dilation stretches the CPU time of each GEMM; it needs "
+                 f"--het-tp-timer cpu, got {args.het_tp_timer}")
     args.het_tp_plan_obj = None
     args.het_tp_resize_shares = None
     _require(0.0 <= args.het_tp_max_resize <= 1.0,

@@ -41,7 +41,7 @@ class Controller:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.scenario = (Scenario.parse(args.het_tp_emulate, self.tp_size)
                          if args.het_tp_emulate else None)
-        self.timer = ComputeTimer(state.model, args.het_tp_timer)
+        self.timer = ComputeTimer(state.model, args.het_tp_timer, args.het_tp_emulate_dilation)
         self.fit = ComputeFit()
         self.detector = StragglerDetector(self.tp_size, args.het_tp_onset, args.het_tp_end,
                                           args.het_tp_patience, args.het_tp_window,

@@ -14,6 +14,13 @@ events on the current stream.
 
 Emulation: with a slowdown factor f, the rank sleeps (f - 1) x the compute it just did after
 each sharded GEMM, and that delay counts as compute: a rank with less work is delayed less.
+
+Dilation (`--het-tp-emulate-dilation D`, CPU time only): each sharded region is stretched by
+sleeping until its wall time (TP collective waits left out) is D x f x its CPU time. With more
+ranks than cores a region's wall time is up to ranks/cores x its CPU time, because ranks take
+turns on a core; with D above that, every region lasts what its own work and factor say, as if
+each rank had a device of its own, and a sleeping straggler no longer lends its core to the
+others. The dilated time counts as compute, so C and T_fast stay consistent.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ class _Mark(torch.autograd.Function):
         return grad, None, None, None
 
 
-_WALL_TIMERS = []  # wall-clock timers whose regions must not count collective waits
+_WALL_TIMERS = []  # timers whose regions' wall time must not count collective waits
 _ORIGINAL_ALL_REDUCE = None
 
 
@@ -95,20 +102,26 @@ class ComputeTimer:
     to real contention); "wall": perf_counter with TP collectives' waits left out (sees real
     contention; meant for no more ranks than cores). On GPU, CUDA events."""
 
-    def __init__(self, model, clock: str = "cpu"):
+    def __init__(self, model, clock: str = "cpu", dilation: float = 1.0):
         if clock not in ("cpu", "wall"):
             raise ValueError(f"unknown timer clock '{clock}'")
+        if dilation < 1.0 or (dilation > 1.0 and clock != "cpu"):
+            raise ValueError(f"dilation {dilation} needs the cpu clock and must be >= 1")
         self.factor = 1.0  # emulated slowdown of this rank (CPU only)
         self.cuda = torch.cuda.is_available()
+        if dilation > 1.0 and self.cuda:
+            raise RuntimeError("dilation emulates a device per rank on CPU; GPUs have one")
         self.clock = clock
+        self.dilation = dilation
         self._now = time.perf_counter if clock == "wall" else time.thread_time
-        if clock == "wall" and not self.cuda:
+        if (clock == "wall" or dilation > 1.0) and not self.cuda:
             _exclude_collectives()
             _WALL_TIMERS.append(self)
         self._seconds = 0.0
         self._events = []
         self._t0 = None
-        self._paused = 0.0
+        self._w0 = 0.0
+        self._paused = 0.0  # wall seconds of the running region spent in collectives
         self._handles = []
         for layer in unwrap_model(model).decoder.layers:
             for block in (layer.self_attention, layer.mlp):
@@ -144,10 +157,10 @@ class ComputeTimer:
         return self._t0 is not None
 
     def pause(self) -> None:
-        self._paused_at = self._now()
+        self._paused_at = time.perf_counter()
 
     def resume(self) -> None:
-        self._paused += self._now() - self._paused_at
+        self._paused += time.perf_counter() - self._paused_at
 
     # ---- marks ------------------------------------------------------------------------
 
@@ -156,7 +169,7 @@ class ComputeTimer:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
         else:
-            self._t0, self._paused = self._now(), 0.0
+            self._t0, self._w0, self._paused = self._now(), time.perf_counter(), 0.0
 
     def stop(self) -> None:
         if self._t0 is None:
@@ -166,10 +179,15 @@ class ComputeTimer:
             end.record()
             self._events.append((self._t0, end))
         else:
-            elapsed = self._now() - self._t0 - self._paused
-            if self.factor > 1.0:
+            wall = time.perf_counter() - self._w0 - self._paused
+            elapsed = wall if self.clock == "wall" else self._now() - self._t0
+            seconds = elapsed * self.factor * self.dilation
+            if self.dilation > 1.0:
+                if seconds > wall:
+                    time.sleep(seconds - wall)
+            elif self.factor > 1.0:
                 time.sleep((self.factor - 1.0) * elapsed)
-            self._seconds += elapsed * self.factor
+            self._seconds += seconds
         self._t0 = None
 
     def _enter(self, module, args, kwargs):

@@ -174,8 +174,9 @@ def make_resizer(args, partition, model):
 
 def make_controller(args, state):
     """The control loop when something is to be timed or decided, else None."""
-    if args.het_tp_emulate or args.het_tp_policy in ("none", "resize", "migrate", "hybrid") or (
-            args.het_tp_policy == "zero" and args.het_tp_resize_shares is None):
+    if (args.het_tp_emulate or args.het_tp_emulate_dilation > 1.0
+            or args.het_tp_policy in ("none", "resize", "migrate", "hybrid")
+            or (args.het_tp_policy == "zero" and args.het_tp_resize_shares is None)):
         from .control import Controller
 
         return Controller(args, state)

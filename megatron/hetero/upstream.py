@@ -110,7 +110,8 @@ class StepHook:
         """The hook when --het-tp or a het-TP policy is on, else None (vanilla upstream)."""
         global _HOOK
         _HOOK = None
-        if args.het_tp or args.het_tp_policy == "none" or args.het_tp_emulate:
+        if (args.het_tp or args.het_tp_policy == "none" or args.het_tp_emulate
+                or args.het_tp_emulate_dilation > 1.0):
             _HOOK = cls(args, model, optimizer, scheduler, config)
         return _HOOK
 

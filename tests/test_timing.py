@@ -1,0 +1,97 @@
+"""The compute timer's arithmetic on a scripted clock: emulated slowdowns, dilation, and
+collective waits left out (no process group, no model, no real sleeping)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from megatron.hetero import timing
+from megatron.hetero.timing import ComputeTimer
+
+
+class Clock:
+    """Thread CPU time and wall time that advance only when told; sleep() advances the wall."""
+
+    def __init__(self):
+        self.cpu = self.wall = 0.0
+        self.slept = []
+
+    def work(self, cpu: float, wall: float) -> None:
+        self.cpu += cpu
+        self.wall += wall
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(round(seconds, 9))
+        self.wall += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    fake = types.SimpleNamespace(thread_time=lambda: clock.cpu, perf_counter=lambda: clock.wall,
+                                 sleep=clock.sleep)
+    monkeypatch.setattr(timing, "time", fake)
+    monkeypatch.setattr(timing, "_WALL_TIMERS", [])
+    return clock
+
+
+def _timer(clock_name="cpu", dilation=1.0):
+    model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[]))
+    timer = ComputeTimer(model, clock_name, dilation)
+    timer.cuda = False
+    return timer
+
+
+def _region(timer, clock, cpu, wall, wait=0.0):
+    timer.start()
+    clock.work(cpu, wall)
+    if wait:  # a TP collective inside the region: waiting costs wall time, no CPU time
+        timer.pause()
+        clock.work(0.0, wait)
+        timer.resume()
+    timer.stop()
+
+
+def test_emulated_slowdown_sleeps_in_proportion_to_the_work(clock):
+    timer = _timer()
+    timer.reset(factor=2.0)
+    _region(timer, clock, cpu=0.010, wall=0.025)  # time-shared: wall > CPU time
+    assert clock.slept == [0.010]  # (f - 1) x the CPU time, whatever the wall clock did
+    assert timer.read() == pytest.approx(0.020)
+
+
+def test_dilation_stretches_each_region_to_d_times_its_cpu_time(clock):
+    timer = _timer(dilation=3.0)
+    timer.reset(factor=2.0)
+    _region(timer, clock, cpu=0.010, wall=0.025)
+    assert clock.slept == [pytest.approx(0.035)]  # until 3 x 2 x 10 ms of wall time
+    assert clock.wall == pytest.approx(0.060)
+    _region(timer, clock, cpu=0.010, wall=0.070)  # already past the target: no sleep
+    assert len(clock.slept) == 1
+    assert timer.read() == pytest.approx(0.120)  # the dilated time counts as compute
+
+
+def test_dilation_leaves_collective_waits_out_of_the_stretch(clock):
+    timer = _timer(dilation=2.0)
+    assert timer in timing._WALL_TIMERS  # the all_reduce patch pauses it
+    timer.reset()
+    _region(timer, clock, cpu=0.010, wall=0.012, wait=0.500)
+    # a long wait for a slower rank does not count as this rank's own time
+    assert clock.slept == [pytest.approx(0.008)]
+    assert timer.read() == pytest.approx(0.020)
+
+
+def test_wall_clock_counts_wall_time_minus_waits(clock):
+    timer = _timer("wall")
+    timer.reset(factor=1.5)
+    _region(timer, clock, cpu=0.010, wall=0.020, wait=0.300)
+    assert clock.slept == [pytest.approx(0.010)]
+    assert timer.read() == pytest.approx(0.030)
+
+
+@pytest.mark.parametrize("name,dilation", [("wall", 2.0), ("cpu", 0.5)])
+def test_dilation_needs_the_cpu_clock_and_at_least_one(clock, name, dilation):
+    with pytest.raises(ValueError, match="dilation"):
+        _timer(name, dilation)
