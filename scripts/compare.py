@@ -4,7 +4,7 @@
     python scripts/compare.py [--tp 2] [--dp 1] [--scenarios none,persistent-2x,transient,noisy]
                               [--policies none,resize,migrate,hybrid] [--repeats 3]
                               [--iters 24] [--interval 4] [--out results/compare]
-                              [--quick] [-- MEGATRON MODEL FLAGS]
+                              [--dilation auto] [--quick] [-- MEGATRON MODEL FLAGS]
 
 Each (scenario, policy) is a pretrain_gpt.py run on the same seed and mock data; runs are
 interleaved (round after round of every configuration) so machine drift hits all alike. Policy
@@ -15,10 +15,11 @@ report.json, step_time.png and loss.png under --out, and each run's JSONL under 
 Scenarios are built-in names (none, persistent-2x, persistent-4x, transient, rotating, multi,
 noisy, or all) or JSON files (hettp/scenarios.py). `noisy` is real contention: a busy process
 (scripts/noisy_neighbor.py) on rank 1's core; it needs a core per rank. Every rank is pinned to
-a core (rank % cores). The compute timer (--het-tp-timer) is thread CPU time, immune to the
-machine's own jitter, except in real-contention scenarios, which only wall-clock time (with
-collective waits left out) can see. Model flags after `--` replace the
-default model (a compute-dominated GPT: hidden 512, ffn 2048, 2 layers, 4x128 tokens per
+a core (rank % cores); with more ranks than cores every run gets --het-tp-emulate-dilation
+(--dilation), so each rank's sharded GEMMs take the time of a device of its own. The compute
+timer (--het-tp-timer) is thread CPU time, immune to the machine's own jitter, except in
+real-contention scenarios, which only wall-clock time (with collective waits left out) can
+see. Model flags after `--` replace the default model (a compute-dominated GPT: hidden 512, ffn 2048, 2 layers, 4x128 tokens per
 micro-batch); flags this script sets itself are refused there.
 """
 
