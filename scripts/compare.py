@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -270,13 +271,13 @@ def _dilation(p, value: str, world: int, cores: int) -> float:
     """Ranks sharing a core take turns, so a sleeping straggler lends its core to the others
     and costs vanilla nothing; stretching each GEMM past ranks-per-core times its CPU time
     (timing.py) gives every rank the time of a device of its own."""
-    if value == "auto":
-        return 1.0 if world <= cores else 1.5 * world / cores
+    if value == "auto":  # rank r runs on core r % cores
+        return 1.0 if world <= cores else 1.5 * math.ceil(world / cores)
     try:
         dilation = float(value)
     except ValueError:
         dilation = 0.0
-    if not dilation >= 1.0:
+    if not 1.0 <= dilation < math.inf:
         p.error(f"--dilation must be 'auto' or a number >= 1, got {value!r}")
     return dilation
 
@@ -320,11 +321,12 @@ def main(argv=None) -> int:
                                          os.path.relpath(path, a.out)))
     minutes = (time.monotonic() - start) / 60
     previous = os.path.join(a.out, "report.json")
-    provenance = {}
+    provenance, dilation = {}, a.dilation
     if a.report_only and os.path.exists(previous):  # keep when, where and how long they ran
         with open(previous) as f:
             provenance = json.load(f)
         minutes, command = provenance.get("minutes", minutes), provenance.get("command", command)
+    dilation = provenance.get("dilation", a.dilation)  # how the runs ran, not this machine
     factors = {s.name: s.factors(a.tp, a.iters) for s in a.scenario_list}
     varying = {s.name: s.varying(a.tp, a.iters) for s in a.scenario_list}
     result = compare(runs, factors, varying, {s.name for s in a.scenario_list if s.real})
@@ -344,16 +346,16 @@ def main(argv=None) -> int:
               f"{a.interval}; medians over {a.repeats} interleaved rounds (spread = max - min); "
               "step time = median of the second half, or the mean after iteration 1 where "
               "who is slow changes."
-              + (f" Each sharded GEMM is stretched to {a.dilation:g}x its CPU time "
-                 f"(`--het-tp-emulate-dilation`): {a.tp * a.dp} ranks share {len(cores)} cores, and "
-                 "without it a sleeping straggler lends its core to the others."
-                 if a.dilation > 1 else ""), "", *scenario_lines, ""]
+              + (f" Each sharded GEMM is stretched to {dilation:g}x its CPU time "
+                 "(`--het-tp-emulate-dilation`): with more ranks than cores, a sleeping "
+                 "straggler would otherwise lend its core to the others."
+                 if dilation > 1 else ""), "", *scenario_lines, ""]
     with open(os.path.join(a.out, "report.md"), "w") as f:
         f.write("\n".join(header) + "\n" + markdown(result))
     with open(os.path.join(a.out, "report.json"), "w") as f:
         json.dump({"command": command, "date": date, "machine": machine, "minutes": minutes,
                    "tp": a.tp, "dp": a.dp, "iters": a.iters, "interval": a.interval,
-                   "repeats": a.repeats, "model": a.model, "dilation": a.dilation,
+                   "repeats": a.repeats, "model": a.model, "dilation": dilation,
                    "scenarios": [{"name": s.name, "emulate": s.emulate, "timer": _timer(s),
                                   "noisy_neighbor_rank": s.neighbor_rank, "about": s.about,
                                   "varying": varying[s.name]} for s in a.scenario_list],

@@ -92,6 +92,7 @@ def test_report_only_rebuilds_the_same_table(quick):
     (["--", "--num-layers", "2", "--train-iters", "5"], "may not set --train-iters"),
     (["--tp", "64", "--scenarios", "noisy"], "need a core per rank"),
     (["--dilation", "0.5"], "--dilation must be 'auto' or a number >= 1, got '0.5'"),
+    (["--dilation", "inf"], "--dilation must be 'auto' or a number >= 1, got 'inf'"),
     (["--dilation", "2", "--scenarios", "noisy"],
      "real-contention scenarios need --dilation 1"),
     (["--", "--het-tp-emulate-dilation", "2"], "may not set --het-tp-emulate-dilation"),
@@ -128,3 +129,7 @@ def test_dilation_gives_each_rank_a_device_when_ranks_outnumber_cores():
     # twice the ranks of cores: each GEMM takes up to 2x its CPU time; 1.5x that covers it
     assert compare.parse(["--tp", str(2 * cores), "--scenarios", "none"]).dilation == 3.0
     assert compare.parse(["--tp", "4", "--scenarios", "none", "--dilation", "2.5"]).dilation == 2.5
+    # ranks sit on core rank % cores: the busiest core holds ceil(ranks / cores) of them
+    assert compare._dilation(None, "auto", 5, 4) == 3.0
+    assert compare._dilation(None, "auto", 3, 2) == 3.0
+    assert compare._dilation(None, "auto", 4, 4) == 1.0

@@ -112,14 +112,19 @@ def test_policy_none_is_vanilla_megatron_core_timed(tmp_path):
     assert [r["iteration"] for r in reports] == [5, 10]
     assert all(c > 0 for r in reports for c in r["compute_s"])
     # a device per rank, emulated: each sharded GEMM is stretched to 4x its CPU time by
-    # sleeping, and counted so; the numbers do not change
+    # sleeping, and counted so; the numbers do not change. Dilation alone (the default static
+    # policy, even plan) is enough to time the ranks.
     dilated = str(tmp_path / "dilated.jsonl")
-    stretched = run_ranks(train, 2, argv + ["--het-tp-policy", "none", "--metrics-file", dilated,
+    stretched = run_ranks(train, 2, argv + ["--metrics-file", dilated,
                                              "--het-tp-emulate-dilation", "4"])[0]
     assert stretched["losses"] == plain
     dilated = [r for r in read_metrics(dilated) if r["kind"] == "timing"]
+    assert [r["iteration"] for r in dilated] == [5, 10]
     for plain_report, report in zip(reports, dilated):
         # counted: about 4x the compute of the same steps undilated (2x leaves room for noise)
         assert min(report["compute_s"]) > 2 * max(plain_report["compute_s"])
-        # ... and slept: a rank cannot have computed longer than its steps took
+        # ... and slept: the steps grew by about 3x that compute (half of it leaves room) ...
+        grown = report["step_s"] - plain_report["step_s"]
+        assert grown > 0.5 * 3 * max(plain_report["compute_s"])
+        # ... and a rank cannot have computed longer than its steps took
         assert max(report["compute_s"]) <= report["step_s"]

@@ -37,6 +37,28 @@ def clock(monkeypatch):
     return clock
 
 
+class Collectives:
+    """torch.distributed.all_reduce as a stand-in that waits `wait` seconds of the scripted wall
+    clock (at once, or in wait() when async); the timer's patch wraps it."""
+
+    def __init__(self, clock):
+        self.clock, self.wait = clock, 0.0
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        if not async_op:
+            self.clock.work(0.0, self.wait)
+            return None
+        return types.SimpleNamespace(wait=lambda: self.clock.work(0.0, self.wait))
+
+
+@pytest.fixture
+def collectives(clock, monkeypatch):
+    fake = Collectives(clock)
+    monkeypatch.setattr(timing, "_ORIGINAL_ALL_REDUCE", None)
+    monkeypatch.setattr(timing.dist, "all_reduce", fake.all_reduce)  # restored after the test
+    return fake
+
+
 def _timer(clock_name="cpu", dilation=1.0):
     model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[]))
     timer = ComputeTimer(model, clock_name, dilation)
@@ -95,3 +117,22 @@ def test_wall_clock_counts_wall_time_minus_waits(clock):
 def test_dilation_needs_the_cpu_clock_and_at_least_one(clock, name, dilation):
     with pytest.raises(ValueError, match="dilation"):
         _timer(name, dilation)
+
+
+def test_dilation_leaves_out_waits_in_real_collectives(clock, collectives):
+    """Through the all_reduce patch, as megatron-core calls it: a blocking all-reduce in the
+    forward, an async one waited on in the backward, and one started before the region."""
+    timer = _timer(dilation=2.0)
+    timer.reset()
+    early = timing.dist.all_reduce(None, async_op=True)  # started outside any region
+    timer.start()
+    clock.work(0.010, 0.012)
+    collectives.wait = 0.500
+    timing.dist.all_reduce(None)
+    handle = timing.dist.all_reduce(None, async_op=True)
+    clock.work(0.005, 0.006)
+    handle.wait()
+    early.wait()  # ... but waited on inside it
+    timer.stop()
+    assert clock.slept == [pytest.approx(0.030 - 0.018)]  # 2 x 15 ms CPU, 18 ms of own wall
+    assert timer.read() == pytest.approx(0.030)

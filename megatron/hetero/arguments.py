@@ -7,6 +7,8 @@ process prints `pretrain_gpt.py: error: <flag>: <why>` and exits with status 2, 
 
 from __future__ import annotations
 
+import math
+
 import argparse
 import importlib.util
 import os
@@ -407,8 +409,8 @@ def validate_het_tp_args(args, cuda_available: bool) -> None:
             Scenario.parse(args.het_tp_emulate, tp)
         except ScenarioError as err:
             raise ArgumentError(str(err))
-    _require(args.het_tp_emulate_dilation >= 1.0,
-             f"--het-tp-emulate-dilation must be >= 1, got {args.het_tp_emulate_dilation}")
+    _require(1.0 <= args.het_tp_emulate_dilation < math.inf, "--het-tp-emulate-dilation must "
+             f"be a finite number >= 1, got {args.het_tp_emulate_dilation}")
     if args.het_tp_emulate_dilation > 1.0:
         _require(not cuda_available, "--het-tp-emulate-dilation emulates a device per rank on "
                                      "CPU; drop it on GPUs")

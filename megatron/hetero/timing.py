@@ -25,6 +25,7 @@ others. The dilated time counts as compute, so C and T_fast stay consistent.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -54,13 +55,14 @@ _ORIGINAL_ALL_REDUCE = None
 
 
 class _PausingWork:
-    """An async collective's handle whose wait() does not count as compute."""
+    """An async collective's handle whose wait() does not count as compute (for the timers
+    running when it waits, wherever the collective was started)."""
 
-    def __init__(self, work, timers):
-        self._work, self._timers = work, timers
+    def __init__(self, work):
+        self._work = work
 
     def wait(self, *args, **kwargs):
-        running = [t for t in self._timers if t.running]
+        running = [t for t in _WALL_TIMERS if t.running]
         for timer in running:
             timer.pause()
         try:
@@ -90,7 +92,7 @@ def _exclude_collectives() -> None:
         finally:
             for timer in running:
                 timer.resume()
-        return _PausingWork(work, running) if kwargs.get("async_op") else work
+        return _PausingWork(work) if kwargs.get("async_op") else work
 
     dist.all_reduce = all_reduce
 
@@ -105,7 +107,7 @@ class ComputeTimer:
     def __init__(self, model, clock: str = "cpu", dilation: float = 1.0):
         if clock not in ("cpu", "wall"):
             raise ValueError(f"unknown timer clock '{clock}'")
-        if dilation < 1.0 or (dilation > 1.0 and clock != "cpu"):
+        if not 1.0 <= dilation < math.inf or (dilation > 1.0 and clock != "cpu"):
             raise ValueError(f"dilation {dilation} needs the cpu clock and must be >= 1")
         self.factor = 1.0  # emulated slowdown of this rank (CPU only)
         self.cuda = torch.cuda.is_available()
