@@ -1,11 +1,13 @@
-"""Online fit of what a rank's sharded compute costs as a function of its work.
+"""Online estimate of what one unit of sharded work costs a rank that is not slow.
 
-An unslowed rank spends `intercept + slope * work` seconds per step in its sharded linears: the
-slope is the GEMMs, the intercept what does not shrink with the work (per-call costs, the CPU
-side of collectives). The fit uses reports of ranks believed unslowed, so it learns the
-intercept once decisions have given ranks different amounts of work; until then it is zero and
-time is proportional to work. A rank's slowdown factor is its measured compute over the curve
-at its own work, which keeps factors honest after a migration or resize changed the split.
+A rank's slowdown factor is its measured compute per unit of work over that cost, so factors
+stay honest after a migration or resize changed the split. The cost is taken as the same at
+every share. With ffn widths kept at multiples of 8 neurons (planner.MLP_ALIGN), per-unit GEMM
+cost on this project's CPU VM stayed within the noise from 1/4 to 2/3 of the units. A fitted
+per-call intercept (time = a + b x work, used until 2026-11-30) turned the 10% noise of single
+reports into factors off by up to 1.5x after a move, which ended persistent straggles early
+and kept ended ones open. Far below an even share, GEMMs do lose efficiency: a rank left with
+1/5 of the units read 1.2-1.45x slow per unit, and this model takes that for slowness.
 """
 
 from __future__ import annotations
@@ -17,36 +19,24 @@ from typing import Sequence
 
 class ComputeFit:
     def __init__(self, history: int = 48):
-        self._points = deque(maxlen=history)  # (work, compute seconds) of unslowed ranks
+        self._per_unit = deque(maxlen=history)  # compute seconds per unit of unslowed ranks
 
-    def curve(self, works=(), computes=()) -> tuple[float, float]:
-        """(intercept, slope); without history, proportional through this report's fastest."""
-        points = list(self._points)
-        if len(points) < 2:
-            ratios = [c / w for w, c in zip(works, computes) if w > 0]
-            if points:
-                ratios.append(points[0][1] / points[0][0])
-            return 0.0, min(ratios) if ratios else 1.0
-        ws = [w for w, _ in points]
-        cs = [c for _, c in points]
-        mean_w, mean_c = statistics.fmean(ws), statistics.fmean(cs)
-        var = sum((w - mean_w) ** 2 for w in ws)
-        if var <= (0.05 * mean_w) ** 2 * len(ws):  # one amount of work seen: no intercept
-            return 0.0, mean_c / mean_w
-        slope = sum((w - mean_w) * (c - mean_c) for w, c in zip(ws, cs)) / var
-        intercept = mean_c - slope * mean_w
-        floor = min(cs)
-        if slope <= 0 or intercept < 0 or intercept >= floor:  # implausible: stay proportional
-            return 0.0, mean_c / mean_w
-        return intercept, slope
+    def per_unit(self, works: Sequence[float] = (), computes: Sequence[float] = ()) -> float:
+        """Seconds per unit of work of an unslowed rank: the median over the reports seen so
+        far (one noisy report does not move it), or before any, this report's fastest rank."""
+        if self._per_unit:
+            return statistics.median(self._per_unit)
+        ratios = [c / w for w, c in zip(works, computes) if w > 0 and c > 0]
+        return min(ratios) if ratios else 1.0
 
     def factors(self, works: Sequence[float], computes: Sequence[float]) -> list[float | None]:
-        """Per rank, measured compute over the fitted curve (None for a rank without work)."""
-        intercept, slope = self.curve(works, computes)
-        return [c / (intercept + slope * w) if w > 0 else None for w, c in zip(works, computes)]
+        """Per rank, measured compute over an unslowed rank's at the same work (None for a
+        rank without work)."""
+        unit = self.per_unit(works, computes)
+        return [c / (unit * w) if w > 0 else None for w, c in zip(works, computes)]
 
     def add(self, works: Sequence[float], computes: Sequence[float], slow: set) -> None:
         """Learn from this report's ranks that are not slow."""
         for rank, (w, c) in enumerate(zip(works, computes)):
             if rank not in slow and w > 0 and c > 0:
-                self._points.append((float(w), float(c)))
+                self._per_unit.append(c / w)

@@ -6,8 +6,9 @@ broadcasts it and every rank applies it at the same step boundary.
 
 Cost model (StepModel): a step takes `rest + max_r factor_r * (intercept + slope * work_r)`,
 where work is the rank's active units weighted by their size, the intercept and slope describe an
-unslowed rank's sharded linears, and `rest` (embedding, logits, optimizer, collectives) does not
-depend on the partition. A migration costs its predicted transfer time; a resize costs
+unslowed rank's sharded linears (the control loop measures a per-unit slope and no intercept:
+hettp/costfit.py says why), and `rest` (embedding, logits, optimizer, collectives) does not
+depend on the partition. Plans keep every rank's ffn width a multiple of MLP_ALIGN neurons. A migration costs its predicted transfer time; a resize costs
 accuracy in proportion to the resized share, and nothing in time.
 """
 
@@ -28,8 +29,8 @@ POLICIES = ("none", "static", "resize", "migrate", "hybrid", "zero")
 class StepModel:
     """A step takes `rest + max_r factor_r * (intercept + slope * work_r)`.
 
-    `intercept + slope * work` is an unslowed rank's time in its sharded linears (fitted by
-    ComputeFit: per-call costs do not shrink with the work), `factor_r` the rank's slowdown."""
+    `intercept + slope * work` is an unslowed rank's time in its sharded linears (per-call
+    costs would be the intercept), `factor_r` the rank's slowdown."""
 
     rest: float
     factors: tuple[float, ...]
@@ -75,28 +76,45 @@ def plan_work(plan: PartitionPlan, unit_work: Mapping[str, float],
     return tuple(work)
 
 
-def proportional_plan(plan: PartitionPlan, speeds: Sequence[float]) -> PartitionPlan:
+# GEMMs run at full speed when their width is a multiple of 8: on this project's 2-core CPU
+# VM, fc1+fc2 over 1366 or 682 ffn neurons cost 9-20% more per neuron than over 1360 or 680
+# (oneDNN's blocking; GPU tensor cores want multiples of 8 as well). Query groups are whole
+# heads, already wide enough.
+MLP_ALIGN = 8
+
+
+def mlp_chunk(plan: PartitionPlan, align: int = MLP_ALIGN) -> int:
+    """MLP units the planner moves together so that every rank's ffn width stays a multiple
+    of `align` neurons (1 where the layer's units cannot be cut into such chunks)."""
+    chunk = align // math.gcd(align, plan.mlp_unit_size)
+    return chunk if plan.mlp_units % chunk == 0 else 1
+
+
+def proportional_plan(plan: PartitionPlan, speeds: Sequence[float],
+                      align: int = MLP_ALIGN) -> PartitionPlan:
     """Unit counts proportional to `speeds`, moving the fewest units from `plan`.
 
     Where a block's target share is fractional, layers round differently so that the counts
     summed over layers track the target (e.g. 4 query groups at speeds 2:1 give 3/1 and 2/2
-    in turn)."""
+    in turn). MLP counts are rounded in chunks of `mlp_chunk(plan, align)` units."""
     total = sum(speeds)
     if total <= 0 or any(s < 0 for s in speeds):
         raise ValueError(f"speeds must be non-negative with a positive sum, got {list(speeds)}")
     new = plan
     for block in BLOCKS:
-        n = plan.num_units(block)
+        chunk = mlp_chunk(plan, align) if block == "mlp" else 1
+        n = plan.num_units(block) // chunk
         target = [n * s / total for s in speeds]
         assigned = [0] * plan.tp_size
         for index in range(plan.num_layers):
-            counts = [math.floor(t) for t in target]  # each layer within one unit of target
+            counts = [math.floor(t) for t in target]  # each layer within one chunk of target
             behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
             order = sorted(range(plan.tp_size), key=lambda r: (-behind[r], r))
-            for rank in order[:n - sum(counts)]:  # who is furthest behind gets the spare units
+            for rank in order[:n - sum(counts)]:  # who is furthest behind gets the spare ones
                 counts[rank] += 1
             assigned = [a + c for a, c in zip(assigned, counts)]
-            kwargs = {"attn_counts" if block == "attn" else "mlp_counts": counts}
+            kwargs = {"attn_counts" if block == "attn" else "mlp_counts": [c * chunk
+                                                                          for c in counts]}
             new = new.rebalanced(**kwargs, layers=[index])
     return new
 

@@ -9,7 +9,7 @@ import pytest
 
 from hettp.detect import DetectError, StragglerDetector, slowest_replica
 from hettp.plan import PartitionPlan
-from hettp.planner import (Planner, StepModel, balancing_shares, plan_work,
+from hettp.planner import (Planner, StepModel, balancing_shares, mlp_chunk, plan_work,
                            proportional_plan)
 
 UNIT_WORK = {"attn": 4.0, "mlp": 1.0}
@@ -102,7 +102,7 @@ def test_replicas_plan_for_the_slowest():
 def test_proportional_plan_within_one_unit_per_layer_and_fewest_moves(speeds):
     tp = len(speeds)
     even = PartitionPlan.even(tp, 6, 8, 96)
-    plan = proportional_plan(even, speeds)
+    plan = proportional_plan(even, speeds, align=1)  # unit by unit (alignment: below)
     for block in ("attn", "mlp"):
         n = even.num_units(block)
         target = [n * s / sum(speeds) for s in speeds]
@@ -117,6 +117,30 @@ def test_proportional_plan_within_one_unit_per_layer_and_fewest_moves(speeds):
                 assert len(kept) == min(len(even.units(layer, block, rank)), counts[rank])
         # over the layers, the fractional target is tracked to within one unit
         assert all(abs(t - plan.num_layers * x) <= 1 for t, x in zip(totals, target))
+
+
+@pytest.mark.parametrize("speeds", [(1, 0.5), (1, 1, 1, 0.5), (1, 0.125, 1, 0.25)])
+@pytest.mark.parametrize("unit_size, chunk", [(1, 8), (2, 4), (8, 1), (64, 1)])
+def test_mlp_widths_stay_multiples_of_8_neurons(speeds, unit_size, chunk):
+    tp = len(speeds)
+    even = PartitionPlan.even(tp, 3, 8, 2048 // unit_size, unit_size)
+    assert mlp_chunk(even) == chunk
+    plan = proportional_plan(even, speeds)
+    target = [2048 * s / sum(speeds) for s in speeds]
+    for layer in range(plan.num_layers):
+        neurons = [c * unit_size for c in plan.counts(layer, "mlp")]
+        assert all(n % 8 == 0 for n in neurons), neurons
+        assert all(abs(n - t) < max(8, unit_size) for n, t in zip(neurons, target))
+        assert sum(neurons) == 2048
+    # without alignment the same speeds give widths that are not multiples of 8
+    if unit_size == 1 and speeds != (1, 0.5):
+        loose = proportional_plan(even, speeds, align=1)
+        assert any(c % 8 for c in loose.counts(0, "mlp"))
+
+
+def test_mlp_chunk_falls_back_to_single_units():
+    # 100 units of 3 neurons cannot be cut into chunks of 8 neurons' worth
+    assert mlp_chunk(PartitionPlan.even(2, 1, 2, 100, 3)) == 1
 
 
 def test_step_model_with_per_call_costs():
@@ -249,21 +273,30 @@ def test_bad_scenarios_name_the_flag(text, message):
 from hettp.costfit import ComputeFit  # noqa: E402
 
 
-def test_compute_fit_learns_the_per_call_cost_and_keeps_factors_honest():
-    true = lambda w: 20.0 + 30.0 * w  # noqa: E731  an unslowed rank: 20 ms fixed + 30 ms/work
+def test_compute_fit_keeps_factors_honest_after_the_split_changes():
     fit = ComputeFit()
-    # even split, rank 1 2x slow: proportional factors are right while work is equal
-    works, computes = [0.5, 0.5], [true(0.5), 2 * true(0.5)]
-    factors = fit.factors(works, computes)
-    assert factors == pytest.approx([1.0, 2.0])
+    # even split, rank 1 2x slow: before any history, per unit against this report's fastest
+    works, computes = [0.5, 0.5], [15.0, 30.0]
+    assert fit.factors(works, computes) == pytest.approx([1.0, 2.0])
     fit.add(works, computes, slow={1})
-    # after a migration (0.7 / 0.3) rank 1 is back to full speed: a proportional model would
-    # call it 1.5x slow (fixed cost on less work); with the fast rank's two points the fit
-    # finds the intercept and rank 1's factor is 1 again
-    works = [0.7, 0.3]
-    computes = [true(0.7), true(0.3)]
-    assert fit.factors(works, computes)[1] > 1.3  # one work level seen: still proportional
-    fit.add(works, computes, slow=set())
-    intercept, slope = fit.curve()
-    assert intercept == pytest.approx(20.0) and slope == pytest.approx(30.0)
-    assert fit.factors([0.7, 0.3], [true(0.7), 2 * true(0.3)]) == pytest.approx([1.0, 2.0])
+    # after a migration (0.7 / 0.3) at the same speeds: rank 1 still reads 2x, and rank 0,
+    # now with more work, is not taken for slow
+    assert fit.factors([0.7, 0.3], [21.0, 18.0]) == pytest.approx([1.0, 2.0])
+    fit.add([0.7, 0.3], [21.0, 18.0], slow={1})
+    # rank 1 recovered: 1x at its smaller share
+    assert fit.factors([0.7, 0.3], [21.0, 9.0]) == pytest.approx([1.0, 1.0])
+    assert fit.per_unit() == pytest.approx(30.0)  # the slow rank's reports were left out
+    # a report 7% fast at the larger share: a line through the points would find a per-call
+    # cost (3.75 + 22.5 x work) and read the 2x rank at 0.3 as 1.7x; per unit it stays ~2x
+    fit.add([0.7, 0.3], [19.5, 18.0], slow={1})
+    assert 1.9 <= fit.factors([0.7, 0.3], [21.0, 18.0])[1] <= 2.1
+
+
+def test_compute_fit_is_not_moved_by_one_noisy_report():
+    fit = ComputeFit()
+    for _ in range(4):
+        fit.add([0.5, 0.5], [15.0, 15.0], slow=set())
+    fit.add([0.5, 0.5], [22.5, 21.0], slow=set())  # a hiccup: both 1.4-1.5x for one report
+    assert fit.per_unit() == pytest.approx(30.0)
+    assert fit.factors([0.6, 0.4], [18.0, 24.0]) == pytest.approx([1.0, 2.0])
+    assert fit.factors([1.0, 0.0], [30.0, 0.0]) == [pytest.approx(1.0), None]  # no work, no factor

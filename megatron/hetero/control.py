@@ -93,7 +93,7 @@ class Controller:
         decision, detection = None, None
         if self.tp_rank == 0 and self.planner is not None:
             detection = self.detector.update(factors)
-            intercept, slope = self.fit.curve(works, computes)
+            per_unit = self.fit.per_unit(works, computes)
             # Plan on the detector's verdict: measured factors for stragglers, 1 for the rest
             # (their spread is noise; planning on it would shuffle units for nothing).
             known = [f for f in factors if f is not None]
@@ -101,8 +101,7 @@ class Controller:
             model = StepModel(max(0.0, wall - max(computes)),
                               tuple(max(1.0, (f or max(known)) / fastest)
                                     if r in detection.stragglers else 1.0
-                                    for r, f in enumerate(factors)), slope * fastest,
-                              intercept * fastest)
+                                    for r, f in enumerate(factors)), per_unit * fastest)
             decision = self.planner.decide(iteration, detection, model, state.partition.plan,
                                            state.resizer.shares)
         slow = {r for r, f in enumerate(factors) if f is not None and f >= self.detector.onset}

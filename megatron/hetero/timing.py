@@ -4,7 +4,7 @@ What a slow GPU stretches is its share of the sharded work, not its wall time: c
 every rank wait for the slowest, so wall times look equal. Identity autograd functions mark each
 sharded linear's input and output, so the timer runs from entry to exit in the forward and from
 exit to entry in the backward (its two GEMMs). Time in the GEMMs scales with the units a rank
-computes; per-call costs do not (hettp/costfit.py fits both).
+computes (hettp/costfit.py says how closely).
 
 On CPU the timer reads the thread's CPU time by default: waiting in a gloo collective costs
 none, and time-sharing a core with other ranks does not inflate it, but neither does real
