@@ -8,7 +8,8 @@ Cost model (StepModel): a step takes `rest + max_r factor_r * (intercept + slope
 where work is the rank's active units weighted by their size, the intercept and slope describe an
 unslowed rank's sharded linears (the control loop measures a per-unit slope and no intercept:
 hettp/costfit.py says why), and `rest` (embedding, logits, optimizer, collectives) does not
-depend on the partition. Plans keep every rank's ffn width a multiple of MLP_ALIGN neurons. A migration costs its predicted transfer time; a resize costs
+depend on the partition. The MLP counts a migration plans are multiples of MLP_ALIGN neurons
+where the ffn size allows (mlp_chunk); resized ranks' active widths are not aligned. A migration costs its predicted transfer time; a resize costs
 accuracy in proportion to the resized share, and nothing in time.
 """
 
@@ -84,10 +85,13 @@ MLP_ALIGN = 8
 
 
 def mlp_chunk(plan: PartitionPlan, align: int = MLP_ALIGN) -> int:
-    """MLP units the planner moves together so that every rank's ffn width stays a multiple
-    of `align` neurons (1 where the layer's units cannot be cut into such chunks)."""
+    """MLP units the planner moves together so that the ffn widths it plans are multiples of
+    `align` neurons; 1 where the units cannot be cut into such chunks, or into at least 4 per
+    rank (coarser, whole layers would go unevenly to few ranks)."""
     chunk = align // math.gcd(align, plan.mlp_unit_size)
-    return chunk if plan.mlp_units % chunk == 0 else 1
+    if plan.mlp_units % chunk or plan.mlp_units // chunk < 4 * plan.tp_size:
+        return 1
+    return chunk
 
 
 def proportional_plan(plan: PartitionPlan, speeds: Sequence[float],
@@ -96,7 +100,8 @@ def proportional_plan(plan: PartitionPlan, speeds: Sequence[float],
 
     Where a block's target share is fractional, layers round differently so that the counts
     summed over layers track the target (e.g. 4 query groups at speeds 2:1 give 3/1 and 2/2
-    in turn). MLP counts are rounded in chunks of `mlp_chunk(plan, align)` units."""
+    in turn). MLP counts are rounded in chunks of `mlp_chunk(plan, align)` units; a layer
+    already within one chunk of its target keeps its counts, aligned or not."""
     total = sum(speeds)
     if total <= 0 or any(s < 0 for s in speeds):
         raise ValueError(f"speeds must be non-negative with a positive sum, got {list(speeds)}")
@@ -104,9 +109,13 @@ def proportional_plan(plan: PartitionPlan, speeds: Sequence[float],
     for block in BLOCKS:
         chunk = mlp_chunk(plan, align) if block == "mlp" else 1
         n = plan.num_units(block) // chunk
-        target = [n * s / total for s in speeds]
-        assigned = [0] * plan.tp_size
+        target = [n * s / total for s in speeds]  # in chunks
+        assigned = [0.0] * plan.tp_size
         for index in range(plan.num_layers):
+            current = [c / chunk for c in plan.counts(index, block)]
+            if chunk > 1 and all(abs(c - t) < 1 for c, t in zip(current, target)):
+                assigned = [a + c for a, c in zip(assigned, current)]  # below the resolution
+                continue
             counts = [math.floor(t) for t in target]  # each layer within one chunk of target
             behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
             order = sorted(range(plan.tp_size), key=lambda r: (-behind[r], r))

@@ -45,6 +45,7 @@ def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, stea
     assert first["slowdown"][1] > 1.5 and first["predicted_after_s"] < first["predicted_before_s"]
     plan = PartitionPlan.from_json(first["plan"])
     assert plan.counts(0, "mlp")[1] < plan.counts(0, "mlp")[0]
+    assert all(c % 8 == 0 for c in plan.counts(0, "mlp"))  # GEMM-friendly widths
     # every rank applied the same decision at the same step boundary
     assert ranks[0]["seen"] == ranks[1]["seen"]
     changed = [i for i in sorted(ranks[0]["seen"]) if i > 1 and

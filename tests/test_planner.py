@@ -138,9 +138,42 @@ def test_mlp_widths_stay_multiples_of_8_neurons(speeds, unit_size, chunk):
         assert any(c % 8 for c in loose.counts(0, "mlp"))
 
 
+@pytest.mark.parametrize("speeds", [(1, 1, 1, 0.5), (1, 0.125, 1, 0.25), (0.5, 1, 1, 1)])
+def test_chunked_plans_track_the_target_and_move_the_fewest_units(speeds):
+    even = PartitionPlan.even(4, 5, 8, 2048)
+    plan = proportional_plan(even, speeds)
+    target = [2048 * s / sum(speeds) for s in speeds]
+    totals = [0] * 4
+    for layer in range(plan.num_layers):
+        counts = plan.counts(layer, "mlp")
+        assert all(abs(c - t) < 8 for c, t in zip(counts, target)), (counts, target)
+        totals = [a + c for a, c in zip(totals, counts)]
+        for rank in range(4):
+            kept = set(plan.units(layer, "mlp", rank)) & set(even.units(layer, "mlp", rank))
+            assert len(kept) == min(512, counts[rank])
+    assert all(abs(t - 5 * x) <= 8 for t, x in zip(totals, target))
+
+
+def test_a_plan_within_one_chunk_of_its_target_is_kept():
+    even = PartitionPlan.even(2, 2, 8, 1368)  # 684 neurons each: not a multiple of 8
+    assert mlp_chunk(even) == 8
+    assert proportional_plan(even, (1, 1)) == even  # no churn for alignment's sake
+    moved = proportional_plan(even, (1, 0.5))
+    assert all(c % 8 == 0 for c in moved.counts(0, "mlp")), moved.counts(0, "mlp")
+
+
 def test_mlp_chunk_falls_back_to_single_units():
     # 100 units of 3 neurons cannot be cut into chunks of 8 neurons' worth
-    assert mlp_chunk(PartitionPlan.even(2, 1, 2, 100, 3)) == 1
+    plan = PartitionPlan.even(2, 1, 2, 100, 3)
+    assert mlp_chunk(plan) == 1
+    assert proportional_plan(plan, (1, 0.25)).counts(0, "mlp") == (80, 20)
+    # 16 units on 4 ranks would be 2 chunks of 8: whole layers' MLPs would go to two ranks
+    small = PartitionPlan.even(4, 2, 8, 16)
+    assert mlp_chunk(small) == 1
+    assert proportional_plan(small, (1, 1, 1, 1)) == small
+    assert proportional_plan(small, (1, 1, 1, 0.5)).counts(0, "mlp") in {(5, 5, 4, 2),
+                                                                          (4, 5, 5, 2),
+                                                                          (5, 4, 5, 2)}
 
 
 def test_step_model_with_per_call_costs():
