@@ -4,13 +4,13 @@ Pure data in, pure data out: a decision is a partition plan plus per-rank resize
 reason, and the predicted step time before and after. The caller (one rank per TP group)
 broadcasts it and every rank applies it at the same step boundary.
 
-Cost model (StepModel): a step takes `rest + max_r factor_r * (intercept + slope * work_r)`,
-where work is the rank's active units weighted by their size, the intercept and slope describe an
-unslowed rank's sharded linears (the control loop measures a per-unit slope and no intercept:
-hettp/costfit.py says why), and `rest` (embedding, logits, optimizer, collectives) does not
-depend on the partition. The MLP counts a migration plans are multiples of MLP_ALIGN neurons
-where the ffn size allows (mlp_chunk); resized ranks' active widths are not aligned. A migration costs its predicted transfer time; a resize costs
-accuracy in proportion to the resized share, and nothing in time.
+Cost model (StepModel): a step takes `rest + max_r factor_r * slope * work_r`, where work is
+the rank's active units weighted by their size, `slope` an unslowed rank's seconds per unit of
+work in its sharded linears (hettp/costfit.py says why no per-call term), and `rest`
+(embedding, logits, optimizer, collectives) does not depend on the partition. A migration
+costs its predicted transfer time; a resize costs accuracy in proportion to the resized share,
+and nothing in time. The MLP counts a migration plans are multiples of MLP_ALIGN neurons where
+the ffn size allows (mlp_chunk); resized ranks' active widths are not aligned.
 """
 
 from __future__ import annotations
@@ -28,41 +28,30 @@ POLICIES = ("none", "static", "resize", "migrate", "hybrid", "zero")
 
 @dataclass(frozen=True)
 class StepModel:
-    """A step takes `rest + max_r factor_r * (intercept + slope * work_r)`.
-
-    `intercept + slope * work` is an unslowed rank's time in its sharded linears (per-call
-    costs would be the intercept), `factor_r` the rank's slowdown."""
+    """A step takes `rest + max_r factor_r * slope * work_r`: `slope * work` is an unslowed
+    rank's time in its sharded linears, `factor_r` the rank's slowdown."""
 
     rest: float
     factors: tuple[float, ...]
     slope: float
-    intercept: float = 0.0
 
     @classmethod
     def per_unit(cls, rest: float, seconds_per_unit) -> "StepModel":
-        """No per-call cost: each rank's time is proportional to its work."""
+        """From each rank's measured seconds per unit of work."""
         fastest = min(seconds_per_unit)
         return cls(rest, tuple(t / fastest for t in seconds_per_unit), fastest)
 
     def rank_time(self, rank: int, work: float) -> float:
-        return self.factors[rank] * (self.intercept + self.slope * work)
+        return self.factors[rank] * self.slope * work
 
     def step_time(self, work: Sequence[float]) -> float:
         return self.rest + max(self.rank_time(r, w) for r, w in enumerate(work))
 
     def balanced_work(self, total: float) -> list[float]:
-        """Per-rank work that makes every rank finish together (ranks too slow for any work
-        get none)."""
-        active = set(range(len(self.factors)))
-        while True:
-            finish = ((total * self.slope + self.intercept * len(active))
-                      / sum(1.0 / self.factors[r] for r in active))
-            work = [max(0.0, (finish / f - self.intercept) / self.slope) if r in active else 0.0
-                    for r, f in enumerate(self.factors)]
-            dropped = {r for r in active if (finish / self.factors[r] - self.intercept) < 0}
-            if not dropped:
-                return work
-            active -= dropped
+        """Per-rank work that makes every rank finish together: shares in proportion to
+        speed."""
+        speed = sum(1.0 / f for f in self.factors)
+        return [total / f / speed for f in self.factors]
 
 
 def plan_work(plan: PartitionPlan, unit_work: Mapping[str, float],
@@ -140,7 +129,7 @@ def balancing_shares(plan: PartitionPlan, unit_work: Mapping[str, float], model:
         if rank not in stragglers or w == 0 or model.rank_time(rank, w) <= target:
             shares.append(0.0)
             continue
-        keep = max(0.0, (target / model.factors[rank] - model.intercept) / model.slope)
+        keep = target / model.factors[rank] / model.slope
         shares.append(round(min(cap, 1.0 - keep / w), 4))
     return tuple(shares)
 

@@ -176,19 +176,16 @@ def test_mlp_chunk_falls_back_to_single_units():
                                                                           (5, 4, 5, 2)}
 
 
-def test_step_model_with_per_call_costs():
-    model = StepModel(rest=1.0, factors=(1.0, 2.0), slope=0.1, intercept=2.0)
-    assert model.step_time((10, 10)) == pytest.approx(1.0 + 2 * (2 + 1))
-    work = model.balanced_work(30)
-    assert sum(work) == pytest.approx(30)
-    assert model.rank_time(0, work[0]) == pytest.approx(model.rank_time(1, work[1]))
-    # a rank so slow that its per-call cost alone exceeds the balanced time gets no work
-    slow = StepModel(0.0, (1.0, 1.0, 50.0), slope=1.0, intercept=1.0)
-    assert slow.balanced_work(4)[2] == 0 and sum(slow.balanced_work(4)) == pytest.approx(4)
+def test_step_model_balances_in_proportion_to_speed():
+    model = StepModel(rest=1.0, factors=(1.0, 2.0, 4.0), slope=0.1)
+    assert model.step_time((10, 10, 10)) == pytest.approx(1.0 + 4 * 1.0)
+    work = model.balanced_work(35)
+    assert work == pytest.approx([20, 10, 5])
+    assert model.rank_time(0, work[0]) == pytest.approx(model.rank_time(2, work[2]))
     plan = PartitionPlan.even(2, 2, 4, 8)
-    shares = balancing_shares(plan, UNIT_WORK, StepModel(0.0, (1.0, 1.5), 1.0, 6.0), {1}, 0.9)
-    # rank 0: 6 + 24 = 30; rank 1 must reach 30 / 1.5 - 6 = 14 of its 24 units of work
-    assert shares == (0.0, round(1 - 14 / 24, 4))
+    shares = balancing_shares(plan, UNIT_WORK, StepModel(0.0, (1.0, 1.5), 1.0), {1}, 0.9)
+    # rank 0: 24; rank 1 must come down to 24 / 1.5 = 16 of its 24 units of work
+    assert shares == (0.0, round(1 - 16 / 24, 4))
 
 
 def test_plan_work_and_balancing_shares():

@@ -7,10 +7,9 @@ process prints `pretrain_gpt.py: error: <flag>: <why>` and exits with status 2, 
 
 from __future__ import annotations
 
-import math
-
 import argparse
 import importlib.util
+import math
 import os
 
 import torch
