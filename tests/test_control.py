@@ -124,8 +124,10 @@ def test_policy_none_is_vanilla_megatron_core_timed(tmp_path):
     for plain_report, report in zip(reports, dilated):
         # counted: about 4x the compute of the same steps undilated (2x leaves room for noise)
         assert min(report["compute_s"]) > 2 * max(plain_report["compute_s"])
-        # ... and slept: the steps grew by about 3x that compute (half of it leaves room) ...
+        # ... and slept: the steps grew by up to 3x that compute (1.5x seen in a CI run on a
+        # loaded machine, where the undilated GEMMs already took longer than their CPU time;
+        # without the sleep they would not grow at all) ...
         grown = report["step_s"] - plain_report["step_s"]
-        assert grown > 0.5 * 3 * max(plain_report["compute_s"])
+        assert grown > 0.75 * max(plain_report["compute_s"])
         # ... and a rank cannot have computed longer than its steps took
         assert max(report["compute_s"]) <= report["step_s"]
