@@ -19,8 +19,9 @@ a core (rank % cores); with more ranks than cores every run gets --het-tp-emulat
 (--dilation), so each rank's sharded GEMMs take the time of a device of its own. The compute
 timer (--het-tp-timer) is thread CPU time, immune to the machine's own jitter, except in
 real-contention scenarios, which only wall-clock time (with collective waits left out) can
-see. Model flags after `--` replace the default model (a compute-dominated GPT: hidden 512, ffn 2048, 2 layers, 4x128 tokens per
-micro-batch); flags this script sets itself are refused there.
+see. Model flags after `--` replace the default model (a compute-dominated GPT: hidden 512,
+ffn 2048, 2 layers, 4x128 tokens per micro-batch); flags this script sets itself are refused
+there.
 """
 
 from __future__ import annotations
@@ -218,8 +219,8 @@ def parse(argv):
                    help="launch nothing: rebuild the report from the runs already in --out/runs")
     p.add_argument("--dilation", default="auto",
                    help="--het-tp-emulate-dilation of every run: 'auto' (1 with a core per "
-                        "rank, else 1.5 x ranks per core, so that each rank behaves as if it "
-                        "had its own device) or a number >= 1")
+                        "rank, else 1.5 x the ranks on the busiest core, so that each rank "
+                        "behaves as if it had its own device) or a number >= 1")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--quick", action="store_true",
                    help="a tiny model, 12 iterations, scenarios none,persistent-2x,noisy, "
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
                                          os.path.relpath(path, a.out)))
     minutes = (time.monotonic() - start) / 60
     previous = os.path.join(a.out, "report.json")
-    provenance, dilation = {}, a.dilation
+    provenance = {}
     if a.report_only and os.path.exists(previous):  # keep when, where and how long they ran
         with open(previous) as f:
             provenance = json.load(f)

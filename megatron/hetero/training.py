@@ -172,11 +172,16 @@ def make_resizer(args, partition, model):
                    sample=args.het_tp_priority_sample_interval)
 
 
+def wants_controller(args) -> bool:
+    """Is something to be timed (emulation, dilation, vanilla's timings) or decided?"""
+    return bool(args.het_tp_emulate or args.het_tp_emulate_dilation > 1.0
+                or args.het_tp_policy in ("none", "resize", "migrate", "hybrid")
+                or (args.het_tp_policy == "zero" and args.het_tp_resize_shares is None))
+
+
 def make_controller(args, state):
     """The control loop when something is to be timed or decided, else None."""
-    if (args.het_tp_emulate or args.het_tp_emulate_dilation > 1.0
-            or args.het_tp_policy in ("none", "resize", "migrate", "hybrid")
-            or (args.het_tp_policy == "zero" and args.het_tp_resize_shares is None)):
+    if wants_controller(args):
         from .control import Controller
 
         return Controller(args, state)

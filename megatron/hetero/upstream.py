@@ -26,7 +26,7 @@ import torch
 from .arguments import ArgumentError, _add_het_tp_args, validate_het_tp_args
 from .log import Logger
 from .training import (TrainState, het_tp_step_begin, het_tp_step_end, make_controller,
-                       make_resizer)
+                       make_resizer, wants_controller)
 
 _PARTITION = None  # the HetPartition of the model built in this process
 _HOOK = None  # the StepHook of the running train()
@@ -110,8 +110,7 @@ class StepHook:
         """The hook when --het-tp or a het-TP policy is on, else None (vanilla upstream)."""
         global _HOOK
         _HOOK = None
-        if (args.het_tp or args.het_tp_policy == "none" or args.het_tp_emulate
-                or args.het_tp_emulate_dilation > 1.0):
+        if args.het_tp or wants_controller(args):
             _HOOK = cls(args, model, optimizer, scheduler, config)
         return _HOOK
 
