@@ -40,3 +40,10 @@ class ComputeFit:
         for rank, (w, c) in enumerate(zip(works, computes)):
             if rank not in slow and w > 0 and c > 0:
                 self._per_unit.append(c / w)
+
+    def state_dict(self) -> dict:
+        return {"per_unit": list(self._per_unit)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._per_unit.clear()
+        self._per_unit.extend(state["per_unit"])

@@ -100,14 +100,21 @@ class StragglerDetector:
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
         return Detection(slowdown, self.stragglers, changed, frozenset(onsets), frozenset(ends))
 
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to detect as this one would (plain data)."""
+        return {"history": [list(h) for h in self._history], "above": list(self._above),
+                "below": list(self._below), "stragglers": sorted(self.stragglers),
+                "planned_for": {str(r): v for r, v in self._planned_for.items()},
+                "rebased": self._rebased}
 
-def slowest_replica(reports: Sequence[Sequence[float | None]]) -> tuple:
-    """Per TP position, the slowest data-parallel replica's time per unit.
-
-    Replicas at one TP position all-reduce their gradients, so they must share one plan; the
-    slowest of them sets everyone's pace, so that is the one to plan for."""
-    out = []
-    for values in zip(*reports):
-        known = [v for v in values if v is not None]
-        out.append(max(known) if known else None)
-    return tuple(out)
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["history"]) != self.tp_size:
+            raise DetectError(f"saved detector state is for a TP group of "
+                              f"{len(state['history'])}, not {self.tp_size}")
+        for history, saved in zip(self._history, state["history"]):
+            history.clear()
+            history.extend(saved)
+        self._above, self._below = list(state["above"]), list(state["below"])
+        self.stragglers = frozenset(state["stragglers"])
+        self._planned_for = {int(r): v for r, v in state["planned_for"].items()}
+        self._rebased = state["rebased"]

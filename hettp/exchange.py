@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .transfer import TransferSchedule, UnitMove
+from .plan import PartitionPlan
+from .transfer import TransferSchedule, UnitMove, minimum_bytes
 
 _ALIGN = 8  # bytes; keeps every tensor in a buffer aligned for a dtype view
 STAGES = ("pack", "exchange", "verify")
@@ -81,6 +82,26 @@ class TransferResult:
     payload_bytes: int  # the units' own bytes: the minimum the plan change requires
     wire_bytes: int  # what the buffers carried: payload + alignment + one checksum per buffer
     seconds: float
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One applied plan change: what moved, how, what it cost, and what was predicted."""
+
+    before: PartitionPlan
+    after: PartitionPlan
+    schedule: TransferSchedule
+    result: TransferResult
+    predictions: dict  # primitive -> predicted seconds
+
+    @property
+    def units_moved(self) -> int:
+        return len(self.schedule.moves)
+
+    def minimum_bytes(self) -> int:
+        """What the count change alone requires: the floor for "bytes vs minimum"."""
+        sizes = {m.block: m.nbytes for m in self.schedule.moves}
+        return minimum_bytes(self.before, self.after, lambda block: sizes.get(block, 0))
 
 
 def run_transfer(schedule: TransferSchedule, group, primitive: str,

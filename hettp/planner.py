@@ -21,9 +21,8 @@ from typing import Callable, Mapping, Sequence
 
 from .detect import Detection
 from .plan import BLOCKS, PartitionPlan
+from .policy import policy as get_policy
 from .resize import check_shares, skipped_count
-
-POLICIES = ("none", "static", "resize", "migrate", "hybrid", "zero")
 
 
 @dataclass(frozen=True)
@@ -34,12 +33,6 @@ class StepModel:
     rest: float
     factors: tuple[float, ...]
     slope: float
-
-    @classmethod
-    def per_unit(cls, rest: float, seconds_per_unit) -> "StepModel":
-        """From each rank's measured seconds per unit of work."""
-        fastest = min(seconds_per_unit)
-        return cls(rest, tuple(t / fastest for t in seconds_per_unit), fastest)
 
     def rank_time(self, rank: int, work: float) -> float:
         return self.factors[rank] * self.slope * work
@@ -154,42 +147,54 @@ class Planner:
 
     def __init__(self, policy: str, unit_work: Mapping[str, float], cap: float = 0.5,
                  migration_seconds: Callable[[PartitionPlan, PartitionPlan], float] = None,
-                 min_gain: float = 0.03, zero_share: float = 0.5):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy '{policy}'; choose from {POLICIES}")
-        self.policy, self.unit_work, self.cap = policy, dict(unit_work), cap
+                 min_gain: float = 0.03):
+        self.policy = get_policy(policy)
+        if self.policy.decides and self.policy.name not in self._RULES:
+            raise ValueError(f"policy '{policy}' decides, but the planner has no rule for it")
+        self.unit_work, self.cap = dict(unit_work), cap
         self.migration_seconds = migration_seconds or (lambda old, new: 0.0)
-        self.min_gain, self.zero_share = min_gain, zero_share
+        self.min_gain = min_gain
         self._onset = None  # iteration the current straggle began (hybrid)
+
+    def state_dict(self) -> dict:
+        return {"onset": self._onset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._onset = state["onset"]
 
     def decide(self, iteration: int, detection: Detection, model: StepModel,
                plan: PartitionPlan, shares: Sequence[float]) -> Decision | None:
-        if self.policy in ("none", "static"):
+        if not self.policy.decides:
             return None
         shares = tuple(shares)
         before = model.step_time(plan_work(plan, self.unit_work, shares))
-        stragglers = detection.stragglers
-        if self.policy == "zero":
-            if not detection.changed:
-                return None
-            new = tuple(self.zero_share if r in stragglers else 0.0 for r in range(plan.tp_size))
-            return self._resize(new, plan, model, before, "zero",
-                                f"straggling ranks {sorted(stragglers)}: fixed "
-                                f"{self.zero_share:.0%} cut (paper baseline)")
-        if self.policy == "resize":
-            if not detection.changed:
-                return None
-            new = balancing_shares(plan, self.unit_work, model, stragglers, self.cap)
-            why = (f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
-                   if stragglers else "no straggler left")
-            return self._resize(new, plan, model, before, "resize" if any(new) else "restore", why)
-        if self.policy == "migrate":
-            if not detection.changed:
-                return None
-            return self._migrate(plan, model, before, detection, "migrate", shares)
-        return self._hybrid(iteration, detection, model, plan, shares, before)
+        return self._RULES[self.policy.name](self, iteration, detection, model, plan, shares,
+                                             before)
 
-    # ---- policies ------------------------------------------------------------------------
+    # ---- policies: one rule per deciding policy of hettp.policy.POLICIES -------------------
+
+    def _zero(self, iteration, detection, model, plan, shares, before):
+        if not detection.changed:
+            return None
+        stragglers, cut = detection.stragglers, self.policy.cut
+        new = tuple(cut if r in stragglers else 0.0 for r in range(plan.tp_size))
+        return self._resize(new, plan, model, before, "zero",
+                            f"straggling ranks {sorted(stragglers)}: fixed {cut:.0%} cut (paper "
+                            "baseline)")
+
+    def _resize_rule(self, iteration, detection, model, plan, shares, before):
+        if not detection.changed:
+            return None
+        stragglers = detection.stragglers
+        new = balancing_shares(plan, self.unit_work, model, stragglers, self.cap)
+        why = (f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
+               if stragglers else "no straggler left")
+        return self._resize(new, plan, model, before, "resize" if any(new) else "restore", why)
+
+    def _migrate_rule(self, iteration, detection, model, plan, shares, before):
+        if not detection.changed:
+            return None
+        return self._migrate(plan, model, before, detection, "migrate", shares)
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers
@@ -246,6 +251,9 @@ class Planner:
         after = model.step_time(plan_work(plan, self.unit_work, new))
         return Decision(action, plan, tuple(new), why, before, after,
                         {"resized_share": sum(new) / len(new)})
+
+    # The decision rule of each policy that decides (hettp.policy.POLICIES).
+    _RULES = {"resize": _resize_rule, "migrate": _migrate_rule, "hybrid": _hybrid, "zero": _zero}
 
 
 def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:

@@ -15,7 +15,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-VANILLA = "none"
+from .policy import VANILLA
+
 REACTION_BAND = 0.10  # "within 10% of the new steady state"
 
 

@@ -132,3 +132,27 @@ class CostModel:
             return "none", predictions
         best = min(predictions, key=lambda p: (predictions[p], PRIMITIVES.index(p)))
         return best, predictions
+
+
+# A migration's time as a multiple of its predicted transfer: packing, committing and
+# rebuilding DDP and the optimizer come on top (results/migration_tp4.txt: total/transfer 1.3-1.8).
+REBUILD_FACTOR = 2.0
+
+
+class MigrationCost:
+    """Predicted seconds of a plan change: the cheapest primitive's transfer of the units that
+    move, times `rebuild_factor`. `unit_bytes` (block -> one unit's payload: weights, fp32
+    masters and optimizer moments) is set by whoever knows the model's tensors."""
+
+    def __init__(self, cost_model: CostModel | None = None,
+                 unit_bytes: dict[str, int] | None = None, rebuild_factor: float = REBUILD_FACTOR):
+        self.cost_model = cost_model or CostModel()
+        self.unit_bytes = dict(unit_bytes or {})
+        self.rebuild_factor = rebuild_factor
+
+    def seconds(self, old: PartitionPlan, new: PartitionPlan) -> float:
+        schedule = plan_transfer(old, new, lambda block: self.unit_bytes[block])
+        if not schedule.moves:
+            return 0.0
+        _, predictions = self.cost_model.choose(schedule)
+        return self.rebuild_factor * min(predictions.values())

@@ -56,6 +56,7 @@ def worker(rank, world, port, opts, out_path):
     from hettp.exchange import measure_costs
     from megatron.hetero.arguments import parse_args
     from megatron.hetero.data import build_datasets, build_loader, build_tokenizer
+    from megatron.hetero.runtime import HetTPRuntime
     from megatron.hetero.training import initialize, setup_model_and_optimizer, shutdown, train_step
 
     ffn = 2048
@@ -64,21 +65,25 @@ def worker(rank, world, port, opts, out_path):
             f"--mock-data --vocab-size 255 --tensor-model-parallel-size {world} --het-tp "
             f"--het-tp-granularity {opts.granularity} --hidden-dropout 0 --attention-dropout 0").split()
     args = parse_args(argv)
+    runtime = HetTPRuntime.from_args(args)
     initialize(args)
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
-    state = setup_model_and_optimizer(args, tokenizer.vocab_size)
+    state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime)
+    runtime.attach(state)
     train_ds, _, _ = build_datasets(args, tokenizer)
     train_step(args, state, iter(build_loader(train_ds, 0, args, 0, 1)))  # Adam moments exist
-    group = state.partition.group
+    partition = runtime.partition
+    group = partition.group
     rows = {}
     for _ in range(opts.repeats):
         for number, (name, attn, mlp) in enumerate(plan_changes(world, ffn // opts.granularity), 1):
-            plan = state.partition.plan.rebalanced(attn, mlp)
+            plan = partition.plan.rebalanced(attn, mlp)
             dist.barrier()
             t0 = time.perf_counter()
-            state.partition.repartition(state, plan)
+            migration = partition.repartition(state, plan)
             total = time.perf_counter() - t0
-            schedule, result, predictions = state.partition.last_transfer
+            schedule, result, predictions = (migration.schedule, migration.result,
+                                             migration.predictions)
             payload = torch.ones(max(result.payload_bytes // 4, 1))
             reduce_times = []
             for _ in range(3):
@@ -103,6 +108,7 @@ def worker(rank, world, port, opts, out_path):
             json.dump({"tp": world, "granularity": opts.granularity, "rows": rows,
                        "cost_model": {p: vars(getattr(fitted, p)) for p in
                                       ("p2p", "all_to_all", "scatter", "broadcast")}}, f)
+    runtime.close()
     shutdown()
 
 

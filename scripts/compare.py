@@ -44,10 +44,11 @@ sys.path.insert(0, ROOT)
 
 from hettp.emulate import ScenarioError  # noqa: E402
 from hettp.metrics import read_metrics  # noqa: E402
+from hettp.policy import compared_policies  # noqa: E402
 from hettp.report import VANILLA, Run, compare, markdown  # noqa: E402
 from hettp.scenarios import resolve  # noqa: E402
 
-POLICIES = ("none", "resize", "migrate", "hybrid", "zero")
+POLICIES = tuple(compared_policies())
 OWN_FLAGS = ("--tensor-model-parallel-size", "--train-iters", "--het-tp-policy",
              "--het-tp-emulate", "--het-tp-interval", "--het-tp-timer", "--metrics-file",
              "--seed", "--log-interval", "--global-batch-size", "--save", "--load",

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 
 import torch
+
+from hettp.config import ConfigError, HetTPConfig, ModelShape
 
 TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer")
 BYTE_LEVEL_VOCAB_SIZE = 256  # byte values; byte 0 (NUL) doubles as end-of-document
@@ -38,7 +39,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_validation_args(parser)
     _add_logging_args(parser)
     _add_checkpointing_args(parser)
-    _add_het_tp_args(parser)
+    HetTPConfig.add_arguments(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -160,70 +161,6 @@ def _add_checkpointing_args(parser):
     g.add_argument("--seed", type=int, default=1234)
 
 
-def _add_het_tp_args(parser):
-    g = parser.add_argument_group("heterogeneous tensor parallelism (hettp)")
-    g.add_argument("--het-tp", action="store_true",
-                   help="Use unit-sharded TP layers that can own uneven, changeable shares.")
-    g.add_argument("--het-tp-plan", default=None,
-                   help="Static partition: a JSON plan file, or per-rank unit counts for every "
-                        "layer, e.g. 'attn=3,1;mlp=768,256' (implies --het-tp).")
-    g.add_argument("--het-tp-granularity", type=int, default=1,
-                   help="ffn neurons per MLP unit (attention units are query groups).")
-    g.add_argument("--het-tp-policy", default="static",
-                   choices=["none", "static", "resize", "migrate", "hybrid", "zero"],
-                   help="none: vanilla megatron-core layers, timed; static: the given "
-                        "--het-tp-plan and --het-tp-resize for the whole run; resize / migrate / "
-                        "hybrid: act on detected stragglers (hybrid resizes at once and migrates "
-                        "when the straggle is predicted to repay the move); zero: the paper's "
-                        "public-code baseline, a fixed 50%% cut of a straggler by accumulated "
-                        "|dW| with imputed gradients (of the ranks --het-tp-resize names, else "
-                        "of detected stragglers). resize/migrate/hybrid/zero imply --het-tp.")
-    g.add_argument("--het-tp-interval", type=int, default=10,
-                   help="Iterations between timing reports (and planner decisions).")
-    g.add_argument("--het-tp-onset", type=float, default=1.3,
-                   help="A rank straggles once its compute per unit is this many times the "
-                        "fastest rank's ...")
-    g.add_argument("--het-tp-end", type=float, default=1.15,
-                   help="... and stops once it is back at or below this (hysteresis).")
-    g.add_argument("--het-tp-onset-at-once", type=float, default=1.6,
-                   help="... or at the first report that reaches this (>= --het-tp-onset).")
-    g.add_argument("--het-tp-patience", type=int, default=2,
-                   help="Consecutive reports beyond a threshold before the state changes (a "
-                        "slowdown of --het-tp-onset-at-once or more needs one).")
-    g.add_argument("--het-tp-window", type=int, default=1,
-                   help="Reports whose median smooths each rank's timing.")
-    g.add_argument("--het-tp-timer", default="cpu", choices=["cpu", "wall"],
-                   help="CPU runs: time the sharded GEMMs by thread CPU time (blind to waits and "
-                        "to time-sharing) or by wall time minus TP collective waits (sees real "
-                        "contention; no more ranks than cores). GPUs use CUDA events.")
-    g.add_argument("--het-tp-emulate", default=None, metavar="SCENARIO",
-                   help="Emulated stragglers (CPU): none, persistent:rank=R,factor=F[,start=I]"
-                        "[,stop=I], transient:rank=R,factor=F,start=I,length=N,period=P, "
-                        "rotating:factor=F,period=P, multi:factors=8/6/4/2.")
-    g.add_argument("--het-tp-emulate-dilation", type=float, default=1.0, metavar="D",
-                   help="CPU runs with more ranks than cores: stretch every sharded GEMM to D x "
-                        "its CPU time (x its emulated slowdown) by sleeping, so ranks no longer "
-                        "take turns on a core and each behaves as if it had its own device. D "
-                        "must exceed ranks per core; needs --het-tp-timer cpu.")
-    g.add_argument("--het-tp-resize", default=None, metavar="SHARES",
-                   help="Per TP rank, the share of its units it skips (resizing), e.g. '0,0.5' "
-                        "(implies --het-tp).")
-    g.add_argument("--het-tp-max-resize", type=float, default=0.5,
-                   help="Cap on the share of its units any rank may skip at any step.")
-    from hettp.resize import SCORERS
-
-    g.add_argument("--het-tp-priority", default="dw", choices=sorted(SCORERS),
-                   help="Unit priority for resizing: " + "; ".join(
-                       f"{s.name}: {s.help}" for s in SCORERS.values()) + ".")
-    g.add_argument("--het-tp-priority-interval", type=int, default=50,
-                   help="Iterations between priority refreshes (re-sorting resized ranks).")
-    g.add_argument("--het-tp-priority-sample-interval", type=int, default=None,
-                   help="Per-step scorers (dw, wg) observe the optimizer steps of iterations "
-                        "divisible by this (default: 8, or --het-tp-priority-interval when "
-                        "smaller). Observing a step costs a pass over the sharded weights (dw "
-                        "also copies them): about 10%% of a CPU step when done every step.")
-
-
 def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
     """Parse and validate; on a bad flag print a one-line error and exit with status 2."""
     parser = build_parser(extra_args_provider)
@@ -242,8 +179,9 @@ def _require(cond, msg):
         raise ArgumentError(msg)
 
 
-def validate_args(args, world_size: int, cuda_available: bool | None = None) -> None:
-    """Megatron-style checks and derived values (data_parallel_size, padded vocab, ...)."""
+def validate_args(args, world_size: int, cuda_available: bool | None = None) -> HetTPConfig:
+    """Megatron-style checks and derived values (data_parallel_size, padded vocab, ...); returns
+    the validated het-TP config (nothing of it is written into `args`)."""
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     args.world_size = world_size
@@ -366,7 +304,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         raise ArgumentError("--tensorboard-dir needs the tensorboard package "
                             "(pip install tensorboard, or the project's [tensorboard] extra)")
 
-    validate_het_tp_args(args, cuda_available)
+    het_tp = het_tp_config(args, cuda_available)
 
     # Checkpointing.
     if args.save_interval is not None:
@@ -374,94 +312,47 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         _require(args.save is not None, "--save-interval needs --save")
     if args.exit_interval is not None:
         _require(args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}")
+    return het_tp
 
 
-def validate_het_tp_args(args, cuda_available: bool) -> None:
-    """The --het-tp group's checks and derived values (het_tp, het_tp_plan_obj,
-    het_tp_resize_shares); also used on an upstream Megatron-LM checkout (upstream.py)."""
-    tp = args.tensor_model_parallel_size
-    _require(args.het_tp_granularity > 0,
-             f"--het-tp-granularity must be positive, got {args.het_tp_granularity}")
-    dynamic = args.het_tp_policy in ("resize", "migrate", "hybrid", "zero")
-    if args.het_tp_policy == "none":
-        for flag in ("het_tp", "het_tp_plan", "het_tp_resize"):
-            _require(not getattr(args, flag),
-                     f"--het-tp-policy none runs vanilla megatron-core layers; drop "
-                     f"--{flag.replace('_', '-')}")
-    args.het_tp = (args.het_tp or args.het_tp_plan is not None or args.het_tp_resize is not None
-                   or dynamic)
-    for flag in ("het_tp_interval", "het_tp_patience", "het_tp_window"):
-        _require(getattr(args, flag) > 0,
-                 f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    _require(1.0 <= args.het_tp_end < args.het_tp_onset,
-             f"--het-tp-end ({args.het_tp_end}) must be >= 1 and below --het-tp-onset "
-             f"({args.het_tp_onset})")
-    _require(args.het_tp_onset_at_once >= args.het_tp_onset,
-             f"--het-tp-onset-at-once ({args.het_tp_onset_at_once}) must be >= --het-tp-onset "
-             f"({args.het_tp_onset})")
-    if args.het_tp_emulate is not None:
-        from hettp.emulate import Scenario, ScenarioError
+# Megatron-LM features the het-TP layers do not implement: (args attribute, what it is).
+_UNSUPPORTED_WITH_HET_TP = (
+    ("num_experts", "mixture of experts layers"),
+    ("mtp_num_layers", "multi-token prediction layers"),
+    ("multi_latent_attention", "multi-latent attention layers"),
+)
 
-        _require(not cuda_available, "--het-tp-emulate is implemented for CPU runs; on GPUs "
-                                     "create real contention (scripts/noisy_neighbor.py)")
-        try:
-            Scenario.parse(args.het_tp_emulate, tp)
-        except ScenarioError as err:
-            raise ArgumentError(str(err))
-    _require(1.0 <= args.het_tp_emulate_dilation < math.inf, "--het-tp-emulate-dilation must "
-             f"be a finite number >= 1, got {args.het_tp_emulate_dilation}")
-    if args.het_tp_emulate_dilation > 1.0:
-        _require(not cuda_available, "--het-tp-emulate-dilation emulates a device per rank on "
-                                     "CPU; drop it on GPUs")
-        _require(args.het_tp_timer == "cpu",
-                 "--het-tp-emulate-dilation stretches the CPU time of each GEMM; it needs "
-                 f"--het-tp-timer cpu, got {args.het_tp_timer}")
-    args.het_tp_plan_obj = None
-    args.het_tp_resize_shares = None
-    _require(0.0 <= args.het_tp_max_resize <= 1.0,
-             f"--het-tp-max-resize must be within [0, 1], got {args.het_tp_max_resize}")
-    _require(args.het_tp_priority_interval > 0,
-             f"--het-tp-priority-interval must be positive, got {args.het_tp_priority_interval}")
-    if args.het_tp_priority_sample_interval is None:
-        args.het_tp_priority_sample_interval = min(8, args.het_tp_priority_interval)
-    _require(0 < args.het_tp_priority_sample_interval <= args.het_tp_priority_interval,
-             "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval "
-             f"{args.het_tp_priority_interval}], got {args.het_tp_priority_sample_interval}")
-    _require(args.het_tp_resize is None or args.het_tp_policy in ("static", "zero"),
-             f"--het-tp-resize sets fixed shares; --het-tp-policy {args.het_tp_policy} decides "
-             "them itself")
-    if args.het_tp_policy == "zero":
-        _require(args.het_tp_priority == "dw",
-                 f"--het-tp-policy zero ranks units by accumulated |dW|; drop --het-tp-priority "
-                 f"{args.het_tp_priority}")
-    if args.het_tp_resize is not None:
-        from hettp.resize import ResizeError, parse_shares
 
-        try:
-            args.het_tp_resize_shares = parse_shares(args.het_tp_resize, tp, args.het_tp_max_resize)
-        except ResizeError as err:
-            raise ArgumentError(str(err))
-        if args.het_tp_policy == "zero":
-            _require(all(s in (0.0, 0.5) for s in args.het_tp_resize_shares),
-                     f"--het-tp-policy zero cuts a fixed 50%: --het-tp-resize shares must be 0 or "
-                     f"0.5, got '{args.het_tp_resize}'")
-    if args.het_tp:
-        gran = args.het_tp_granularity
-        _require(args.ffn_hidden_size % gran == 0,
-                 f"--het-tp-granularity {gran} does not divide --ffn-hidden-size "
-                 f"{args.ffn_hidden_size}")
-        _require((args.ffn_hidden_size // gran) % tp == 0,
-                 f"--ffn-hidden-size / --het-tp-granularity = {args.ffn_hidden_size // gran} MLP "
-                 f"units must split evenly over --tensor-model-parallel-size {tp} at start")
-        if args.het_tp_plan is not None:
-            from hettp.plan import PartitionPlan, PlanError
+def model_shape(args) -> ModelShape:
+    """The shape het-TP flags are checked against, from Megatron-LM style args (ours or
+    upstream's, which keeps --num-query-groups at 1 unless --group-query-attention)."""
+    groups = args.num_query_groups
+    if not getattr(args, "group_query_attention", True) or groups is None:
+        groups = args.num_attention_heads
+    return ModelShape(args.tensor_model_parallel_size, args.num_layers, groups,
+                      args.ffn_hidden_size)
 
-            try:
-                args.het_tp_plan_obj = PartitionPlan.parse(
-                    args.het_tp_plan, tp, args.num_layers, args.num_query_groups,
-                    args.ffn_hidden_size // gran, gran)
-            except PlanError as err:
-                raise ArgumentError(f"--het-tp-plan: {err}")
+
+def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
+    """The validated het-TP config of Megatron-LM style args (this trainer's or an upstream
+    checkout's); raises ArgumentError naming the flag. Reads `args`, never writes to it."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    try:
+        config = HetTPConfig.from_args(args).validated(model_shape(args), cuda_available)
+    except ConfigError as err:
+        raise ArgumentError(str(err)) from None
+    if config.het_tp:
+        if getattr(args, "virtual_pipeline_model_parallel_size", None):
+            raise ArgumentError("--het-tp supports one model chunk: drop "
+                                "--num-layers-per-virtual-pipeline-stage")
+        for attr, what in _UNSUPPORTED_WITH_HET_TP:
+            if getattr(args, attr, None):
+                raise ArgumentError(f"--het-tp has no {what}: drop --{attr.replace('_', '-')}")
+        if getattr(args, "use_distributed_optimizer", False):
+            raise ArgumentError("--het-tp migrates Adam state of the plain optimizer: drop "
+                                "--use-distributed-optimizer")
+    return config
 
 
 def _is_number(text):

@@ -86,16 +86,19 @@ def _sharded_state(model, optimizer, scheduler, *, with_rng: bool, is_loading: b
 
 
 def save_checkpoint(root: str, iteration: int, consumed_train_samples: int, model, optimizer,
-                    scheduler, args, resizer=None) -> str:
-    """`resizer`: het-TP resize state (priorities, evidence since the last refresh) to keep."""
+                    scheduler, args, runtime=None) -> str:
+    """`runtime`: the het-TP runtime, whose plan (common) and per-TP-rank state (priorities,
+    detector) the checkpoint keeps, so a resumed run starts where this one stands."""
     state = _sharded_state(model, optimizer, scheduler, with_rng=True, is_loading=False)
-    if resizer is not None:
-        state["het_tp_resize"] = _per_tp_rank("het_tp_resize", resizer.state_dict())
+    if runtime is not None:
+        state["het_tp_state"] = _per_tp_rank("het_tp_state", runtime.state_dict())
+        saved = runtime.checkpoint_plan()
+        state["het_tp_plan"] = saved.to_dict() if saved is not None else None
     state["iteration"] = iteration
     state["consumed_train_samples"] = consumed_train_samples
     state["args"] = {name: getattr(args, name) for name in SHAPE_ARGS}
     state["args"]["tensor_model_parallel_size"] = args.tensor_model_parallel_size
-    state["args"]["het_tp_resize"] = resizer is not None
+    state["args"]["het_tp_state"] = runtime is not None
 
     final = checkpoint_dir(root, iteration)
     staging = final + ".tmp"
@@ -116,12 +119,23 @@ def save_checkpoint(root: str, iteration: int, consumed_train_samples: int, mode
     return final
 
 
+def saved_plan(root: str | None) -> dict | None:
+    """The het-TP plan the newest checkpoint under `root` was saved in (its common part; None
+    without one), read before the model is built so it can start in that plan."""
+    iteration = latest_iteration(root) if root else None
+    if iteration is None:
+        return None
+    return dist_checkpointing.load_common_state_dict(checkpoint_dir(root, iteration)).get(
+        "het_tp_plan")
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, args,
-                    resizer=None) -> tuple[int, int] | None:
+                    runtime=None) -> tuple[int, int] | None:
     """Restores the newest checkpoint under `root`; returns (iteration, consumed samples), or
     None when `root` holds no checkpoint yet (training then starts from scratch).
 
-    `resizer` gets the saved resize state when the checkpoint has one of the same TP size."""
+    `runtime` gets its saved per-TP-rank state when the checkpoint has one of the same TP
+    size."""
     iteration = latest_iteration(root)
     if iteration is None:
         return None
@@ -136,15 +150,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args,
     # RNG states are per TP rank: they only carry over to the same TP size.
     with_rng = saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
     state = _sharded_state(model, optimizer, scheduler, with_rng=with_rng, is_loading=True)
-    with_resize = (resizer is not None and with_rng and saved.get("het_tp_resize", False))
-    if with_resize:
-        state["het_tp_resize"] = _per_tp_rank("het_tp_resize", resizer.state_dict())
+    with_runtime = runtime is not None and with_rng and saved.get("het_tp_state", False)
+    if with_runtime:
+        state["het_tp_state"] = _per_tp_rank("het_tp_state", runtime.state_dict())
     loaded = dist_checkpointing.load(state, path)
     model.module.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if with_rng:
         _set_rng_state(loaded["rng_state"])
-    if with_resize:
-        resizer.load_state_dict(loaded["het_tp_resize"])
+    if with_runtime:
+        runtime.load_state_dict(loaded["het_tp_state"])
     return loaded["iteration"], loaded["consumed_train_samples"]

@@ -16,17 +16,112 @@ import torch
 import torch.distributed as dist
 
 from hettp import __version__
-from hettp.transfer import minimum_bytes
 
 
 def _stamp() -> str:
     return datetime.now().strftime("%Y-%m-%d %H:%M:%S")
 
 
+class EventLog:
+    """het-TP's own records: one line on rank 0 per plan, resize, re-partition and decision, and
+    a JSONL record of each (plus every timing report) when a metrics file is open."""
+
+    def __init__(self, metrics=None):
+        self.metrics = metrics  # MetricsWriter on rank 0, None elsewhere
+
+    @property
+    def is_printer(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def info(self, message: str) -> None:
+        if self.is_printer:
+            print(message, flush=True)
+
+    def plan(self, iteration, plan, why) -> None:
+        self.info(f"> het-TP plan at iteration {iteration} ({why}): {plan.summary()}")
+        if self.metrics is not None:
+            self.metrics.write("plan", iteration=iteration, why=why, plan=plan.to_json())
+
+    def repartition(self, iteration, migration) -> None:
+        """One line per applied re-partition: what moved, how, and what it cost."""
+        result = migration.result
+        predicted = ", ".join(f"{p} {t * 1e3:.2f}" for p, t in sorted(migration.predictions.items()))
+        self.info(f"> het-TP repartition at iteration {iteration}: {migration.after.summary()} | "
+                  f"moved {migration.units_moved} units, {result.payload_bytes} bytes "
+                  f"({result.wire_bytes} on the wire) via {result.primitive} in "
+                  f"{result.seconds * 1e3:.1f} ms (predicted ms: {predicted})")
+        if self.metrics is not None:
+            self.metrics.write("repartition", iteration=iteration, plan=migration.after.to_json(),
+                               units_moved=migration.units_moved, bytes=result.payload_bytes,
+                               min_bytes=migration.minimum_bytes(),
+                               wire_bytes=result.wire_bytes, primitive=result.primitive,
+                               seconds=result.seconds, predicted_seconds=migration.predictions)
+
+    def resize(self, iteration, resizer, why) -> None:
+        """One line per resize decision: asked and realized skipped shares per rank."""
+        realized = resizer.realized_shares()
+        shares = ", ".join(f"{a:.0%}/{r:.1%}" for a, r in zip(resizer.shares, realized))
+        self.info(f"> het-TP resize at iteration {iteration} ({why}): skipped share per TP rank "
+                  f"(asked/realized) {shares} | priority {resizer.scorer}, refreshed every "
+                  f"{resizer.interval} iterations" + (f" | skipped gradients imputed with "
+                                                      f"{resizer.impute:g}" if resizer.impute
+                                                      is not None else ""))
+        if self.metrics is not None:
+            self.metrics.write("resize", iteration=iteration, why=why, shares=list(resizer.shares),
+                               realized=realized, priority=resizer.scorer,
+                               impute=resizer.impute)
+
+    def priorities(self, iteration, resizer, swapped) -> None:
+        """A priority refresh: how many units it swapped between skipped and active."""
+        if resizer.resized_ranks:
+            self.info(f"> het-TP priorities refreshed at iteration {iteration} "
+                      f"({resizer.scorer}): {swapped} skipped units swapped in")
+        if self.metrics is not None:
+            self.metrics.write("priorities", iteration=iteration, priority=resizer.scorer,
+                               swapped=swapped)
+
+    def timing(self, report, verdict) -> None:
+        """A timing report (JSONL only): per-rank compute per step, work, fitted slowdown
+        factor, and the detector's smoothed slowdowns."""
+        if self.metrics is not None:
+            detection = verdict.detection
+            self.metrics.write("timing", iteration=report.iteration, compute_s=list(report.compute),
+                               work=list(report.work), factor=list(verdict.factors),
+                               step_s=report.step,
+                               slowdown=list(detection.slowdown) if detection else None)
+
+    def decision(self, iteration, decision, detection, migration) -> None:
+        """One line per planner decision: what, why, predicted step time before and after."""
+        shares = ", ".join(f"{s:.0%}" for s in decision.shares)
+        line = (f"> het-TP decision at iteration {iteration}: {decision.action} "
+                f"({decision.reason}) | resize shares {shares} | predicted step "
+                f"{decision.predicted_before * 1e3:.1f} ms -> {decision.predicted_after * 1e3:.1f} ms")
+        if decision.migrates:
+            line += f" | plan {decision.plan.summary()}"
+        if migration is not None:
+            line += (f" | moved {migration.units_moved} units, {migration.result.payload_bytes} "
+                     f"bytes in {migration.result.seconds * 1e3:.1f} ms")
+        self.info(line)
+        if self.metrics is not None:
+            self.metrics.write(
+                "decision", iteration=iteration, action=decision.action, reason=decision.reason,
+                shares=list(decision.shares), plan=decision.plan.to_json(),
+                predicted_before_s=decision.predicted_before,
+                predicted_after_s=decision.predicted_after, details=decision.details,
+                slowdown=list(detection.slowdown) if detection is not None else None,
+                units_moved=migration.units_moved if migration else 0,
+                bytes=migration.result.payload_bytes if migration else 0,
+                min_bytes=migration.minimum_bytes() if migration else 0)
+
+
 class Logger:
+    """The training log: Megatron-LM's run, iteration, evaluation and checkpoint lines; het-TP's
+    records go through its `events`."""
+
     def __init__(self, args, metrics=None):
         self.args = args
         self.metrics = metrics  # MetricsWriter on rank 0, None elsewhere
+        self.events = EventLog(metrics)
         self.is_printer = dist.get_rank() == 0
         self.writer = None
         if self.is_printer and args.tensorboard_dir:
@@ -111,81 +206,6 @@ class Logger:
             self.metrics.write("eval", iteration=iteration, lm_loss=loss, ppl=ppl)
         if self.writer is not None:
             self.writer.add_scalar("lm loss validation", loss, iteration)
-
-    def plan(self, iteration, plan, why) -> None:
-        self.info(f"> het-TP plan at iteration {iteration} ({why}): {plan.summary()}")
-        if self.metrics is not None:
-            self.metrics.write("plan", iteration=iteration, why=why, plan=plan.to_json())
-
-    def repartition(self, iteration, plan, schedule, result, predictions) -> None:
-        """One line per applied re-partition: what moved, how, and what it cost."""
-        predicted = ", ".join(f"{p} {t * 1e3:.2f}" for p, t in sorted(predictions.items()))
-        self.info(f"> het-TP repartition at iteration {iteration}: {plan.summary()} | "
-                  f"moved {len(schedule.moves)} units, {result.payload_bytes} bytes "
-                  f"({result.wire_bytes} on the wire) via {result.primitive} in "
-                  f"{result.seconds * 1e3:.1f} ms (predicted ms: {predicted})")
-        if self.metrics is not None:
-            self.metrics.write("repartition", iteration=iteration, plan=plan.to_json(),
-                               units_moved=len(schedule.moves), bytes=result.payload_bytes,
-                               wire_bytes=result.wire_bytes, primitive=result.primitive,
-                               seconds=result.seconds, predicted_seconds=predictions)
-
-    def resize(self, iteration, resizer, why) -> None:
-        """One line per resize decision: asked and realized skipped shares per rank."""
-        realized = resizer.realized_shares()
-        shares = ", ".join(f"{a:.0%}/{r:.1%}" for a, r in zip(resizer.shares, realized))
-        self.info(f"> het-TP resize at iteration {iteration} ({why}): skipped share per TP rank "
-                  f"(asked/realized) {shares} | priority {resizer.scorer}, refreshed every "
-                  f"{resizer.interval} iterations" + (f" | skipped gradients imputed with "
-                                                      f"{resizer.impute:g}" if resizer.impute
-                                                      is not None else ""))
-        if self.metrics is not None:
-            self.metrics.write("resize", iteration=iteration, why=why, shares=list(resizer.shares),
-                               realized=realized, priority=resizer.scorer,
-                               impute=resizer.impute)
-
-    def priorities(self, iteration, resizer, swapped) -> None:
-        """A priority refresh: how many units it swapped between skipped and active."""
-        if resizer.resized_ranks:
-            self.info(f"> het-TP priorities refreshed at iteration {iteration} "
-                      f"({resizer.scorer}): {swapped} skipped units swapped in")
-        if self.metrics is not None:
-            self.metrics.write("priorities", iteration=iteration, priority=resizer.scorer,
-                               swapped=swapped)
-
-    def timing(self, iteration, computes, works, factors, wall, slowdown) -> None:
-        """A timing report (JSONL only): per-rank compute per step, work, fitted slowdown
-        factor, and the detector's smoothed slowdowns."""
-        if self.metrics is not None:
-            self.metrics.write("timing", iteration=iteration, compute_s=computes, work=works,
-                               factor=factors, step_s=wall, slowdown=slowdown)
-
-    def decision(self, iteration, decision, detection, transfer, before) -> None:
-        """One line per planner decision: what, why, predicted step time before and after."""
-        shares = ", ".join(f"{s:.0%}" for s in decision.shares)
-        line = (f"> het-TP decision at iteration {iteration}: {decision.action} "
-                f"({decision.reason}) | resize shares {shares} | predicted step "
-                f"{decision.predicted_before * 1e3:.1f} ms -> {decision.predicted_after * 1e3:.1f} ms")
-        if decision.migrates:
-            line += f" | plan {decision.plan.summary()}"
-        if transfer is not None:
-            schedule, result, _ = transfer
-            line += (f" | moved {len(schedule.moves)} units, {result.payload_bytes} bytes in "
-                     f"{result.seconds * 1e3:.1f} ms")
-        self.info(line)
-        if self.metrics is not None:
-            min_bytes = 0
-            if transfer:  # what the count change alone requires, for "bytes vs minimum"
-                sizes = {m.block: m.nbytes for m in transfer[0].moves}
-                min_bytes = minimum_bytes(before, decision.plan, lambda b: sizes.get(b, 0))
-            self.metrics.write(
-                "decision", iteration=iteration, action=decision.action, reason=decision.reason,
-                shares=list(decision.shares), plan=decision.plan.to_json(),
-                predicted_before_s=decision.predicted_before,
-                predicted_after_s=decision.predicted_after, details=decision.details,
-                slowdown=list(detection.slowdown) if detection is not None else None,
-                units_moved=len(transfer[0].moves) if transfer else 0,
-                bytes=transfer[1].payload_bytes if transfer else 0, min_bytes=min_bytes)
 
     def saved(self, iteration, path) -> None:
         self.info(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")

@@ -12,6 +12,8 @@ TransferError and keeps its previous model, optimizer and plan.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -19,7 +21,7 @@ from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
-from hettp.exchange import TensorSpec, run_transfer
+from hettp.exchange import Migration, TensorSpec, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan, PlanError
 from hettp.transfer import CostModel, plan_transfer
 
@@ -61,30 +63,45 @@ class HetPartition:
         self.rank = dist.get_rank(self.group)
         self.plan = even_plan(module, dist.get_world_size(self.group))
         self.cost_model = cost_model or CostModel()
-        self.last_transfer = None  # (schedule, result, predictions) of the latest change
+        blocks = het_blocks(module)
+        # Parameters per unit of each block kind: the weight of a unit's share of the work.
+        self.unit_work = {name: sum(math.prod(layout.payload_shape(param.shape))
+                                    for _, _, param, layout in blocks[(0, name)].unit_tensors())
+                          for name in BLOCKS}
+
+    def unit_bytes(self, model, optimizer) -> dict[str, int]:
+        """What moving one unit of each block carries now: its weights, and the fp32 masters
+        and optimizer moments the optimizer holds for them."""
+        blocks = het_blocks(model)
+        keys = _state_keys(_OptimizerView(optimizer), blocks)
+        return {name: sum(s.nbytes for s in _unit_specs(blocks[(0, name)], keys))
+                for name in BLOCKS}
 
     def check(self, plan: PartitionPlan) -> None:
         """Raise PlanError if `plan` does not fit this model (before anything moves)."""
         p = self.plan
         plan.check_model(p.tp_size, p.num_layers, p.attn_units, p.mlp_units, p.mlp_unit_size)
 
-    def install(self, module, plan: PartitionPlan, step=None, fault=None):
+    def install(self, module, plan: PartitionPlan, step=None, fault=None) -> Migration:
         """Move weights of a model that has no optimizer yet (right after it was built)."""
         self.check(plan)
-        self._move(module, plan, optimizer=None, step=step, fault=fault)
+        migration, _ = self._move(module, plan, optimizer=None, step=step, fault=fault)
+        return migration
 
-    def repartition(self, state, plan: PartitionPlan, step=None, fault=None):
+    def repartition(self, state, plan: PartitionPlan, step=None, fault=None) -> Migration:
         """Move units, their weights and optimizer state; rebuild DDP and the optimizer.
 
         `state` holds .model (DDP), .optimizer, .scheduler and .config; they are replaced in place.
         """
         self.check(plan)
-        replaced = self._move(state.model, plan, optimizer=_OptimizerView(state.optimizer),
-                              step=step, fault=fault)
-        if self.last_transfer[0].moves:
+        migration, replaced = self._move(state.model, plan,
+                                         optimizer=_OptimizerView(state.optimizer), step=step,
+                                         fault=fault)
+        if migration.units_moved:
             # Every rank rebuilds, also one whose units did not change: building the optimizer
             # runs collectives.
             _rebuild(state, replaced)
+        return migration
 
     def reorder(self, state, plan: PartitionPlan) -> None:
         """Adopt `plan`, which only changes local orders: permute weights and optimizer state
@@ -110,7 +127,8 @@ class HetPartition:
     # ------------------------------------------------------------------------------------
 
     def _move(self, module, plan, optimizer, step, fault):
-        """Transfer and commit; returns {old param: (new param, new optimizer state)}."""
+        """Transfer and commit; returns the Migration and {old param: (new param, new
+        optimizer state)}."""
         blocks = het_blocks(module)
         state_keys = _state_keys(optimizer, blocks)
         specs = {b: _unit_specs(blocks[(0, b)], state_keys) for b in BLOCKS}
@@ -129,9 +147,9 @@ class HetPartition:
                                   lambda move: specs[move.block], device=comm_device(), step=step,
                                   fault=fault)
             replaced = self._commit(blocks, pieces, positions, plan, state_keys, result)
+        migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
-        self.last_transfer = (schedule, result, predictions)
-        return replaced
+        return migration, replaced
 
     def _commit(self, blocks, pieces, positions, plan, state_keys, result):
         """Install the new shards; local only, so it cannot leave ranks disagreeing."""

@@ -16,8 +16,6 @@ and lets the optimizer update them, as its public code does.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -26,9 +24,6 @@ from hettp.resize import (SCORERS, Priorities, check_shares, realized_share, ski
 
 from . import cpu_compat
 from .partition import _OptimizerView, _state_keys, _unit_tensors, comm_device, het_blocks
-
-# Gradient the paper's public code gives skipped units ("data imputation").
-ZERO_IMPUTED_GRAD = 1e-8
 
 
 class Resizer:
@@ -45,7 +40,7 @@ class Resizer:
             raise ValueError(f"priority sample interval must be within [1, {interval}], "
                              f"got {sample}")
         self.partition = partition
-        self.unit_work = _unit_numel(het_blocks(model))
+        self.unit_work = partition.unit_work
         self.scorer, self.interval, self.cap, self.impute = scorer, interval, cap, impute
         self.scoring = scoring  # False when no policy will ever resize (priorities unused)
         # Per-step scorers observe iterations divisible by `sample`: keyed on the iteration,
@@ -85,12 +80,14 @@ class Resizer:
         self.partition.reorder(state, plan)
         self._activate(state)
 
-    def repartition(self, state, plan, step=None, fault=None) -> None:
-        """Migrate to `plan` keeping resized ranks in priority order; resizes carry over."""
+    def repartition(self, state, plan, step=None, fault=None):
+        """Migrate to `plan` keeping resized ranks in priority order; resizes carry over.
+        Returns the Migration."""
         self.refresh(state)  # scores of units about to move must not be lost
         plan = self.priorities.ordered_plan(plan, self.resized_ranks)
-        self.partition.repartition(state, plan, step=step, fault=fault)
+        migration = self.partition.repartition(state, plan, step=step, fault=fault)
         self._activate(state)
+        return migration
 
     def refresh(self, state) -> int:
         """Fold the evidence since the last refresh into the priorities (one all-reduce over
@@ -249,15 +246,6 @@ class Resizer:
                                     torch.zeros(b.num_units, dtype=torch.float64, device=device))
                               for key, b in blocks.items()}
         return self._evidence
-
-
-def _unit_numel(blocks) -> dict:
-    """Parameters per unit of each block kind: the weight of a unit's share of the work."""
-    numel = {}
-    for (_, name), block in blocks.items():
-        numel[name] = sum(math.prod(layout.payload_shape(param.shape))
-                          for _, _, param, layout in block.unit_tensors())
-    return numel
 
 
 def _grad(param):

@@ -30,18 +30,7 @@ from . import checkpointing, cpu_compat
 from .data import build_datasets, build_loader, build_tokenizer, get_batch
 from .log import Logger
 from .model import build_gpt_model, transformer_config
-
-
-@dataclasses.dataclass
-class TrainState:
-    """What a step boundary may replace: het-TP re-partitioning rebuilds model and optimizer."""
-
-    model: DDP
-    optimizer: object
-    scheduler: OptimizerParamScheduler
-    config: object  # the TransformerConfig the schedule reads its hooks from
-    partition: object = None  # HetPartition when --het-tp
-    resizer: object = None  # Resizer when resizing is configured
+from .runtime import HetTPRuntime, SavedPlan, TrainState
 
 
 @dataclasses.dataclass
@@ -121,25 +110,17 @@ def scheduler_kwargs(args) -> dict:
     )
 
 
-def setup_model_and_optimizer(args, vocab_size) -> TrainState:
+def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -> TrainState:
     """megatron-core's DDP-wrapped GPTModel, its optimizer and LR scheduler, wired together.
 
-    With --het-tp the layers are hettp's unit-sharded subclasses, built like megatron-core's
-    and then moved to --het-tp-plan before the optimizer exists.
+    With a het-TP runtime the layers come from its spec, and it takes the units over (moving
+    them to its starting plan, or `saved_plan`'s) before the optimizer exists.
     """
     config = transformer_config(args)
-    partition = None
-    if args.het_tp:
-        from .partition import HetPartition
-        from .spec import get_het_gpt_layer_spec
-
-        module = build_gpt_model(args, config, vocab_size,
-                                 get_het_gpt_layer_spec(args.normalization, args.het_tp_granularity))
-        partition = HetPartition(module)
-        if args.het_tp_plan_obj is not None:
-            partition.install(module, args.het_tp_plan_obj)
-    else:
-        module = build_gpt_model(args, config, vocab_size)
+    module = build_gpt_model(args, config, vocab_size,
+                             runtime.layer_spec() if runtime is not None else None)
+    if runtime is not None:
+        runtime.install(module, saved_plan)
     if args.fp16 or args.bf16:
         module = Float16Module(config, module)  # as Megatron-LM: half weights, fp32 loss
     ddp_config = DistributedDataParallelConfig(
@@ -153,58 +134,7 @@ def setup_model_and_optimizer(args, vocab_size) -> TrainState:
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss if (args.fp16 or args.bf16) else None
-    state = TrainState(model, optimizer, scheduler, config, partition)
-    state.resizer = make_resizer(args, partition, model)
-    return state
-
-
-def make_resizer(args, partition, model):
-    """The Resizer when resizing or a dynamic policy is configured, else None."""
-    if not (args.het_tp and (args.het_tp_resize_shares is not None or
-                             args.het_tp_policy in ("resize", "migrate", "hybrid", "zero"))):
-        return None
-    from .resize import ZERO_IMPUTED_GRAD, Resizer
-
-    return Resizer(partition, model, args.het_tp_priority, args.het_tp_priority_interval,
-                   args.het_tp_max_resize,
-                   ZERO_IMPUTED_GRAD if args.het_tp_policy == "zero" else None,
-                   scoring=args.het_tp_policy != "migrate",
-                   sample=args.het_tp_priority_sample_interval)
-
-
-def wants_controller(args) -> bool:
-    """Is something to be timed (emulation, dilation, vanilla's timings) or decided?"""
-    return bool(args.het_tp_emulate or args.het_tp_emulate_dilation > 1.0
-                or args.het_tp_policy in ("none", "resize", "migrate", "hybrid")
-                or (args.het_tp_policy == "zero" and args.het_tp_resize_shares is None))
-
-
-def make_controller(args, state):
-    """The control loop when something is to be timed or decided, else None."""
-    if wants_controller(args):
-        from .control import Controller
-
-        return Controller(args, state)
-    return None
-
-
-def het_tp_step_begin(iteration, state, controller) -> None:
-    """Before the step that will be `iteration`, on every rank: start its timers, and tell the
-    resizer whether its scorer observes this step."""
-    if state.resizer is not None:
-        state.resizer.begin_step(iteration)
-    if controller is not None:
-        controller.begin_step(iteration)
-
-
-def het_tp_step_end(iteration, state, controller, logger, elapsed) -> None:
-    """At a step boundary, on every rank: refresh priorities, then report, decide and apply."""
-    if state.resizer is not None:
-        swapped = state.resizer.step_end(iteration, state)
-        if swapped is not None:
-            logger.priorities(iteration, state.resizer, swapped)
-    if controller is not None:
-        controller.end_step(iteration, state, logger, elapsed)
+    return TrainState(model, optimizer, scheduler, config)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -238,7 +168,7 @@ def _token_mean(total) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def train_step(args, state: TrainState, data_iterator):
+def train_step(args, state: TrainState, data_iterator, runtime=None):
     model, optimizer = state.model, state.optimizer
     model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -247,11 +177,11 @@ def train_step(args, state: TrainState, data_iterator):
         num_microbatches=args.num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False,
     )
-    if state.resizer is not None:
-        state.resizer.before_step(state)
+    if runtime is not None:
+        runtime.before_optimizer_step()
     update_successful, grad_norm, _ = optimizer.step()
-    if state.resizer is not None:
-        state.resizer.after_step(state)
+    if runtime is not None:
+        runtime.after_optimizer_step()
     if update_successful:
         state.scheduler.step(increment=1)
     loss = _token_mean(_add_reports(torch.zeros(2, dtype=torch.float64), losses_reduced))
@@ -289,18 +219,20 @@ def _default_metrics_file(args) -> str:
 def pretrain(args, on_step_end=None) -> TrainResult:
     """Megatron-LM's pretrain(): initialize, build, optionally resume, train, evaluate, save.
 
-    `on_step_end(iteration, state, logger)`, when given, runs on every rank at every step
-    boundary (het-TP decisions are applied there).
+    `on_step_end(iteration, state, runtime)`, when given, runs on every rank at every step
+    boundary, after het-TP's own decisions were applied there.
     """
+    runtime = HetTPRuntime.from_args(args)
     initialize(args)
     rank = dist.get_rank()
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
-    state = setup_model_and_optimizer(args, tokenizer.vocab_size)
+    saved = SavedPlan.from_dict(checkpointing.saved_plan(args.load)) if runtime else None
+    state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime, saved)
 
     iteration, consumed = 0, 0
     if args.load:
         restored = checkpointing.load_checkpoint(args.load, state.model, state.optimizer,
-                                                 state.scheduler, args, state.resizer)
+                                                 state.scheduler, args, runtime)
         if restored is not None:
             iteration, consumed = restored
 
@@ -310,13 +242,8 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     metrics = MetricsWriter(metrics_file) if rank == 0 else None
     logger = Logger(args, metrics)
     logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
-    if state.partition is not None:
-        logger.plan(iteration, state.partition.plan, "initial")
-    if state.resizer is not None and args.het_tp_resize_shares is not None:
-        # after loading: it freezes the loaded skipped units
-        state.resizer.resize(state, args.het_tp_resize_shares)
-        logger.resize(iteration, state.resizer, "initial")
-    controller = make_controller(args, state)
+    if runtime is not None:
+        runtime.attach(state, iteration, logger.events)
 
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -325,8 +252,7 @@ def pretrain(args, on_step_end=None) -> TrainResult:
 
     def save(iteration):
         path = checkpointing.save_checkpoint(args.save, iteration, consumed, state.model,
-                                             state.optimizer, state.scheduler, args,
-                                             state.resizer)
+                                             state.optimizer, state.scheduler, args, runtime)
         logger.saved(iteration, path)
         return iteration
 
@@ -335,9 +261,10 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     state.model.train()
     while iteration < args.train_iters:
         lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
-        het_tp_step_begin(iteration + 1, state, controller)
+        if runtime is not None:
+            runtime.begin_step(iteration + 1)
         start = time.perf_counter()
-        loss, grad_norm, skipped = train_step(args, state, train_iterator)
+        loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime)
         elapsed = time.perf_counter() - start
         iteration += 1
         consumed += args.global_batch_size
@@ -349,9 +276,10 @@ def pretrain(args, on_step_end=None) -> TrainResult:
             logger.evaluation(iteration, eval_losses[iteration])
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             saved_at = save(iteration)
-        het_tp_step_end(iteration, state, controller, logger, elapsed)
+        if runtime is not None:
+            runtime.end_step(iteration, elapsed)  # a migration replaces state.model/optimizer
         if on_step_end is not None:
-            on_step_end(iteration, state, logger)
+            on_step_end(iteration, state, runtime)
         if args.exit_interval and iteration % args.exit_interval == 0:
             logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
             break
@@ -359,6 +287,8 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     if args.save and saved_at != iteration and iteration > 0:
         save(iteration)
     logger.run_end(iteration)
+    if runtime is not None:
+        runtime.close()
     if metrics is not None:
         metrics.close()
     return TrainResult(iteration, consumed, losses, eval_losses,

@@ -1,0 +1,318 @@
+"""The het-TP flags as one typed config: field docstrings are the flags' help, the argparse group
+is generated from the fields, and `validated()` is the only place the flags are checked.
+
+Both the project's trainer and the upstream Megatron-LM glue build their `--het-tp` group with
+`add_arguments` and read it back with `HetTPConfig.from_args(args).validated(shape, cuda)`; the
+validated config is what the runtime is built from. Nothing is written back into `args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import textwrap
+from dataclasses import dataclass, field
+from functools import cache
+
+from .emulate import Scenario, ScenarioError
+from .plan import PartitionPlan, PlanError
+from .policy import POLICIES, Policy, policy
+from .resize import SCORERS, ResizeError, parse_shares
+
+
+class ConfigError(ValueError):
+    """A het-TP flag has a bad value or contradicts another flag (the message names it)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the flags are checked against: the TP size and the model's unit counts."""
+
+    tp_size: int
+    num_layers: int
+    query_groups: int  # attention units
+    ffn_hidden_size: int
+
+
+def _flag(default, **argparse_kwargs):
+    return field(default=default, metadata={"argparse": argparse_kwargs})
+
+
+_DERIVED = {"derived": True}
+
+
+@dataclass(frozen=True)
+class HetTPConfig:
+    """Heterogeneous tensor parallelism (hettp)."""
+
+    het_tp: bool = False
+    """Use unit-sharded TP layers that can own uneven, changeable shares."""
+
+    plan: str | None = _flag(None, metavar="PLAN")
+    """Initial partition: a JSON plan file, or per-rank unit counts for every layer, e.g.
+    'attn=3,1;mlp=768,256' (implies --het-tp). Under --het-tp-policy static it is the plan of
+    the whole run; other policies start from it, and a resumed run continues in its
+    checkpoint's plan."""
+
+    granularity: int = 1
+    """ffn neurons per MLP unit (attention units are query groups)."""
+
+    policy: str = _flag("static", choices=tuple(POLICIES))
+    """What to do about slow ranks."""
+
+    interval: int = 10
+    """Iterations between timing reports (and planner decisions)."""
+
+    onset: float = 1.3
+    """A rank straggles once its compute per unit is this many times the fastest rank's ..."""
+
+    end: float = 1.15
+    """... and stops once it is back at or below this (hysteresis)."""
+
+    onset_at_once: float = 1.6
+    """... or at the first report that reaches this (>= --het-tp-onset)."""
+
+    patience: int = 2
+    """Consecutive reports beyond a threshold before the state changes (a slowdown of
+    --het-tp-onset-at-once or more needs one)."""
+
+    window: int = 1
+    """Reports whose median smooths each rank's timing."""
+
+    timer: str = _flag("cpu", choices=("cpu", "wall"))
+    """CPU runs: time the sharded GEMMs by thread CPU time (blind to waits and to time-sharing)
+    or by wall time minus TP collective waits (sees real contention; no more ranks than
+    cores). GPUs use CUDA events."""
+
+    emulate: str | None = _flag(None, metavar="SCENARIO")
+    """Emulated stragglers (CPU): none, persistent:rank=R,factor=F[,start=I][,stop=I],
+    transient:rank=R,factor=F,start=I,length=N,period=P, rotating:factor=F,period=P,
+    multi:factors=8/6/4/2."""
+
+    emulate_dilation: float = _flag(1.0, metavar="D")
+    """CPU runs with more ranks than cores: stretch every sharded GEMM to D x its CPU time (x
+    its emulated slowdown) by sleeping, so ranks no longer take turns on a core and each
+    behaves as if it had its own device. D must exceed ranks per core; needs --het-tp-timer
+    cpu."""
+
+    resize: str | None = _flag(None, metavar="SHARES")
+    """Per TP rank, the share of its units it skips (resizing), e.g. '0,0.5' (implies
+    --het-tp)."""
+
+    max_resize: float = 0.5
+    """Cap on the share of its units any rank may skip at any step."""
+
+    priority: str = _flag("dw", choices=lambda: tuple(sorted(SCORERS)))
+    """Unit priority for resizing."""
+
+    priority_interval: int = 50
+    """Iterations between priority refreshes (re-sorting resized ranks)."""
+
+    priority_sample_interval: int | None = None
+    """Per-step scorers (dw, wg) observe the optimizer steps of iterations divisible by this
+    (default: 8, or --het-tp-priority-interval when smaller). Observing a step costs a pass
+    over the sharded weights (dw also copies them)."""
+
+    # ---- derived by validated() -------------------------------------------------------------
+    partition_plan: PartitionPlan | None = field(default=None, metadata=_DERIVED)
+    resize_shares: tuple[float, ...] | None = field(default=None, metadata=_DERIVED)
+    scenario: Scenario | None = field(default=None, metadata=_DERIVED)
+    validated_for: ModelShape | None = field(default=None, metadata=_DERIVED)
+
+    # ---- flags ------------------------------------------------------------------------------
+
+    @staticmethod
+    def flag(name: str) -> str:
+        return "--het-tp" if name == "het_tp" else "--het-tp-" + name.replace("_", "-")
+
+    @staticmethod
+    def dest(name: str) -> str:
+        """The attribute argparse stores a field's flag in (Megatron style: het_tp_<field>)."""
+        return "het_tp" if name == "het_tp" else f"het_tp_{name}"
+
+    @classmethod
+    def flag_fields(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if not f.metadata.get("derived")]
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser):
+        """The --het-tp argument group, generated from the fields."""
+        group = parser.add_argument_group(cls.__doc__.strip().rstrip("."))
+        docs = _field_docs(cls)
+        for f in cls.flag_fields():
+            kwargs = dict(f.metadata.get("argparse", {}))
+            if callable(kwargs.get("choices")):
+                kwargs["choices"] = kwargs["choices"]()
+            help_text = " ".join(filter(None, (docs.get(f.name), _help_suffix(f.name))))
+            kwargs["help"] = help_text.replace("%", "%%")
+            if f.type in ("bool", bool):
+                group.add_argument(cls.flag(f.name), dest=cls.dest(f.name), action="store_true",
+                                   **kwargs)
+                continue
+            kwargs.setdefault("type", _scalar_type(f.type))
+            group.add_argument(cls.flag(f.name), dest=cls.dest(f.name), default=f.default,
+                               **kwargs)
+        return group
+
+    @classmethod
+    def from_args(cls, args) -> "HetTPConfig":
+        """The flags as parsed into `args` (unvalidated). Missing attributes keep defaults."""
+        values = {f.name: getattr(args, cls.dest(f.name)) for f in cls.flag_fields()
+                  if hasattr(args, cls.dest(f.name))}
+        return cls(**values)
+
+    # ---- what the policy needs --------------------------------------------------------------
+
+    @property
+    def policy_spec(self) -> Policy:
+        return policy(self.policy)
+
+    @property
+    def decides(self) -> bool:
+        """A planner acts on detected stragglers (fixed shares replace it)."""
+        p = self.policy_spec
+        return p.decides and not (p.fixed_shares and self.resize_shares is not None)
+
+    @property
+    def emulated(self) -> bool:
+        return self.scenario is not None or self.emulate_dilation > 1.0
+
+    @property
+    def timed(self) -> bool:
+        """Ranks are timed: to decide, to emulate a slowdown, or for a baseline's timings."""
+        return self.decides or self.policy_spec.times or self.emulated
+
+    @property
+    def resizes(self) -> bool:
+        """Units may be skipped: a Resizer keeps priorities and frozen skipped units."""
+        return self.het_tp and (self.resize_shares is not None or self.policy_spec.resizes)
+
+    @property
+    def active(self) -> bool:
+        """Anything for the het-TP runtime to do at all."""
+        return self.het_tp or self.timed
+
+    @property
+    def sample_interval(self) -> int:
+        return (self.priority_sample_interval if self.priority_sample_interval is not None
+                else min(8, self.priority_interval))
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def validated(self, shape: ModelShape, cuda_available: bool = False) -> "HetTPConfig":
+        """Every check of the het-TP flags, before anything is built; returns the config with
+        implied and parsed values filled in. Raises ConfigError naming the flag."""
+        p = self.policy_spec
+        tp = shape.tp_size
+        _require(self.granularity > 0,
+                 f"--het-tp-granularity must be positive, got {self.granularity}")
+        if p.vanilla:
+            for name in ("het_tp", "plan", "resize"):
+                _require(not getattr(self, name), f"--het-tp-policy {self.policy} runs vanilla "
+                         f"megatron-core layers; drop {self.flag(name)}")
+        het_tp = bool(self.het_tp or self.plan is not None or self.resize is not None
+                      or p.layers == "het")
+        for name in ("interval", "patience", "window"):
+            _require(getattr(self, name) > 0,
+                     f"{self.flag(name)} must be positive, got {getattr(self, name)}")
+        _require(1.0 <= self.end < self.onset,
+                 f"--het-tp-end ({self.end}) must be >= 1 and below --het-tp-onset ({self.onset})")
+        _require(self.onset_at_once >= self.onset,
+                 f"--het-tp-onset-at-once ({self.onset_at_once}) must be >= --het-tp-onset "
+                 f"({self.onset})")
+        scenario = None
+        if self.emulate is not None:
+            _require(not cuda_available, "--het-tp-emulate is implemented for CPU runs; on GPUs "
+                     "create real contention (scripts/noisy_neighbor.py)")
+            try:
+                scenario = Scenario.parse(self.emulate, tp)
+            except ScenarioError as err:
+                raise ConfigError(str(err)) from None
+        _require(1.0 <= self.emulate_dilation < math.inf, "--het-tp-emulate-dilation must be a "
+                 f"finite number >= 1, got {self.emulate_dilation}")
+        if self.emulate_dilation > 1.0:
+            _require(not cuda_available, "--het-tp-emulate-dilation emulates a device per rank "
+                     "on CPU; drop it on GPUs")
+            _require(self.timer == "cpu", "--het-tp-emulate-dilation stretches the CPU time of "
+                     f"each GEMM; it needs --het-tp-timer cpu, got {self.timer}")
+        _require(0.0 <= self.max_resize <= 1.0,
+                 f"--het-tp-max-resize must be within [0, 1], got {self.max_resize}")
+        _require(self.priority_interval > 0,
+                 f"--het-tp-priority-interval must be positive, got {self.priority_interval}")
+        sample = self.sample_interval
+        _require(0 < sample <= self.priority_interval,
+                 "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval "
+                 f"{self.priority_interval}], got {sample}")
+        _require(self.resize is None or p.fixed_shares,
+                 f"--het-tp-resize sets fixed shares; --het-tp-policy {self.policy} decides them "
+                 "itself")
+        if p.scorer is not None:
+            _require(self.priority == p.scorer,
+                     f"--het-tp-policy {self.policy} ranks units by --het-tp-priority "
+                     f"{p.scorer}; drop --het-tp-priority {self.priority}")
+        shares = None
+        if self.resize is not None:
+            try:
+                shares = parse_shares(self.resize, tp, self.max_resize)
+            except ResizeError as err:
+                raise ConfigError(str(err)) from None
+            if p.cut is not None:
+                _require(all(s in (0.0, p.cut) for s in shares),
+                         f"--het-tp-policy {self.policy} cuts a fixed {p.cut:.0%}: --het-tp-resize "
+                         f"shares must be 0 or {p.cut:g}, got '{self.resize}'")
+        plan = None
+        if het_tp:
+            gran, ffn = self.granularity, shape.ffn_hidden_size
+            _require(ffn % gran == 0,
+                     f"--het-tp-granularity {gran} does not divide --ffn-hidden-size {ffn}")
+            _require((ffn // gran) % tp == 0,
+                     f"--ffn-hidden-size / --het-tp-granularity = {ffn // gran} MLP units must "
+                     f"split evenly over --tensor-model-parallel-size {tp} at start")
+            if self.plan is not None:
+                try:
+                    plan = PartitionPlan.parse(self.plan, tp, shape.num_layers,
+                                               shape.query_groups, ffn // gran, gran)
+                except PlanError as err:
+                    raise ConfigError(f"--het-tp-plan: {err}") from None
+        return dataclasses.replace(self, het_tp=het_tp, priority_sample_interval=sample,
+                                   partition_plan=plan, resize_shares=shares, scenario=scenario,
+                                   validated_for=shape)
+
+
+def _require(cond, message):
+    if not cond:
+        raise ConfigError(message)
+
+
+def _scalar_type(annotation):
+    text = str(annotation)
+    for name, kind in (("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return kind
+    raise TypeError(f"no argparse type for a field annotated {annotation}")
+
+
+def _help_suffix(name: str) -> str:
+    """Help generated from the tables the flag chooses from."""
+    if name == "policy":
+        return "; ".join(f"{p.name}: {p.help}" for p in POLICIES.values()) + "."
+    if name == "priority":
+        return "; ".join(f"{s.name}: {s.help}" for s in SCORERS.values()) + "."
+    return ""
+
+
+@cache
+def _field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

@@ -1,0 +1,296 @@
+"""The het-TP runtime: everything het-TP does to a Megatron training job, behind one object with
+an explicit lifecycle that this project's trainer (training.py) and the upstream Megatron-LM
+glue (upstream.py) drive the same way:
+
+    runtime = HetTPRuntime.from_args(args)        # None when no het-TP flag asks for anything
+    spec = runtime.layer_spec()                   # the het-TP layer spec (None: keep yours)
+    model = GPTModel(..., spec)
+    runtime.install(model, saved)                 # own the units; start in the saved or given plan
+    ... Float16Module, DDP, optimizer, scheduler, checkpoint load (runtime.load_state_dict) ...
+    runtime.attach(TrainState(...), iteration, events)
+    each step: runtime.begin_step(i); forward/backward;
+               runtime.before_optimizer_step(); optimizer.step(); runtime.after_optimizer_step()
+               end = runtime.end_step(i, seconds)  # end.model / end.optimizer: rebuilt on a migration
+    checkpoints: runtime.checkpoint_plan() (common) and runtime.state_dict() (per TP rank)
+    runtime.close()
+
+The runtime owns the partition (which rank holds which units), the resizer (skipped units and
+their priorities) and the controller (timing, detection, decisions); what each policy needs is
+read from hettp.policy.POLICIES through the validated config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hettp.config import HetTPConfig
+from hettp.exchange import Migration, TransferError
+from hettp.loop import work_of
+from hettp.plan import PartitionPlan, PlanError
+from hettp.planner import Decision
+
+from .arguments import het_tp_config
+from .log import EventLog
+from .model import unwrap_model
+
+# The attribute of the GPTModel that points back to its runtime: upstream's train() finds the
+# runtime through the model chunks it already holds, so the glue needs no module globals.
+RUNTIME_ATTR = "het_tp_runtime"
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a step boundary may replace: a migration rebuilds the DDP wrapper and optimizer."""
+
+    model: object  # megatron-core DDP around (Float16Module around) the GPTModel
+    optimizer: object
+    scheduler: object  # OptimizerParamScheduler
+    config: object  # the TransformerConfig the schedule reads its hooks from
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedPlan:
+    """The partition a checkpoint was saved in (its common, plan-wide part)."""
+
+    plan: PartitionPlan
+    shares: tuple[float, ...]
+
+    def to_dict(self) -> dict:
+        return {"plan": self.plan.to_json(), "shares": list(self.shares)}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "SavedPlan | None":
+        if not data:
+            return None
+        return cls(PartitionPlan.from_json(data["plan"]), tuple(data["shares"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEnd:
+    """What a step boundary left: the model chunk and optimizer to use from now on."""
+
+    model: object
+    optimizer: object
+    rebuilt: bool  # a migration replaced both
+    decision: Decision | None
+
+
+class HetTPRuntime:
+    def __init__(self, config: HetTPConfig, normalization: str = "LayerNorm"):
+        if config.validated_for is None:
+            raise ValueError("HetTPRuntime needs a validated HetTPConfig (config.validated())")
+        self.config = config
+        self.normalization = normalization
+        self.events = EventLog()
+        self.partition = None  # HetPartition with --het-tp
+        self.resizer = None  # Resizer when units may be skipped
+        self.controller = None  # Controller when the ranks are timed
+        self.state: TrainState | None = None
+        self._module = None
+        self._plan_why = None
+        self._saved_shares = None
+        self._pending = None  # per-rank state loaded before attach()
+
+    @classmethod
+    def from_args(cls, args, cuda_available: bool | None = None) -> "HetTPRuntime | None":
+        """The runtime for Megatron-LM style args, or None when het-TP has nothing to do.
+        Raises ArgumentError naming the flag."""
+        config = het_tp_config(args, cuda_available)
+        return cls(config, args.normalization) if config.active else None
+
+    # ---- build ------------------------------------------------------------------------------
+
+    def layer_spec(self):
+        """megatron-core's local GPT layer spec with het-TP's unit-sharded modules, or None
+        (vanilla layers) when only timing is asked for."""
+        if not self.config.het_tp:
+            return None
+        from .spec import get_het_gpt_layer_spec
+
+        return get_het_gpt_layer_spec(self.normalization, self.config.granularity)
+
+    def install(self, module, saved: SavedPlan | None = None) -> None:
+        """Right after the GPTModel is built (before Float16Module, DDP and the optimizer):
+        own its units and move them to the starting plan: the checkpoint's (`saved`) when it
+        fits, unless --het-tp-policy static was given its own --het-tp-plan; else
+        --het-tp-plan; else Megatron's even split."""
+        setattr(module, RUNTIME_ATTR, self)
+        self._module = module
+        if not self.config.het_tp:
+            return
+        from .partition import HetPartition
+
+        self.partition = HetPartition(module)
+        plan, self._plan_why = self.partition.plan, "even"
+        given = self.config.partition_plan
+        static_plan = given is not None and not self.config.policy_spec.decides
+        if saved is not None and not static_plan and self._fits(saved.plan):
+            plan, self._plan_why = saved.plan, "resumed from the checkpoint"
+            self._saved_shares = saved.shares
+        elif given is not None:
+            plan, self._plan_why = given, "--het-tp-plan"
+        if plan != self.partition.plan:
+            self.partition.install(module, plan)
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """This TP rank's saved runtime state (priorities, detector); taken up by attach()."""
+        self._pending = state
+
+    def attach(self, state: TrainState, iteration: int = 0, events: EventLog | None = None):
+        """Once the model is wrapped, the optimizer built and any checkpoint loaded: start the
+        resizer and the control loop, and resume the saved (or apply the fixed) resize."""
+        self.state = state
+        if events is not None:
+            self.events = events
+        config = self.config
+        if config.resizes:
+            from .resize import Resizer
+
+            self.resizer = Resizer(self.partition, state.model, config.priority,
+                                   config.priority_interval, config.max_resize,
+                                   config.policy_spec.impute, sample=config.sample_interval)
+        if config.timed:
+            from .control import Controller
+
+            unit_work = self.partition.unit_work if self.partition is not None else None
+            cost_model = self.partition.cost_model if self.partition is not None else None
+            self.controller = Controller(config, state.model, unit_work, cost_model)
+        pending, self._pending = self._pending or {}, None
+        if self.resizer is not None and pending.get("resizer") is not None:
+            self.resizer.load_state_dict(pending["resizer"])
+        if self.controller is not None and pending.get("controller") is not None:
+            self.controller.load_state_dict(pending["controller"])
+        if self.partition is not None:
+            self.events.plan(iteration, self.partition.plan, self._plan_why)
+        if self.resizer is not None:
+            if config.resize_shares is not None:  # after loading: it freezes the loaded units
+                self.resizer.resize(state, config.resize_shares)
+                self.events.resize(iteration, self.resizer, "initial")
+            elif self._saved_shares is not None and any(self._saved_shares):
+                self.resizer.resize(state, self._saved_shares)
+                self.events.resize(iteration, self.resizer, "resumed from the checkpoint")
+
+    # ---- every step ---------------------------------------------------------------------
+
+    def begin_step(self, iteration: int) -> None:
+        """Before the step that will be `iteration`, on every rank: arm the timers, and tell the
+        resizer whether its scorer observes this step."""
+        if self.resizer is not None:
+            self.resizer.begin_step(iteration)
+        if self.controller is not None:
+            self.controller.begin_step(iteration)
+
+    def before_optimizer_step(self) -> None:
+        """After backward, before optimizer.step(): resized ranks impute or score gradients."""
+        if self.resizer is not None:
+            self.resizer.before_step(self.state)
+
+    def after_optimizer_step(self) -> None:
+        """After optimizer.step(): skipped units are put back, the update is scored."""
+        if self.resizer is not None:
+            self.resizer.after_step(self.state)
+
+    def end_step(self, iteration: int, seconds: float) -> StepEnd:
+        """At the step boundary after `iteration`, on every rank: refresh priorities, then
+        report, decide and apply. `seconds`: the step's wall time."""
+        state = self.state
+        rebuilt_from = (state.model, state.optimizer)
+        if self.resizer is not None:
+            swapped = self.resizer.step_end(iteration, state)
+            if swapped is not None:
+                self.events.priorities(iteration, self.resizer, swapped)
+        decision = None
+        if self.controller is not None:
+            plan = self.partition.plan if self.partition is not None else None
+            shares = self.shares
+            out = self.controller.end_step(
+                iteration, seconds,
+                work_of(plan, self.partition.unit_work if self.partition else None, shares,
+                        self.controller.tp_size),
+                plan, shares, lambda: self.partition.unit_bytes(state.model, state.optimizer))
+            if out is not None:
+                report, verdict = out
+                self.events.timing(report, verdict)
+                if verdict.decision is not None:
+                    decision = verdict.decision
+                    self._apply(iteration, decision, verdict.detection)
+        rebuilt = (state.model, state.optimizer) != rebuilt_from
+        return StepEnd(state.model, state.optimizer, rebuilt, decision)
+
+    # ---- actions (every rank, same step boundary) -------------------------------------------
+
+    @property
+    def shares(self) -> tuple[float, ...]:
+        tp = self.partition.plan.tp_size if self.partition is not None else 1
+        return self.resizer.shares if self.resizer is not None else (0.0,) * tp
+
+    def repartition(self, plan: PartitionPlan, iteration: int, fault=None) -> Migration:
+        """Move to `plan` (resized ranks keep their priority order); logs the `repartition`
+        record. A failed transfer raises TransferError with every rank's state intact."""
+        if self.resizer is not None:
+            migration = self.resizer.repartition(self.state, plan, step=iteration, fault=fault)
+        else:
+            migration = self.partition.repartition(self.state, plan, step=iteration, fault=fault)
+        self.events.repartition(iteration, migration)
+        return migration
+
+    def resize(self, shares, iteration: int, why: str) -> None:
+        self.resizer.resize(self.state, shares)
+        self.events.resize(iteration, self.resizer, why)
+
+    def _apply(self, iteration: int, decision: Decision, detection) -> None:
+        migration = None
+        try:
+            if decision.migrates:
+                if self.resizer is not None:
+                    self.resizer.resize(self.state, decision.shares)  # the move replaces it
+                migration = self.repartition(decision.plan, iteration)
+            else:
+                self.resizer.resize(self.state, decision.shares)
+        except TransferError as err:  # every rank raises it; all keep their state
+            self.events.info(f"> het-TP decision at iteration {iteration} not applied: {err}")
+            return
+        self.events.decision(iteration, decision, detection, migration)
+        self.controller.applied()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def checkpoint_plan(self) -> SavedPlan | None:
+        """The plan-wide part of a checkpoint (the same on every rank)."""
+        if self.partition is None:
+            return None
+        return SavedPlan(self.partition.plan, tuple(self.shares))
+
+    def state_dict(self) -> dict:
+        """This TP rank's part: priorities and evidence since the last refresh, the detector,
+        cost fit and planner, and the timings of the report interval in progress."""
+        return {"resizer": self.resizer.state_dict() if self.resizer is not None else None,
+                "controller": (self.controller.state_dict() if self.controller is not None
+                               else None)}
+
+    # ---- end --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove the timers' hooks and the model's pointer back to the runtime."""
+        if self.controller is not None:
+            self.controller.close()
+            self.controller = None
+        if self._module is not None and getattr(self._module, RUNTIME_ATTR, None) is self:
+            delattr(self._module, RUNTIME_ATTR)
+        self._module = None
+
+    def _fits(self, plan: PartitionPlan) -> bool:
+        try:
+            self.partition.check(plan)
+        except PlanError:
+            return False
+        return True
+
+
+def runtime_of(model) -> HetTPRuntime | None:
+    """The runtime installed on a model chunk (or a list of them, or their wrappers)."""
+    if isinstance(model, (list, tuple)):
+        model = model[0] if model else None
+    if model is None:
+        return None
+    return getattr(unwrap_model(model), RUNTIME_ATTR, None)
