@@ -60,7 +60,7 @@ class HetTPConfig:
     granularity: int = 1
     """ffn neurons per MLP unit (attention units are query groups)."""
 
-    policy: str = _flag("static", choices=tuple(POLICIES))
+    policy: str = _flag("static", choices=lambda: tuple(POLICIES))
     """What to do about slow ranks."""
 
     interval: int = 10

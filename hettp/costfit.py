@@ -2,12 +2,12 @@
 
 A rank's slowdown factor is its measured compute per unit of work over that cost, so factors
 stay honest after a migration or resize changed the split. The cost is taken as the same at
-every share. With ffn widths kept at multiples of 8 neurons (planner.MLP_ALIGN), per-unit GEMM
-cost on this project's CPU VM stayed within the noise from 1/4 to 2/3 of the units. A fitted
-per-call intercept (time = a + b x work, used until 2026-11-30) turned the 10% noise of single
-reports into factors off by up to 1.5x after a move, which ended persistent straggles early
-and kept ended ones open. Far below an even share, GEMMs do lose efficiency: a rank left with
-1/5 of the units read 1.2-1.45x slow per unit, and this model takes that for slowness.
+every share: with ffn widths kept at multiples of 8 neurons (planner.MLP_ALIGN), per-unit GEMM
+cost stays flat over a wide range of shares. A fitted per-call intercept (time = a + b x work)
+is not used: fitted from single noisy reports, it turns their noise into large factor errors
+after a move, which ends persistent straggles early and keeps ended ones open. Far below an
+even share, GEMMs do lose efficiency, and this model takes that for slowness (figures:
+results/notes.md).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ times look equal). Output: each rank's smoothed slowdown against the fastest ran
 ranks are straggling. A rank starts straggling after its slowdown stays at or above `onset` for
 `patience` reports, or at once when it reaches `at_once`, and stops after it stays at or below
 `end` for `patience` reports, so noise around a steady cluster never flips the state;
-`changed` asks the planner to act. On a shared 2-core VM even CPU-time reports of a steady
-cluster reach 1.4-1.45x now and then, never twice in a row; real stragglers worth a move are
-seen at once.
+`changed` asks the planner to act. On a shared machine single reports of a steady cluster
+cross `onset` now and then, but rarely twice in a row, hence a patience above 1; a slowdown
+large enough to be worth a move is seen at once (figures: results/notes.md).
 """
 
 from __future__ import annotations

@@ -59,10 +59,10 @@ def plan_work(plan: PartitionPlan, unit_work: Mapping[str, float],
     return tuple(work)
 
 
-# GEMMs run at full speed when their width is a multiple of 8: on this project's 2-core CPU
-# VM, fc1+fc2 over 1366 or 682 ffn neurons cost 9-20% more per neuron than over 1360 or 680
-# (oneDNN's blocking; GPU tensor cores want multiples of 8 as well). Query groups are whole
-# heads, already wide enough.
+# GEMM widths that are multiples of 8 run at full speed; unaligned widths cost more per neuron
+# (CPU kernels block by 8 or more, GPU tensor cores want multiples of 8), which would make a rank
+# that took units look slower than it is (results/notes.md). Query groups are whole heads,
+# already wide enough.
 MLP_ALIGN = 8
 
 

@@ -15,7 +15,7 @@ class Policy:
     name: str
     help: str
     layers: str  # "vanilla": megatron-core's own layers only; "het": implies --het-tp; "any"
-    times: bool  # the ranks are timed every report interval, even with nothing to decide
+    times: bool  # timed every report interval although it decides nothing (a baseline)
     decides: bool  # a planner acts on detected stragglers (unless fixed shares replace it)
     resizes: bool  # may skip units: keeps unit priorities (a Resizer) and scores them
     migrates: bool  # may move units between ranks
@@ -42,19 +42,19 @@ POLICIES: dict[str, Policy] = {
                layers="any", times=False, decides=False, resizes=False, migrates=False,
                fixed_shares=True),
         Policy("resize", "a detected straggler skips its lowest-priority units",
-               layers="het", times=True, decides=True, resizes=True, migrates=False,
+               layers="het", times=False, decides=True, resizes=True, migrates=False,
                fixed_shares=False),
         Policy("migrate", "units and their optimizer state move off a detected straggler",
-               layers="het", times=True, decides=True, resizes=False, migrates=True,
+               layers="het", times=False, decides=True, resizes=False, migrates=True,
                fixed_shares=False),
         Policy("hybrid", "resize at once; migrate when the straggle is predicted to repay the "
                "move, then undo the resize",
-               layers="het", times=True, decides=True, resizes=True, migrates=True,
+               layers="het", times=False, decides=True, resizes=True, migrates=True,
                fixed_shares=False),
         Policy("zero", "the paper's public-code baseline: a fixed 50% cut by accumulated |dW| "
                "with imputed gradients, of the ranks --het-tp-resize names, else of detected "
                "stragglers",
-               layers="het", times=True, decides=True, resizes=True, migrates=False,
+               layers="het", times=False, decides=True, resizes=True, migrates=False,
                fixed_shares=True, cut=0.5, impute=ZERO_IMPUTED_GRAD, scorer="dw"),
     )
 }

@@ -95,8 +95,8 @@ class PrimitiveCost:
 class CostModel:
     """Per-primitive alpha-beta costs of hettp.exchange.run_transfer (its votes included).
 
-    Defaults: fitted by hettp.exchange.measure_costs in scripts/bench_migration.py, TP=4 over
-    gloo on a 2-core CPU machine (2026-11-29). Refit them on the cluster at hand.
+    Defaults: fitted by hettp.exchange.measure_costs (scripts/bench_migration.py) over gloo on
+    a CPU machine (results/notes.md). Refit them on the cluster at hand.
     """
 
     p2p: PrimitiveCost = PrimitiveCost(call=6.6e-3, alpha=1.5e-3, beta=1.3e9)
@@ -135,7 +135,7 @@ class CostModel:
 
 
 # A migration's time as a multiple of its predicted transfer: packing, committing and
-# rebuilding DDP and the optimizer come on top (results/migration_tp4.txt: total/transfer 1.3-1.8).
+# rebuilding DDP and the optimizer come on top (measured ratios: results/migration_tp4.txt).
 REBUILD_FACTOR = 2.0
 
 
