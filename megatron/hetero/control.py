@@ -36,11 +36,12 @@ class Controller:
         self.scenario = config.scenario
         self.timer = ComputeTimer(model, config.timer, config.emulate_dilation)
         planner = None  # without a decision to take, the ranks are only timed
-        migration_cost = MigrationCost(cost_model)
+        migration_cost = MigrationCost(cost_model) if config.policy_spec.migrates else None
         if config.decides and unit_work is not None:
             planner = Planner(config.policy, unit_work, config.max_resize,
-                              migration_seconds=migration_cost.seconds)
+                              migration_seconds=migration_cost.seconds if migration_cost else None)
         self.decides = planner is not None
+        self.migrates = self.decides and migration_cost is not None
         self.loop = ControlLoop(
             self.tp_size, planner,
             StragglerDetector(self.tp_size, config.onset, config.end, config.patience,
@@ -69,7 +70,7 @@ class Controller:
         self._compute, self._wall = [], []
         decide = self.tp_rank == 0
         verdict = self.loop.observe(report, plan, shares, decide,
-                                    unit_bytes() if decide and self.decides else None)
+                                    unit_bytes() if decide and self.migrates else None)
         if self.decides and self.tp_size > 1:
             box = [verdict.detection, verdict.decision]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),

@@ -1,0 +1,123 @@
+"""The --het-tp flags as a typed config: the generated argparse group, validation in one place,
+and what each policy makes the runtime build (hettp.config, hettp.policy): pure."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from hettp.config import ConfigError, HetTPConfig, ModelShape
+from hettp.plan import PartitionPlan
+from hettp.planner import Planner
+from hettp.policy import POLICIES, VANILLA, Policy, compared_policies
+
+SHAPE = ModelShape(tp_size=2, num_layers=2, query_groups=4, ffn_hidden_size=256)
+
+
+def _parse(argv=()):
+    parser = argparse.ArgumentParser()
+    HetTPConfig.add_arguments(parser)
+    return parser, parser.parse_args(list(argv))
+
+
+def test_every_field_is_a_flag_with_its_docstring_as_help():
+    parser, args = _parse()
+    actions = {a.dest: a for a in parser._actions}
+    for f in HetTPConfig.flag_fields():
+        action = actions[HetTPConfig.dest(f.name)]
+        assert HetTPConfig.flag(f.name) in action.option_strings
+        assert action.help and len(action.help) > 20, f.name  # the field's docstring
+        assert getattr(args, HetTPConfig.dest(f.name)) == f.default
+    assert "Cap on the share of its units" in actions["het_tp_max_resize"].help
+    # choices come from the tables: the policies and the registered scorers
+    assert tuple(actions["het_tp_policy"].choices) == tuple(POLICIES)
+    assert "dw" in actions["het_tp_priority"].choices
+    for p in POLICIES.values():
+        assert f"{p.name}: " in actions["het_tp_policy"].help
+    # derived fields are not flags
+    assert "het_tp_partition_plan" not in actions and "het_tp_scenario" not in actions
+
+
+def test_validation_returns_the_config_and_leaves_args_alone():
+    _, args = _parse(["--het-tp-policy", "migrate", "--het-tp-plan", "attn=3,1;mlp=200,56",
+                      "--het-tp-emulate", "persistent:rank=1,factor=2"])
+    before = dict(vars(args))
+    config = HetTPConfig.from_args(args).validated(SHAPE)
+    assert vars(args) == before  # nothing written back
+    assert config.het_tp  # implied by the policy
+    assert config.partition_plan == PartitionPlan.parse("attn=3,1;mlp=200,56", 2, 2, 4, 256)
+    assert config.scenario.factor(1, 5) == 2.0 and config.sample_interval == 8
+    assert config.validated_for == SHAPE
+    with pytest.raises(ConfigError, match="--het-tp-granularity 3 does not divide"):
+        dataclasses.replace(config, granularity=3).validated(SHAPE)
+
+
+def test_from_args_reads_what_another_parser_left_and_keeps_defaults_for_the_rest():
+    config = HetTPConfig.from_args(argparse.Namespace(het_tp_policy="hybrid", het_tp_interval=7,
+                                                      unrelated=1))
+    assert (config.policy, config.interval, config.onset) == ("hybrid", 7, 1.3)
+
+
+@pytest.mark.parametrize("policy, resize, decides, timed, resizes, het_tp", [
+    ("none", None, False, True, False, False),
+    ("static", None, False, False, False, False),
+    ("static", "0,0.25", False, False, True, True),
+    ("resize", None, True, True, True, True),
+    ("migrate", None, True, True, False, True),
+    ("hybrid", None, True, True, True, True),
+    ("zero", None, True, True, True, True),
+    ("zero", "0,0.5", False, False, True, True),  # fixed shares replace the planner
+])
+def test_what_each_policy_needs(policy, resize, decides, timed, resizes, het_tp):
+    config = HetTPConfig(policy=policy, resize=resize).validated(SHAPE)
+    assert (config.decides, config.timed, config.resizes, config.het_tp) == (
+        decides, timed, resizes, het_tp)
+    assert config.active == (het_tp or timed)
+
+
+def test_emulation_alone_asks_for_timing():
+    config = HetTPConfig(emulate="persistent:rank=1,factor=2").validated(SHAPE)
+    assert config.timed and not config.decides and not config.het_tp
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"policy": "none", "het_tp": True}, "--het-tp-policy none runs vanilla megatron-core "
+                                         "layers; drop --het-tp"),
+    ({"policy": "migrate", "resize": "0,0.5"}, "--het-tp-policy migrate decides them itself"),
+    ({"policy": "zero", "priority": "wg"}, "--het-tp-policy zero ranks units by "
+                                           "--het-tp-priority dw; drop --het-tp-priority wg"),
+    ({"emulate": "persistent:rank=1,factor=2"}, "--het-tp-emulate is implemented for CPU runs"),
+    ({"plan": "attn=4,4;mlp=128,128"}, "--het-tp-plan: plan attn: counts [4, 4] sum to 8"),
+])
+def test_errors_name_the_flag(kwargs, message):
+    cuda = "emulate" in kwargs
+    with pytest.raises(ConfigError, match=None) as err:
+        HetTPConfig(**kwargs).validated(SHAPE, cuda_available=cuda)
+    assert message in str(err.value)
+
+
+def test_adding_a_policy_touches_the_table_and_the_planner(monkeypatch):
+    """A new row in POLICIES is a flag choice, a compared policy, and a planner rule away."""
+    row = Policy("halve", "every straggler skips half its units", layers="het", times=False,
+                 decides=True, resizes=True, migrates=False, fixed_shares=False)
+    monkeypatch.setitem(POLICIES, "halve", row)
+    with pytest.raises(ValueError, match="policy 'halve' decides, but the planner has no rule"):
+        Planner("halve", {"attn": 1.0, "mlp": 1.0})
+
+    def halve(planner, iteration, detection, model, plan, shares, before):
+        new = tuple(0.5 if r in detection.stragglers else 0.0 for r in range(plan.tp_size))
+        return planner._resize(new, plan, model, before, "resize", "halve")
+
+    monkeypatch.setitem(Planner._RULES, "halve", halve)
+    assert Planner("halve", {"attn": 1.0, "mlp": 1.0}).policy is row
+    _, args = _parse(["--het-tp-policy", "halve"])
+    config = HetTPConfig.from_args(args).validated(SHAPE)
+    assert config.decides and config.resizes and config.het_tp
+    assert "halve" in compared_policies()
+
+
+def test_compared_policies_are_the_baseline_and_the_deciders():
+    assert compared_policies() == [VANILLA, "resize", "migrate", "hybrid", "zero"]
+    assert POLICIES[VANILLA].vanilla

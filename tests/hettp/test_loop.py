@@ -1,0 +1,144 @@
+"""The pure report -> decision path (hettp.loop) that the Megatron controller runs on TP rank 0:
+no process group, milliseconds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hettp.detect import StragglerDetector
+from hettp.loop import ControlLoop, TimingReport, step_model, work_of
+from hettp.plan import PartitionPlan
+from hettp.planner import Planner, plan_work
+from hettp.transfer import REBUILD_FACTOR, CostModel, MigrationCost, plan_transfer
+
+UNIT_WORK = {"attn": 4.0, "mlp": 1.0}
+
+
+def _loop(policy, tp=2, cost=None):
+    migration = cost or MigrationCost(unit_bytes={"attn": 4096, "mlp": 1024})
+    planner = Planner(policy, UNIT_WORK, cap=0.5, migration_seconds=migration.seconds)
+    return ControlLoop(tp, planner, StragglerDetector(tp, patience=1, window=1), migration)
+
+
+def _report(iteration, plan, shares, factors, per_unit=1e-3, rest=0.05, noise=0.0, rng=None):
+    """What the ranks would measure: compute = per-unit time x factor x active work."""
+    work = plan_work(plan, UNIT_WORK, shares)
+    jitter = [1 + (rng.uniform(-noise, noise) if rng else 0.0) for _ in factors]
+    compute = tuple(per_unit * f * w * j for f, w, j in zip(factors, work, jitter))
+    return TimingReport(iteration, compute, work, rest + max(compute))
+
+
+def _drive(loop, plan, rows, interval=4, noise=0.0, seed=0):
+    """Report after report, applying every decision as the runtime would."""
+    rng = random.Random(seed)
+    shares = (0.0,) * plan.tp_size
+    decisions = []
+    for n, factors in enumerate(rows, 1):
+        verdict = loop.observe(_report(n * interval, plan, shares, factors, noise=noise, rng=rng),
+                               plan, shares, decide=True)
+        if verdict.decision is not None:
+            decisions.append(verdict.decision)
+            plan, shares = verdict.decision.plan, verdict.decision.shares
+            loop.applied()
+    return decisions, plan, shares
+
+
+def test_slowest_replica_per_tp_position():
+    a = TimingReport(8, (1.0, 2.1, 0.5), (10.0, 10.0, 0.0), 3.0)
+    b = TimingReport(8, (1.1, 1.0, 0.7), (10.0, 12.0, 0.0), 3.5)
+    merged = TimingReport.slowest_replica([a, b])
+    assert merged == TimingReport(8, (1.1, 2.1, 0.7), (10.0, 12.0, 0.0), 3.5)
+
+
+def test_step_model_plans_measured_factors_for_stragglers_only():
+    report = TimingReport(4, (1.0, 2.2, 1.1), (1.0, 1.0, 1.0), 3.0)
+    model = step_model(report, (1.0, 2.2, 1.1), {1}, per_unit=0.5)
+    assert model.factors == (1.0, pytest.approx(2.2), 1.0)  # rank 2's 1.1 is noise
+    assert model.rest == pytest.approx(3.0 - 2.2) and model.slope == pytest.approx(0.5)
+    # a straggler with no work (None) is planned at the slowest known factor
+    model = step_model(report, (1.0, None, 2.0), {1}, per_unit=0.5)
+    assert model.factors == (1.0, 2.0, 1.0)
+
+
+def test_migrate_moves_work_off_a_persistent_straggler_and_back():
+    even = PartitionPlan.even(2, 2, 4, 64)
+    rows = [[1, 1]] * 2 + [[1, 2]] * 6 + [[1, 1]] * 6
+    decisions, plan, _ = _drive(_loop("migrate"), even, rows, noise=0.02)
+    assert [d.action for d in decisions] == ["migrate", "migrate"]
+    first = decisions[0]
+    work = plan_work(first.plan, UNIT_WORK)
+    assert 1.7 < work[0] / work[1] < 2.3  # balanced for a 2x rank 1
+    assert plan_work(plan, UNIT_WORK) == plan_work(even, UNIT_WORK)  # back once it ended
+
+
+def test_hybrid_resizes_then_migrates_when_the_move_pays():
+    decisions, plan, shares = _drive(_loop("hybrid"), PartitionPlan.even(2, 2, 4, 64),
+                                     [[1, 1]] + [[1, 3]] * 8)
+    assert [d.action for d in decisions] == ["hybrid-resize", "hybrid-migrate"]
+    assert decisions[0].shares[1] > 0 and not any(shares)
+
+
+def test_a_steady_noisy_group_never_decides():
+    decisions, _, _ = _drive(_loop("hybrid", tp=4), PartitionPlan.even(4, 2, 8, 64),
+                             [[1, 1, 1, 1]] * 60, noise=0.08, seed=5)
+    assert decisions == []
+
+
+def test_state_dict_resumes_the_same_decisions():
+    """A loop restored from a checkpointed state decides what the uninterrupted one does."""
+    even = PartitionPlan.even(2, 2, 4, 64)
+    rows = [[1, 1]] * 2 + [[1, 2.5]] * 4 + [[1, 1]] * 4
+    straight = _loop("hybrid")
+    want, _, _ = _drive(straight, even, rows)
+    first = _loop("hybrid")
+    before, plan, shares = _drive(first, even, rows[:4])
+
+    def rest_of_run(loop):
+        p, s, out = plan, shares, []
+        for n, factors in enumerate(rows[4:], 5):
+            verdict = loop.observe(_report(n * 4, p, s, factors), p, s, decide=True)
+            if verdict.decision is not None:
+                out.append(verdict.decision)
+                p, s = verdict.decision.plan, verdict.decision.shares
+                loop.applied()
+        return out
+
+    resumed = _loop("hybrid")
+    resumed.load_state_dict(first.state_dict())
+    after = rest_of_run(resumed)
+    assert [d.action for d in before + after] == [d.action for d in want]
+    assert [d.plan for d in before + after] == [d.plan for d in want]
+    assert resumed.detector.stragglers == straight.detector.stragglers
+    # without the state, a loop takes the ongoing straggle for a new one and acts again
+    assert [d.action for d in rest_of_run(_loop("hybrid"))] != [d.action for d in after]
+
+
+def test_only_the_deciding_rank_plans_but_every_rank_learns_the_fit():
+    loop = _loop("migrate")
+    plan = PartitionPlan.even(2, 2, 4, 64)
+    verdict = loop.observe(_report(4, plan, (0.0, 0.0), [1, 2]), plan, (0.0, 0.0), decide=False)
+    assert verdict.detection is None and verdict.decision is None
+    assert verdict.factors == pytest.approx((1.0, 2.0))
+    assert loop.fit.state_dict()["per_unit"]  # learnt from rank 0
+
+
+def test_migration_cost_uses_the_exact_unit_bytes():
+    old = PartitionPlan.even(2, 2, 4, 64)
+    new = old.rebalanced([3, 1], [40, 24])
+    cost = MigrationCost(CostModel(), {"attn": 10_000, "mlp": 3_000})
+    schedule = plan_transfer(old, new, {"attn": 10_000, "mlp": 3_000}.__getitem__)
+    assert cost.seconds(old, new) == pytest.approx(
+        REBUILD_FACTOR * min(CostModel().predict(schedule).values()))
+    assert cost.seconds(old, old) == 0.0
+    loop = _loop("migrate", cost=cost)
+    loop.observe(_report(4, old, (0.0, 0.0), [1, 1]), old, (0.0, 0.0), decide=True,
+                 unit_bytes={"attn": 1, "mlp": 2})
+    assert cost.unit_bytes == {"attn": 1, "mlp": 2}  # what the partition says it carries now
+
+
+def test_work_of_vanilla_layers_is_an_even_share():
+    assert work_of(None, None, (0.0, 0.0), 2) == (1.0, 1.0)
+    plan = PartitionPlan.even(2, 1, 2, 8)
+    assert work_of(plan, UNIT_WORK, (0.0, 0.5), 2) == (8.0, 6.0)
