@@ -58,6 +58,11 @@ class Controller:
             self._unit_bytes = {b: n * 4 * 4 for b, n in self.unit_work.items()}
         self._compute, self._wall = [], []
 
+    def close(self) -> None:
+        """At teardown: remove the timer's hooks, and the all_reduce patch a wall-clock or
+        dilated timer installed (timing.py). Calling it again does nothing."""
+        self.timer.remove()
+
     # ---- per step -------------------------------------------------------------------------
 
     def begin_step(self, iteration: int) -> None:
