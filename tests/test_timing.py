@@ -33,7 +33,9 @@ def clock(monkeypatch):
     fake = types.SimpleNamespace(thread_time=lambda: clock.cpu, perf_counter=lambda: clock.wall,
                                  sleep=clock.sleep)
     monkeypatch.setattr(timing, "time", fake)
-    monkeypatch.setattr(timing, "_WALL_TIMERS", [])
+    # a timer a test leaves registered does not outlive it: no patch, all_reduce as it was
+    monkeypatch.setattr(timing, "_PATCH", None)
+    monkeypatch.setattr(timing.dist, "all_reduce", timing.dist.all_reduce)
     return clock
 
 
@@ -54,7 +56,6 @@ class Collectives:
 @pytest.fixture
 def collectives(clock, monkeypatch):
     fake = Collectives(clock)
-    monkeypatch.setattr(timing, "_ORIGINAL_ALL_REDUCE", None)
     monkeypatch.setattr(timing.dist, "all_reduce", fake.all_reduce)  # restored after the test
     return fake
 
@@ -97,7 +98,7 @@ def test_dilation_stretches_each_region_to_d_times_its_cpu_time(clock):
 
 def test_dilation_leaves_collective_waits_out_of_the_stretch(clock):
     timer = _timer(dilation=2.0)
-    assert timer in timing._WALL_TIMERS  # the all_reduce patch pauses it
+    assert timer in timing._PATCH.timers  # the all_reduce patch pauses it
     timer.reset()
     _region(timer, clock, cpu=0.010, wall=0.012, wait=0.500)
     # a long wait for a slower rank does not count as this rank's own time
@@ -136,3 +137,45 @@ def test_dilation_leaves_out_waits_in_real_collectives(clock, collectives):
     timer.stop()
     assert clock.slept == [pytest.approx(0.030 - 0.018)]  # 2 x 15 ms CPU, 18 ms of own wall
     assert timer.read() == pytest.approx(0.030)
+
+
+def test_a_wall_timer_wraps_all_reduce_until_it_is_removed(clock, collectives):
+    original = timing.dist.all_reduce
+    timer = _timer("wall")
+    assert timing.dist.all_reduce is not original
+    assert timing.dist.all_reduce is timing._PATCH.wrapper
+    timer.remove()
+    assert timing.dist.all_reduce is original
+    assert timing._PATCH is None  # nothing left behind
+    timer.remove()  # twice is harmless
+    assert timing.dist.all_reduce is original
+
+
+def test_the_last_timer_removed_restores_all_reduce(clock, collectives):
+    original = timing.dist.all_reduce
+    first, second = _timer("wall"), _timer(dilation=2.0)
+    wrapper = timing.dist.all_reduce
+    assert wrapper is not original
+    first.remove()
+    assert timing.dist.all_reduce is wrapper  # still needed by the second
+    second.reset()  # ... and it still leaves the second's waits out
+    second.start()
+    clock.work(0.010, 0.010)
+    collectives.wait = 0.500
+    timing.dist.all_reduce(None)
+    second.stop()
+    assert clock.slept == [pytest.approx(0.010)]
+    second.remove()
+    assert timing.dist.all_reduce is original
+    assert timing._PATCH is None
+
+
+def test_a_cpu_timer_leaves_all_reduce_alone(clock, collectives):
+    original = timing.dist.all_reduce
+    cpu = _timer()
+    assert timing.dist.all_reduce is original
+    wall = _timer("wall")
+    cpu.remove()  # not registered: the wall timer's patch stays
+    assert timing.dist.all_reduce is not original
+    wall.remove()
+    assert timing.dist.all_reduce is original

@@ -126,9 +126,9 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
 
     def snapshot(state):
         """Every parameter, fp32 master and optimizer state tensor, by parameter name."""
-        from megatron.hetero.partition import _OptimizerView
+        from megatron.hetero.unit_state import OptimizerView
 
-        view = _OptimizerView(state.optimizer)
+        view = OptimizerView(state.optimizer)
         params = {n: p.detach().clone() for n, p in state.model.module.named_parameters()}
         extra = {}
         for name, param in state.model.module.named_parameters():
@@ -377,7 +377,8 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
     After every step, records this rank's local unit order and active count per block, a copy
     of every local unit's weights and optimizer state (by unit id), and the priorities."""
 
-    from megatron.hetero.partition import _OptimizerView, _state_keys, _unit_tensors, het_blocks
+    from megatron.hetero.partition import het_blocks
+    from megatron.hetero.unit_state import OptimizerView, state_keys, unit_tensors
 
     records = {}
 
@@ -392,12 +393,12 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
                 plan = state.partition.plan.rebalanced(
                     *([int(c) for c in counts[b].split(",")] for b in ("attn", "mlp")))
                 resizer.repartition(state, plan, step=iteration)
-        optimizer = _OptimizerView(state.optimizer)
+        optimizer = OptimizerView(state.optimizer)
         blocks = het_blocks(state.model)
-        keys = _state_keys(optimizer, blocks)
+        keys = state_keys(optimizer, blocks)
         record = {}
         for key, block in blocks.items():
-            tensors = _unit_tensors(block, optimizer, keys)
+            tensors = unit_tensors(block, optimizer, keys)
             n = len(block.units)
             record[key] = {
                 "units": block.units, "active": block.active,

@@ -19,15 +19,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
-from hettp.exchange import Migration, TensorSpec, run_transfer
+from hettp.exchange import Migration, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan, PlanError
 from hettp.transfer import CostModel, plan_transfer
 
 from . import cpu_compat
 from .layers import UnitBlock
 from .model import unwrap_model
+from .unit_state import OptimizerView, payload, permute, state_keys, unit_specs, unit_tensors
 
 
 def het_blocks(module) -> dict:
@@ -73,8 +73,8 @@ class HetPartition:
         """What moving one unit of each block carries now: its weights, and the fp32 masters
         and optimizer moments the optimizer holds for them."""
         blocks = het_blocks(model)
-        keys = _state_keys(_OptimizerView(optimizer), blocks)
-        return {name: sum(s.nbytes for s in _unit_specs(blocks[(0, name)], keys))
+        keys = state_keys(OptimizerView(optimizer), blocks)
+        return {name: sum(s.nbytes for s in unit_specs(blocks[(0, name)], keys))
                 for name in BLOCKS}
 
     def check(self, plan: PartitionPlan) -> None:
@@ -95,7 +95,7 @@ class HetPartition:
         """
         self.check(plan)
         migration, replaced = self._move(state.model, plan,
-                                         optimizer=_OptimizerView(state.optimizer), step=step,
+                                         optimizer=OptimizerView(state.optimizer), step=step,
                                          fault=fault)
         if migration.units_moved:
             # Every rank rebuilds, also one whose units did not change: building the optimizer
@@ -113,14 +113,14 @@ class HetPartition:
                     if set(plan.units(index, block, rank)) != set(self.plan.units(index, block, rank)):
                         raise PlanError(f"reorder: layer {index} {block} rank {rank} would change "
                                         "owners; that is a repartition")
-        optimizer = _OptimizerView(state.optimizer)
+        optimizer = OptimizerView(state.optimizer)
         blocks = het_blocks(state.model)
-        keys = _state_keys(optimizer, blocks)
+        keys = state_keys(optimizer, blocks)
         with torch.no_grad(), cpu_compat.suspended():
             for (index, name), block in blocks.items():
                 new_units = plan.units(index, name, self.rank)
                 if new_units != block.units:
-                    _permute(_unit_tensors(block, optimizer, keys), block.units, new_units)
+                    permute(unit_tensors(block, optimizer, keys), block.units, new_units)
                     block.reorder(new_units)
         self.plan = plan
 
@@ -130,23 +130,23 @@ class HetPartition:
         """Transfer and commit; returns the Migration and {old param: (new param, new
         optimizer state)}."""
         blocks = het_blocks(module)
-        state_keys = _state_keys(optimizer, blocks)
-        specs = {b: _unit_specs(blocks[(0, b)], state_keys) for b in BLOCKS}
+        keys = state_keys(optimizer, blocks)
+        specs = {b: unit_specs(blocks[(0, b)], keys) for b in BLOCKS}
         schedule = plan_transfer(self.plan, plan, lambda b: sum(s.nbytes for s in specs[b]))
         primitive, predictions = self.cost_model.choose(schedule)
 
-        pieces = {key: _unit_tensors(b, optimizer, state_keys) for key, b in blocks.items()}
+        pieces = {key: unit_tensors(b, optimizer, keys) for key, b in blocks.items()}
         positions = {key: {u: i for i, u in enumerate(b.units)} for key, b in blocks.items()}
 
-        def payload(move):
+        def move_payload(move):
             key = (move.layer, move.block)
-            return _payload(pieces[key], len(positions[key]), positions[key][move.unit])
+            return payload(pieces[key], len(positions[key]), positions[key][move.unit])
 
         with cpu_compat.suspended():  # pure torch from here; the CPU device mode only slows it
-            result = run_transfer(schedule, self.group, primitive, payload,
+            result = run_transfer(schedule, self.group, primitive, move_payload,
                                   lambda move: specs[move.block], device=comm_device(), step=step,
                                   fault=fault)
-            replaced = self._commit(blocks, pieces, positions, plan, state_keys, result)
+            replaced = self._commit(blocks, pieces, positions, plan, keys, result)
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
         return migration, replaced
@@ -161,10 +161,10 @@ class HetPartition:
                 continue
             mine, kept = pieces[(index, name)], positions[(index, name)]
             if set(old_units) == set(new_units):  # order only: in place, same parameters
-                _permute(mine, old_units, new_units)
+                permute(mine, old_units, new_units)
                 block.reorder(new_units)
                 continue
-            columns = [_payload(mine, len(old_units), kept[unit]) if unit in kept
+            columns = [payload(mine, len(old_units), kept[unit]) if unit in kept
                        else incoming[(index, name, unit)] for unit in new_units]
             rebuilt = [layout.assemble([col[i] for col in columns], tensor)
                        for i, (tensor, layout) in enumerate(mine)]
@@ -180,90 +180,17 @@ class HetPartition:
         return replaced
 
 
-class _OptimizerView:
-    """What megatron-core's (possibly chained) optimizer holds per model parameter: the tensor
-    it updates (the parameter itself, or its fp32 master copy under --bf16/--fp16) and that
-    tensor's state (Adam's moments, step)."""
-
-    def __init__(self, optimizer):
-        self.subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-        self.main = {}  # model parameter -> the tensor the optimizer updates
-        for sub in self.subs:
-            if isinstance(sub, FP32Optimizer):
-                self.main.update((p, p) for g in sub.optimizer.param_groups for p in g["params"])
-            elif isinstance(sub, Float16OptimizerWithFloat16Params):
-                for model_group, main_group in zip(sub.float16_groups, sub.fp32_from_float16_groups):
-                    self.main.update(zip(model_group, main_group))
-                self.main.update((p, p) for g in sub.fp32_from_fp32_groups for p in g)
-            else:
-                raise NotImplementedError(
-                    f"het-TP migration supports megatron-core's FP32Optimizer and "
-                    f"Float16OptimizerWithFloat16Params, not {type(sub).__name__} "
-                    "(e.g. the distributed optimizer)")
-        states = {m: s for sub in self.subs for m, s in sub.optimizer.state.items()}
-        self.state = {p: states.get(m, {}) for p, m in self.main.items()}
-
-    def master(self, param):
-        """The fp32 master copy of `param`, or None when the optimizer updates `param` itself."""
-        main = self.main[param]
-        return None if main is param else main
-
-
-def _state_keys(optimizer, blocks) -> list[str]:
-    """What moves with a unit besides the weights: "master" (fp32 copy under mixed precision)
-    and the optimizer state tensors shaped like the parameter (e.g. exp_avg, exp_avg_sq)."""
-    if optimizer is None:
-        return []
-    param = next(iter(blocks.values())).unit_tensors().__next__()[2]
-    keys = ["master"] if optimizer.master(param) is not None else []
-    return keys + sorted(k for k, v in optimizer.state[param].items()
-                         if isinstance(v, torch.Tensor) and v.shape == param.shape)
-
-
-def _unit_tensors(block, optimizer, state_keys):
-    """(tensor, layout) per unit-sharded parameter, each followed by its `state_keys` tensors."""
-    out = []
-    for _, _, param, layout in block.unit_tensors():
-        out.append((param.data, layout))
-        for key in state_keys:
-            extra = optimizer.master(param) if key == "master" else optimizer.state[param][key]
-            out.append((extra.data if key == "master" else extra, layout))
-    return out
-
-
-def _payload(pieces, num_local_units, position):
-    """A unit's slice of every (tensor, layout) in `pieces`."""
-    return [layout.payload(tensor, num_local_units, position) for tensor, layout in pieces]
-
-
-def _permute(pieces, old_units, new_units):
-    """Put every (tensor, layout) of `pieces` into the order `new_units`, in place."""
-    position = {u: i for i, u in enumerate(old_units)}
-    order = [position[u] for u in new_units]
-    for tensor, layout in pieces:
-        tensor.copy_(layout.permuted(tensor, len(old_units), order))
-
-
-def _unit_specs(block, state_keys) -> list[TensorSpec]:
-    specs = []
-    for _, _, param, layout in block.unit_tensors():
-        shape = layout.payload_shape(param.shape)
-        specs.append(TensorSpec(shape, param.dtype))
-        specs.extend(TensorSpec(shape, torch.float32) for _ in state_keys)
-    return specs
-
-
 def _rebuild(state, replaced):
     """New DDP wrapper and optimizer around the re-shaped parameters, same training state:
     fp32 masters, moments, step count, loss scaler and learning-rate schedule carry over."""
     old_ddp, old_opt = state.model, state.optimizer
-    old = _OptimizerView(old_opt)
+    old = OptimizerView(old_opt)
 
     # The old wrapper's backward hooks stay on unchanged parameters: make them no-ops.
     old_ddp.param_to_bucket_group = {}
     model = DDP(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
     optimizer = get_megatron_optimizer(old_opt.config, [model])
-    new = _OptimizerView(optimizer)
+    new = OptimizerView(optimizer)
     step = next((s["step"] for s in old.state.values() if "step" in s), None)
 
     carried = {}  # new model parameter -> (fp32 master or None, optimizer state)

@@ -23,7 +23,8 @@ from hettp.resize import (SCORERS, Priorities, check_shares, realized_share, ski
                           swapped_units)
 
 from . import cpu_compat
-from .partition import _OptimizerView, _state_keys, _unit_tensors, comm_device, het_blocks
+from .partition import comm_device, het_blocks
+from .unit_state import OptimizerView, state_keys, unit_tensors
 
 
 class Resizer:
@@ -210,9 +211,9 @@ class Resizer:
         Returns whether the optimizer's moments were there to be frozen."""
         if self.impute is not None:
             return True
-        optimizer = _OptimizerView(state.optimizer)
+        optimizer = OptimizerView(state.optimizer)
         blocks = het_blocks(state.model)
-        keys = _state_keys(optimizer, blocks)
+        keys = state_keys(optimizer, blocks)
         has_moments = any(k != "master" for k in keys)
         wanted = set(keys) | ({"param"} if weights else set())
         if not weights:
@@ -222,7 +223,7 @@ class Resizer:
                 n, active = len(block.units), block.active
                 if active == n:
                     continue
-                tensors = _unit_tensors(block, optimizer, keys)
+                tensors = unit_tensors(block, optimizer, keys)
                 names = [k for _ in block.unit_tensors() for k in ["param", *keys]]
                 for name, (tensor, layout) in zip(names, tensors):
                     if name in wanted:

@@ -25,6 +25,7 @@ others. The dilated time counts as compute, so C and T_fast stay consistent.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -50,51 +51,75 @@ class _Mark(torch.autograd.Function):
         return grad, None, None, None
 
 
-_WALL_TIMERS = []  # timers whose regions' wall time must not count collective waits
-_ORIGINAL_ALL_REDUCE = None
-
-
 class _PausingWork:
-    """An async collective's handle whose wait() does not count as compute (for the timers
-    running when it waits, wherever the collective was started)."""
+    """An async collective's handle whose wait() does not count as compute (for the patch's
+    timers running when it waits, wherever the collective was started)."""
 
-    def __init__(self, work):
-        self._work = work
+    def __init__(self, work, patch):
+        self._work, self._patch = work, patch
 
     def wait(self, *args, **kwargs):
-        running = [t for t in _WALL_TIMERS if t.running]
-        for timer in running:
-            timer.pause()
-        try:
+        with self._patch.paused():
             return self._work.wait(*args, **kwargs)
-        finally:
-            for timer in running:
-                timer.resume()
 
     def __getattr__(self, name):
         return getattr(self._work, name)
 
 
-def _exclude_collectives() -> None:
-    """Make torch.distributed.all_reduce pause running wall-clock timers while it waits.
-    megatron-core looks the function up at each call, so its TP collectives go through this."""
-    global _ORIGINAL_ALL_REDUCE
-    if _ORIGINAL_ALL_REDUCE is not None:
-        return
-    _ORIGINAL_ALL_REDUCE = original = dist.all_reduce
+class _CollectivePatch:
+    """torch.distributed.all_reduce wrapped so that it pauses running wall-clock timers while it
+    waits, for as long as such timers exist. megatron-core looks the function up at each call,
+    so its TP collectives go through the wrapper."""
 
-    def all_reduce(*args, **kwargs):
-        running = [t for t in _WALL_TIMERS if t.running]
+    def __init__(self):
+        self.timers = []  # timers whose regions' wall time must not count collective waits
+        self.original = original = dist.all_reduce
+
+        def all_reduce(*args, **kwargs):
+            with self.paused():
+                work = original(*args, **kwargs)
+            return _PausingWork(work, self) if kwargs.get("async_op") else work
+
+        self.wrapper = dist.all_reduce = all_reduce
+
+    @contextlib.contextmanager
+    def paused(self):
+        running = [t for t in self.timers if t.running]
         for timer in running:
             timer.pause()
         try:
-            work = original(*args, **kwargs)
+            yield
         finally:
             for timer in running:
                 timer.resume()
-        return _PausingWork(work) if kwargs.get("async_op") else work
 
-    dist.all_reduce = all_reduce
+    def restore(self) -> None:
+        """Put the original back, unless something wrapped all_reduce after us (then ours stays
+        in its chain, with no timers: a pass-through)."""
+        if dist.all_reduce is self.wrapper:
+            dist.all_reduce = self.original
+
+
+_PATCH = None  # the installed _CollectivePatch while a timer needs it; None otherwise
+
+
+def _register(timer) -> None:
+    """Leave collective waits out of `timer`'s regions; the first such timer installs the patch."""
+    global _PATCH
+    if _PATCH is None:
+        _PATCH = _CollectivePatch()
+    _PATCH.timers.append(timer)
+
+
+def _unregister(timer) -> None:
+    """Undo _register(timer); the last timer out restores torch.distributed.all_reduce."""
+    global _PATCH
+    if _PATCH is None or timer not in _PATCH.timers:
+        return
+    _PATCH.timers.remove(timer)
+    if not _PATCH.timers:
+        _PATCH.restore()
+        _PATCH = None
 
 
 class ComputeTimer:
@@ -102,7 +127,10 @@ class ComputeTimer:
 
     clock "cpu": the thread's CPU time (blind to waiting, and to time-sharing a core, so also
     to real contention); "wall": perf_counter with TP collectives' waits left out (sees real
-    contention; meant for no more ranks than cores). On GPU, CUDA events."""
+    contention; meant for no more ranks than cores). On GPU, CUDA events.
+
+    `remove()` it when done: a wall-clock or dilated timer keeps torch.distributed.all_reduce
+    wrapped while it exists."""
 
     def __init__(self, model, clock: str = "cpu", dilation: float = 1.0):
         if clock not in ("cpu", "wall"):
@@ -117,8 +145,7 @@ class ComputeTimer:
         self.dilation = dilation
         self._now = time.perf_counter if clock == "wall" else time.thread_time
         if (clock == "wall" or dilation > 1.0) and not self.cuda:
-            _exclude_collectives()
-            _WALL_TIMERS.append(self)
+            _register(self)
         self._seconds = 0.0
         self._events = []
         self._t0 = None
@@ -151,8 +178,7 @@ class ComputeTimer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        if self in _WALL_TIMERS:
-            _WALL_TIMERS.remove(self)
+        _unregister(self)
 
     @property
     def running(self) -> bool:
