@@ -14,10 +14,7 @@ from hettp.resize import (SCORERS, Priorities, ResizeError, Scorer, active_count
                           parse_shares, realized_share, register_scorer, skipped_count,
                           skipped_units, swapped_units)
 from hettp.units import UnitLayout
-from tests.distributed import run_ranks
-from tests.test_arguments import BASE
-from tests.test_het_tp import GQA, MHA, _close
-from tests.workers import het_numerics, train, train_with_resizes
+from tests.utils import BASE, GQA, MHA, close, het_numerics, run_ranks, train, train_with_resizes
 
 # ---- pure -------------------------------------------------------------------------------
 
@@ -161,7 +158,7 @@ def test_resized_forward_equals_dense_reference_with_skipped_units_zeroed(case):
     reference.pop("skipped_grads_zero")
     assert set(resized) == set(reference)
     for key, want in reference.items():
-        _close(resized[key], want, f"{case} {key}")
+        close(resized[key], want, f"{case} {key}")
 
 
 # ---- training on real groups ------------------------------------------------------------
