@@ -5,11 +5,10 @@ doubles CI's time (30 minutes on 2 cores is the limit); the fork server drops a 
 silently, so this checks it took.
 """
 
-from tests import workers
-from tests.distributed import _PRELOAD, run_ranks
+from tests.utils import PRELOAD, run_ranks, workers
 
 
 def test_ranks_start_with_megatron_core_imported():
-    names = [*_PRELOAD, "megatron.core"]
+    names = [*PRELOAD, "megatron.core"]
     for result in run_ranks(workers.preloaded, 2, names):
         assert result == {name: True for name in names}

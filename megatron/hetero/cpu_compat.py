@@ -10,7 +10,7 @@ Rules:
 - Every shim names the upstream symbol(s) it covers. Before patching, `activate()` checks each
   of them still exists and raises `CompatError` otherwise, so an upgrade of megatron-core that
   moves a symbol fails loudly at start instead of silently running unshimmed.
-- tests/test_cpu_compat.py exercises each covered upstream path; it fails when a shim stops
+- tests/hetero/test_cpu_compat.py exercises each covered upstream path; it fails when a shim stops
   covering it.
 """
 

@@ -12,7 +12,7 @@ import tomllib
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.utils import ROOT
 
 
 def _read(name):

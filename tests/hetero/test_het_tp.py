@@ -7,20 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from tests.distributed import run_ranks
-from tests.workers import het_numerics, train, train_with_repartitions
-
-COMMON = ("--num-layers 2 --hidden-size 64 --seq-length 32 --micro-batch-size 2 "
-          "--mock-data --vocab-size 255 --make-vocab-size-divisible-by 64 "
-          "--hidden-dropout 0 --attention-dropout 0 --lr 1e-3 --train-iters 1")
-# MHA, GELU, biases: 4 query groups of 1 head; 256 ffn neurons
-MHA = COMMON + " --num-attention-heads 4"
-# GQA (8 heads in 4 groups), SwiGLU, no biases, RoPE, RMSNorm; ffn 128 in units of 2
-GQA = (COMMON + " --num-attention-heads 8 --group-query-attention --num-query-groups 4 --swiglu"
-       " --ffn-hidden-size 128 --disable-bias-linear --position-embedding-type rope"
-       " --normalization RMSNorm --het-tp-granularity 2")
+from tests.utils import GQA, MHA, close, het_numerics, run_ranks, train, train_with_repartitions
 
 CASES = {
     "tp2-mha": (MHA, 2, 2, [None, "attn=3,1;mlp=200,56", "attn=4,0;mlp=0,256"]),
@@ -36,11 +24,6 @@ def references():
     return {model: run_ranks(het_numerics, 1, model.split(), [None])[0][0] for model in (MHA, GQA)}
 
 
-def _close(got, want, what):
-    scale = want.abs().max().item() or 1.0
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_and_gradients_match_dense_reference(references, case):
     model, world, tp, plans = CASES[case]
@@ -51,7 +34,7 @@ def test_forward_and_gradients_match_dense_reference(references, case):
     for plan, result in zip(plans, results):
         assert set(result) == set(reference)
         for key, want in reference.items():
-            _close(result[key], want, f"{case} plan {plan} {key}")
+            close(result[key], want, f"{case} plan {plan} {key}")
 
 
 def test_even_plan_reproduces_vanilla_training(tmp_path):

@@ -7,9 +7,7 @@ import pytest
 
 from hettp.metrics import read_metrics
 from hettp.plan import PartitionPlan
-from tests.distributed import run_ranks
-from tests.test_het_tp import MHA
-from tests.workers import train_with_control
+from tests.utils import MHA, ROOT, run_ranks, train_with_control
 
 # Timing wants the sharded GEMMs to dominate their linears' per-call costs: hidden 256 and
 # 512 tokens per micro-batch.
@@ -83,17 +81,16 @@ def test_noisy_neighbour_pins_itself_and_the_given_process(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     core = max(os.sched_getaffinity(0))
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        out = subprocess.run([sys.executable, os.path.join(root, "scripts", "noisy_neighbor.py"),
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "noisy_neighbor.py"),
                               "--cpu", str(core), "--pin", str(victim.pid), "--duration", "0.3"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert os.sched_getaffinity(victim.pid) == {core}
         assert f"noisy neighbour on core {core}, pinned [{victim.pid}] there" in out.stdout
-        bad = subprocess.run([sys.executable, os.path.join(root, "scripts", "noisy_neighbor.py"),
+        bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "noisy_neighbor.py"),
                               "--cpu", "4096"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "--cpu 4096: this process may run on cores" in bad.stderr
     finally:
@@ -101,7 +98,7 @@ def test_noisy_neighbour_pins_itself_and_the_given_process(tmp_path):
 
 
 def test_policy_none_is_vanilla_megatron_core_timed(tmp_path):
-    from tests.workers import train
+    from tests.utils import train
 
     argv = (MHA.replace("--train-iters 1", "--train-iters 10") + " --global-batch-size 4 "
             "--tensor-model-parallel-size 2 --het-tp-interval 5").split()

@@ -11,10 +11,7 @@ import torch
 
 from megatron.hetero.arguments import (ArgumentError, build_parser, padded_vocab_size,
                                        parse_data_path, validate_args)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-        "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 255")
+from tests.utils import BASE, ROOT
 
 
 def _args(extra="", world_size=1, cuda=False):

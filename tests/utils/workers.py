@@ -1,4 +1,4 @@
-"""Functions that run inside spawned ranks (tests/distributed.py imports them by name)."""
+"""Functions that run inside spawned ranks (tests/utils/ranks.py imports them by name)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from megatron.hetero.data import PretrainingSampler, build_tokenizer
+from tests.utils import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_dp_ranks_split_each_global_batch_like_megatron():

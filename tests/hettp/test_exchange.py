@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed import run_ranks
-from tests.workers import exchange_primitives
+from tests.utils import exchange_primitives, run_ranks
 
 # (layer, block, unit, src, dst)
 MANY = [(0, "mlp", 0, 0, 1), (0, "mlp", 1, 0, 2), (0, "mlp", 2, 1, 0), (1, "attn", 3, 2, 0),

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from hettp.metrics import read_metrics
+from tests.utils import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "compare.py")
 
 

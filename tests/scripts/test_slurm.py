@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from hettp.launch_env import SlurmEnvError, distributed_env, expand_nodelist, master_port
+from tests.utils import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM = os.path.join(ROOT, "scripts", "slurm")
 
 

@@ -11,10 +11,8 @@ import subprocess
 
 import pytest
 
-from tests.distributed import run_ranks
-from tests.workers import train_like_upstream
+from tests.utils import ROOT, run_ranks, train_like_upstream
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCH = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1.patch")
 MODEL = ("--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
          "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 # Imported once by the fork server; every rank forks from it with these already loaded.
 # pretrain_gpt comes first: it silences megatron-core's import-time warnings about GPU extras.
-_PRELOAD = ["pretrain_gpt", "megatron.hetero.training", "tests.workers"]
+PRELOAD = ["pretrain_gpt", "megatron.hetero.training", "tests.utils.workers"]
 
 
 def _free_port() -> int:
@@ -52,7 +52,7 @@ def _entry(rank, world_size, port, fn, args, kwargs, out_dir):
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> list:
     """fn(*args, **kwargs) on `world_size` gloo ranks; returns each rank's result."""
-    multiprocessing.set_forkserver_preload(_PRELOAD)
+    multiprocessing.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, kwargs, out_dir),
                                  nprocs=world_size, join=False, start_method="forkserver")

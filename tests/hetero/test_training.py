@@ -12,10 +12,8 @@ import sys
 import pytest
 
 from hettp.metrics import read_metrics
-from tests.distributed import run_ranks
-from tests.workers import train, train_with_failing_save
+from tests.utils import ROOT, run_ranks, train, train_with_failing_save
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Vocabulary 255 + EOD = 256 entries, padded to 256 at TP 1, 2 and 4 (divisible-by 64 x TP),
 # so every TP size builds the same full model from the same seed. No dropout: its masks in

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from megatron.hetero import cpu_compat
-from tests.distributed import run_ranks
-from tests.workers import compat_paths
+from tests.utils import compat_paths, run_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims are off with CUDA")
 
