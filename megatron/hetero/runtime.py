@@ -121,14 +121,14 @@ class HetTPRuntime:
         from .partition import HetPartition
 
         self.partition = HetPartition(module)
-        plan, self._plan_why = self.partition.plan, "even"
+        plan, self._plan_why = self.partition.plan, "initial"
         given = self.config.partition_plan
         static_plan = given is not None and not self.config.policy_spec.decides
         if saved is not None and not static_plan and self._fits(saved.plan):
             plan, self._plan_why = saved.plan, "resumed from the checkpoint"
             self._saved_shares = saved.shares
         elif given is not None:
-            plan, self._plan_why = given, "--het-tp-plan"
+            plan = given
         if plan != self.partition.plan:
             self.partition.install(module, plan)
 

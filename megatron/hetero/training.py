@@ -168,6 +168,11 @@ def _token_mean(total) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
+def token_mean_loss(losses_reduced) -> float:
+    """The step's token-weighted mean lm loss from the schedule's reports (every DP replica)."""
+    return _token_mean(_add_reports(torch.zeros(2, dtype=torch.float64), losses_reduced))
+
+
 def train_step(args, state: TrainState, data_iterator, runtime=None):
     model, optimizer = state.model, state.optimizer
     model.zero_grad_buffer()
@@ -184,8 +189,7 @@ def train_step(args, state: TrainState, data_iterator, runtime=None):
         runtime.after_optimizer_step()
     if update_successful:
         state.scheduler.step(increment=1)
-    loss = _token_mean(_add_reports(torch.zeros(2, dtype=torch.float64), losses_reduced))
-    return loss, grad_norm, not update_successful
+    return token_mean_loss(losses_reduced), grad_norm, not update_successful
 
 
 def evaluate(args, model, valid_dataset) -> float:

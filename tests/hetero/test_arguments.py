@@ -75,34 +75,44 @@ def test_contradictions_name_the_flag(extra, world, message):
     assert message in str(err.value)
 
 
+def _het_tp(extra="", world_size=1, cuda=False):
+    """The validated het-TP config validate_args returns (nothing of it lands in args)."""
+    args = build_parser().parse_args((BASE + " " + extra).split())
+    config = validate_args(args, world_size, cuda_available=cuda)
+    assert not hasattr(args, "het_tp_plan_obj") and not hasattr(args, "het_tp_resize_shares")
+    return config
+
+
 def test_het_tp_flags():
-    args = _args("--tensor-model-parallel-size 2 --het-tp-plan attn=3,1;mlp=200,56", world_size=2)
-    assert args.het_tp and args.het_tp_plan_obj.counts(1, "mlp") == (200, 56)
-    args = _args("--het-tp --het-tp-granularity 4 --tensor-model-parallel-size 2", world_size=2)
-    assert args.het_tp and args.het_tp_plan_obj is None and args.het_tp_granularity == 4
-    assert not _args().het_tp
-    args = _args("--tensor-model-parallel-size 2 --het-tp-resize 0,0.75 --het-tp-max-resize 0.8",
-                 world_size=2)
-    assert args.het_tp and args.het_tp_resize_shares == (0.0, 0.75)
-    assert args.het_tp_priority == "dw" and args.het_tp_policy == "static"
-    assert args.het_tp_priority_sample_interval == 8  # one step in 8 of each 50-step refresh
-    args = _args("--tensor-model-parallel-size 2 --het-tp-resize 0,0.5 "
-                 "--het-tp-priority-interval 4", world_size=2)
-    assert args.het_tp_priority_sample_interval == 4  # at least one observed step per refresh
-    args = _args("--tensor-model-parallel-size 2 --het-tp-policy hybrid --het-tp-emulate "
-                 "persistent:rank=1,factor=2,start=20", world_size=2)
-    assert args.het_tp and args.het_tp_interval == 10 and args.het_tp_resize_shares is None
-    args = _args("--tensor-model-parallel-size 2 --het-tp-policy none --het-tp-emulate "
-                 "rotating:factor=2,period=5", world_size=2)
-    assert not args.het_tp
+    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-plan attn=3,1;mlp=200,56",
+                     world_size=2)
+    assert config.het_tp and config.partition_plan.counts(1, "mlp") == (200, 56)
+    config = _het_tp("--het-tp --het-tp-granularity 4 --tensor-model-parallel-size 2",
+                     world_size=2)
+    assert config.het_tp and config.partition_plan is None and config.granularity == 4
+    assert not _het_tp().het_tp and not _het_tp().active
+    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-resize 0,0.75 "
+                     "--het-tp-max-resize 0.8", world_size=2)
+    assert config.het_tp and config.resize_shares == (0.0, 0.75)
+    assert config.priority == "dw" and config.policy == "static"
+    assert config.sample_interval == 8  # one step in 8 of each 50-step refresh
+    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-resize 0,0.5 "
+                     "--het-tp-priority-interval 4", world_size=2)
+    assert config.sample_interval == 4  # at least one observed step per refresh
+    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-policy hybrid --het-tp-emulate "
+                     "persistent:rank=1,factor=2,start=20", world_size=2)
+    assert config.het_tp and config.interval == 10 and config.resize_shares is None
+    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-policy none --het-tp-emulate "
+                     "rotating:factor=2,period=5", world_size=2)
+    assert not config.het_tp and config.timed
     with pytest.raises(ArgumentError, match="--het-tp-emulate is implemented for CPU runs"):
-        _args("--het-tp-policy migrate --het-tp-emulate none", cuda=True)
-    args = _args("--tensor-model-parallel-size 2 --het-tp-policy migrate "
-                 "--het-tp-emulate-dilation 3", world_size=2)
-    assert args.het_tp_emulate_dilation == 3.0 and args.het_tp_timer == "cpu"
+        _het_tp("--het-tp-policy migrate --het-tp-emulate none", cuda=True)
+    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-policy migrate "
+                     "--het-tp-emulate-dilation 3", world_size=2)
+    assert config.emulate_dilation == 3.0 and config.timer == "cpu"
     with pytest.raises(ArgumentError, match="--het-tp-emulate-dilation emulates a device per "
                                             "rank on CPU"):
-        _args("--het-tp-policy none --het-tp-emulate-dilation 2", cuda=True)
+        _het_tp("--het-tp-policy none --het-tp-emulate-dilation 2", cuda=True)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -132,7 +142,7 @@ def test_het_tp_flags():
     ("--het-tp-policy none --het-tp-emulate-dilation inf", "--het-tp-emulate-dilation must be a finite number >= 1, got inf"),
     ("--het-tp-policy none --het-tp-emulate-dilation 3 --het-tp-timer wall", "it needs --het-tp-timer cpu, got wall"),
     ("--het-tp-policy zero --het-tp-resize 0,0.25", "cuts a fixed 50%: --het-tp-resize shares must be 0 or 0.5"),
-    ("--het-tp-policy zero --het-tp-resize 0,0.5 --het-tp-priority wg", "--het-tp-policy zero ranks units by accumulated |dW|"),
+    ("--het-tp-policy zero --het-tp-resize 0,0.5 --het-tp-priority wg", "--het-tp-policy zero ranks units by --het-tp-priority dw; drop --het-tp-priority wg"),
 ])
 def test_het_tp_flag_errors(extra, message):
     with pytest.raises(ArgumentError) as err:

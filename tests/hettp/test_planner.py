@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from hettp.detect import DetectError, StragglerDetector, slowest_replica
+from hettp.detect import DetectError, StragglerDetector
+from hettp.loop import ControlLoop, TimingReport
 from hettp.plan import PartitionPlan
 from hettp.planner import (Planner, StepModel, balancing_shares, mlp_chunk, plan_work,
                            proportional_plan)
@@ -84,17 +85,18 @@ def test_detector_rejects_bad_input():
 
 
 def test_replicas_plan_for_the_slowest():
-    a, b = [1.0, 2.1, None, 1.0], [1.1, 1.0, 1.0, None]
-    assert slowest_replica([a, b]) == (1.1, 2.1, 1.0, 1.0)
+    plan = PartitionPlan.even(4, 3, 8, 64)
+    work = plan_work(plan, UNIT_WORK)
+    a = TimingReport(5, tuple(w * t for w, t in zip(work, (1.0, 2.1, 1.0, 1.0))), work, 3.0)
+    b = TimingReport(5, tuple(w * t for w, t in zip(work, (1.1, 1.0, 1.0, 0.9))), work, 3.2)
+    merged = TimingReport.slowest_replica([a, b])
+    assert merged.compute == tuple(w * t for w, t in zip(work, (1.1, 2.1, 1.0, 1.0)))
     # both replicas feed the same combined report, so every decision is the same on both
     decisions = []
     for _ in range(2):
-        detector, planner = StragglerDetector(4, patience=1), Planner("migrate", UNIT_WORK)
-        plan = PartitionPlan.even(4, 3, 8, 64)
-        detection = detector.update(slowest_replica([a, b]))
-        model = StepModel.per_unit(0.1, slowest_replica([a, b]))
-        decisions.append(planner.decide(5, detection, model, plan, (0,) * 4))
-    assert decisions[0] == decisions[1] and decisions[0].plan != PartitionPlan.even(4, 3, 8, 64)
+        loop = ControlLoop(4, Planner("migrate", UNIT_WORK), StragglerDetector(4, patience=1))
+        decisions.append(loop.observe(merged, plan, (0,) * 4, decide=True).decision)
+    assert decisions[0] == decisions[1] and decisions[0].plan != plan
 
 
 @pytest.mark.parametrize("speeds", [(1, 0.5), (1, 1, 1, 0.5), (1, 0.125, 1, 0.25),
@@ -192,29 +194,31 @@ def test_plan_work_and_balancing_shares():
     plan = PartitionPlan.even(2, 2, 4, 8)
     assert plan_work(plan, UNIT_WORK) == (2 * (2 * 4 + 4), 2 * (2 * 4 + 4))
     assert plan_work(plan, UNIT_WORK, (0, 0.5)) == (24, 2 * (1 * 4 + 2))
-    model = StepModel.per_unit(1.0, (1.0, 2.0))
+    model = StepModel(1.0, (1.0, 2.0), 1.0)
     shares = balancing_shares(plan, UNIT_WORK, model, {1}, cap=0.9)
     assert shares == (0.0, 0.5)  # rank 1 at half its units matches rank 0's time
-    assert balancing_shares(plan, UNIT_WORK, StepModel.per_unit(1.0, (1.0, 8.0)), {1}, 0.5) == (0.0, 0.5)
+    assert balancing_shares(plan, UNIT_WORK, StepModel(1.0, (1.0, 8.0), 1.0), {1}, 0.5) == (0.0, 0.5)
 
 
 def _simulate(policy, factors, noise=0.05, interval=5, cost=0.5, seed=0):
-    """A TP=4 group under `factors` (one row per report): the decisions the planner takes,
-    applying each one, with compute times that follow the applied plan and shares."""
+    """A TP=4 group under `factors` (one row per report), through the control loop the
+    Megatron controller runs: the decisions taken, each applied, with compute times that follow
+    the applied plan and shares."""
     plan = PartitionPlan.even(4, 4, 8, 128)
     shares = (0.0,) * 4
-    detector = StragglerDetector(4)
-    planner = Planner(policy, UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: cost)
+    loop = ControlLoop(4, Planner(policy, UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: cost),
+                       StragglerDetector(4))
     rng = random.Random(seed)
     decisions = []
     for report, row in enumerate(factors):
-        per_unit = [0.001 * f * (1 + rng.uniform(-noise, noise)) for f in row]
-        detection = detector.update(per_unit)
-        model = StepModel.per_unit(0.05, tuple(per_unit))
-        decision = planner.decide(report * interval, detection, model, plan, shares)
-        if decision is not None:
-            decisions.append((report, decision))
-            plan, shares = decision.plan, decision.shares
+        work = plan_work(plan, UNIT_WORK, shares)
+        compute = tuple(0.001 * f * w * (1 + rng.uniform(-noise, noise)) for f, w in zip(row, work))
+        verdict = loop.observe(TimingReport(report * interval, compute, work, 0.05 + max(compute)),
+                               plan, shares, decide=True)
+        if verdict.decision is not None:
+            decisions.append((report, verdict.decision))
+            plan, shares = verdict.decision.plan, verdict.decision.shares
+            loop.applied()
     return decisions, plan, shares
 
 
@@ -258,7 +262,7 @@ def test_migrate_policy_moves_back_when_the_straggle_ends():
 
 
 def test_unknown_policy():
-    with pytest.raises(ValueError, match="unknown policy 'fast'"):
+    with pytest.raises(ValueError, match="unknown het-TP policy 'fast'"):
         Planner("fast", UNIT_WORK)
 
 

@@ -138,13 +138,13 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                           if isinstance(v, torch.Tensor)})
         return params, extra
 
-    def hook(iteration, state, logger):
+    def hook(iteration, state, runtime):
         specs = plans.get(iteration, [])
         for spec in [specs] if isinstance(specs, str) else specs:
-            apply(iteration, spec, state, logger)
+            apply(iteration, spec, state, runtime)
 
-    def apply(iteration, spec, state, logger):
-        partition = state.partition
+    def apply(iteration, spec, state, runtime):
+        partition = runtime.partition
         current = partition.plan
         if spec.startswith("rebalance:"):  # new counts, fewest moves from the current plan
             counts = dict(part.split("=") for part in spec[len("rebalance:"):].split(";"))
@@ -161,7 +161,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
 
         before = snapshot(state)
         try:
-            partition.repartition(state, plan, step=iteration, fault=inject)
+            migration = runtime.repartition(plan, iteration, fault=inject)
         except TransferError as err:
             after = snapshot(state)
             same = (before[0].keys() == after[0].keys() and before[1].keys() == after[1].keys()
@@ -170,8 +170,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
             events.append({"iteration": iteration, "error": str(err), "unchanged": same,
                            "plan_kept": partition.plan == current})
             return
-        schedule, result, predictions = partition.last_transfer
-        logger.repartition(iteration, plan, schedule, result, predictions)
+        schedule, result = migration.schedule, migration.result
         events.append({"iteration": iteration, "units_moved": len(schedule.moves),
                        "bytes": result.payload_bytes, "primitive": result.primitive,
                        "moves": [(m.layer, m.block, m.unit, m.src, m.dst) for m in schedule.moves],
@@ -382,17 +381,16 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
 
     records = {}
 
-    def hook(iteration, state, logger):
-        resizer = state.resizer
+    def hook(iteration, state, runtime):
+        resizer = runtime.resizer
         for kind, arg in actions.get(iteration, []):
             if kind == "resize":
-                resizer.resize(state, arg)
-                logger.resize(iteration, resizer, "test")
+                runtime.resize(arg, iteration, "test")
             else:
                 counts = dict(part.split("=") for part in arg[len("rebalance:"):].split(";"))
-                plan = state.partition.plan.rebalanced(
+                plan = runtime.partition.plan.rebalanced(
                     *([int(c) for c in counts[b].split(",")] for b in ("attn", "mlp")))
-                resizer.repartition(state, plan, step=iteration)
+                runtime.repartition(plan, iteration)
         optimizer = OptimizerView(state.optimizer)
         blocks = het_blocks(state.model)
         keys = state_keys(optimizer, blocks)
@@ -421,9 +419,11 @@ def train_with_control(argv: list[str]) -> dict:
 
     seen = {}
 
-    def hook(iteration, state, logger):
-        seen[iteration] = (state.partition.plan.to_json() if state.partition else None,
-                           state.resizer.shares if state.resizer else None)
+    def hook(iteration, state, runtime):
+        partition = runtime.partition if runtime else None
+        resizer = runtime.resizer if runtime else None
+        seen[iteration] = (partition.plan.to_json() if partition else None,
+                           resizer.shares if resizer else None)
 
     result, stdout = _pretrain(argv, hook)
     return {"losses": result.losses, "seen": seen, "stdout": stdout,
@@ -431,10 +431,12 @@ def train_with_control(argv: list[str]) -> dict:
 
 
 def train_like_upstream(argv: list[str]) -> dict:
-    """Upstream Megatron-LM's train() as patches/ wires it: the model built with
-    upstream.layer_spec and install_partition, wrapped and optimized by megatron-core, and the
-    hook's calls at the places the patch puts them. Returns losses, output, and whether the
-    model and optimizer objects were replaced."""
+    """Upstream Megatron-LM's train() as patches/ wires it: the runtime created from upstream's
+    args, the model built with its layer spec and installed on, wrapped and optimized by
+    megatron-core, and the calls at the places the patch puts them. Upstream's parser keeps
+    --num-query-groups at 1 without --group-query-attention and leaves the het-TP defaults as
+    argparse gives them; the args here are made to look the same. Returns losses, output, and
+    whether the model and optimizer objects were replaced."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel as DDP
@@ -444,28 +446,35 @@ def train_like_upstream(argv: list[str]) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron.hetero import upstream
-    from megatron.hetero.arguments import parse_args
+    from megatron.hetero.arguments import build_parser, validate_args
     from megatron.hetero.data import build_datasets, build_loader, build_tokenizer
     from megatron.hetero.model import build_gpt_model, transformer_config
-    from megatron.hetero.training import (_add_reports, _token_mean, forward_step, initialize,
-                                          optimizer_config, scheduler_kwargs, shutdown)
+    from megatron.hetero.runtime import runtime_of
+    from megatron.hetero.training import (forward_step, initialize, optimizer_config,
+                                          scheduler_kwargs, shutdown, token_mean_loss)
 
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)  # the same --het-tp group extra_args_provider adds
+    validate_args(args, int(os.environ["WORLD_SIZE"]))  # the Megatron part, as upstream's does
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
             initialize(args)
             tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
             config = transformer_config(args)
-            module = build_gpt_model(args, config, tokenizer.vocab_size, upstream.layer_spec(args))
-            upstream.install_partition(args, module)
+            if not args.group_query_attention:
+                args.num_query_groups = 1  # upstream's parser default
+            runtime = upstream.create_runtime(args)
+            spec = upstream.layer_spec(runtime, None)
+            module = build_gpt_model(args, config, tokenizer.vocab_size, spec)
+            if runtime is not None:
+                runtime.install(module)
             model = [DDP(config, DistributedDataParallelConfig(), module)]
             optimizer = get_megatron_optimizer(optimizer_config(args), model)
             scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
             config.no_sync_func = model[0].no_sync
             config.finalize_model_grads_func = finalize_model_grads
             first = (model[0], optimizer)
-            hook = upstream.StepHook.create(args, model, optimizer, scheduler, config)
+            hook = upstream.StepHook.create(model, optimizer, scheduler, config)
             train_ds, _, _ = build_datasets(args, tokenizer)
             data = iter(build_loader(train_ds, 0, args, parallel_state.get_data_parallel_rank(),
                                      parallel_state.get_data_parallel_world_size()))
@@ -479,17 +488,19 @@ def train_like_upstream(argv: list[str]) -> dict:
                     forward_step_func=forward_step, data_iterator=data, model=model,
                     num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=False)
-                upstream.before_optimizer_step()
+                upstream.before_optimizer_step(model)
                 ok, _, _ = optimizer.step()
-                upstream.after_optimizer_step()
+                upstream.after_optimizer_step(model)
                 if ok:
                     scheduler.step(increment=1)
-                losses[iteration + 1] = _token_mean(
-                    _add_reports(torch.zeros(2, dtype=torch.float64), reports))
+                losses[iteration + 1] = token_mean_loss(reports)
                 if hook is not None:
                     model, optimizer = hook.end_step(iteration + 1)
             replaced = model[0] is not first[0] and optimizer is not first[1]
-            plan = upstream._PARTITION.plan.summary() if upstream._PARTITION else None
+            found = runtime_of(model)
+            plan = found.partition.plan.summary() if found and found.partition else None
+            if found is not None:
+                found.close()
     finally:
         shutdown()
     return {"losses": losses, "stdout": out.getvalue(), "replaced": replaced, "plan": plan,

@@ -1,0 +1,66 @@
+"""The het-TP runtime's lifecycle on real gloo ranks: every migration leaves its record, and a
+checkpoint carries the runtime's state, so a resumed run starts where the saved one stood."""
+
+from __future__ import annotations
+
+import pytest
+
+from hettp.metrics import read_metrics
+from hettp.plan import PartitionPlan
+from tests.utils import run_ranks, train
+
+MODEL = ("--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+         "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
+         "--global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 "
+         "--attention-dropout 0 --log-interval 100 --eval-iters 0 --lr-decay-iters 12 "
+         "--het-tp-interval 3 "
+         "--het-tp-emulate persistent:rank=1,factor=3").split()
+
+
+def _records(result, kind):
+    return list(read_metrics(result["metrics_file"], kind))
+
+
+def _run(tmp_path, name, policy, iters, *extra):
+    return run_ranks(train, 2, MODEL + ["--het-tp-policy", policy, "--train-iters", str(iters),
+                                        "--metrics-file", str(tmp_path / f"{name}.jsonl"),
+                                        *extra])[0]
+
+
+def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight = _run(tmp_path, "straight", "migrate", 12)
+    first = _run(tmp_path, "first", "migrate", 6, "--save", ckpt)
+    resumed = _run(tmp_path, "resumed", "migrate", 12, "--load", ckpt)
+
+    # every migration the controller decided wrote its repartition record, at the minimum bytes
+    moves = _records(first, "repartition")
+    assert [r["iteration"] for r in moves] == [d["iteration"] for d in _records(first, "decision")]
+    assert moves and all(r["bytes"] == r["min_bytes"] > 0 for r in moves)
+    migrated = PartitionPlan.from_json(moves[-1]["plan"])
+    assert migrated != PartitionPlan.from_json(_records(first, "plan")[0]["plan"])
+
+    # the resumed run starts in the migrated plan, says so, and does not move again
+    plans = _records(resumed, "plan")
+    assert [(p["iteration"], p["why"]) for p in plans] == [(6, "resumed from the checkpoint")]
+    assert PartitionPlan.from_json(plans[0]["plan"]) == migrated
+    assert "het-TP plan at iteration 6 (resumed from the checkpoint)" in resumed["stdout"]
+    assert _records(resumed, "repartition") == [] and _records(resumed, "decision") == []
+    for step in range(7, 13):
+        assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5)
+
+
+def test_a_resized_run_resumes_with_its_shares_and_priorities(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight = _run(tmp_path, "straight", "resize", 10)
+    _run(tmp_path, "first", "resize", 5, "--save", ckpt)
+    resumed = _run(tmp_path, "resumed", "resize", 10, "--load", ckpt)
+    shares = [d["shares"] for d in _records(straight, "decision")]
+    assert shares and shares[0][1] > 0  # the straggler was resized at the first report
+    resizes = _records(resumed, "resize")
+    assert [(r["iteration"], r["why"], r["shares"]) for r in resizes] == [
+        (5, "resumed from the checkpoint", shares[0])]
+    assert _records(resumed, "decision") == []
+    # lossy, but the same skipped units from the same priorities: the same trajectory
+    for step in range(6, 11):
+        assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5)
