@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hettp-installed
 
-.PHONY: setup demo test compare corpus clean
+.PHONY: setup demo test lint compare corpus clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) scripts/demo.py
 
-test: setup
+# Lint and format check first (ruff, configured in pyproject.toml): CI runs this target.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 compare: setup

@@ -149,19 +149,22 @@ class HetTPConfig:
             help_text = " ".join(filter(None, (docs.get(f.name), _help_suffix(f.name))))
             kwargs["help"] = help_text.replace("%", "%%")
             if f.type in ("bool", bool):
-                group.add_argument(cls.flag(f.name), dest=cls.dest(f.name), action="store_true",
-                                   **kwargs)
+                group.add_argument(
+                    cls.flag(f.name), dest=cls.dest(f.name), action="store_true", **kwargs
+                )
                 continue
             kwargs.setdefault("type", _scalar_type(f.type))
-            group.add_argument(cls.flag(f.name), dest=cls.dest(f.name), default=f.default,
-                               **kwargs)
+            group.add_argument(cls.flag(f.name), dest=cls.dest(f.name), default=f.default, **kwargs)
         return group
 
     @classmethod
-    def from_args(cls, args) -> "HetTPConfig":
+    def from_args(cls, args) -> HetTPConfig:
         """The flags as parsed into `args` (unvalidated). Missing attributes keep defaults."""
-        values = {f.name: getattr(args, cls.dest(f.name)) for f in cls.flag_fields()
-                  if hasattr(args, cls.dest(f.name))}
+        values = {
+            f.name: getattr(args, cls.dest(f.name))
+            for f in cls.flag_fields()
+            if hasattr(args, cls.dest(f.name))
+        }
         return cls(**values)
 
     # ---- what the policy needs --------------------------------------------------------------
@@ -197,62 +200,95 @@ class HetTPConfig:
 
     @property
     def sample_interval(self) -> int:
-        return (self.priority_sample_interval if self.priority_sample_interval is not None
-                else min(8, self.priority_interval))
+        return (
+            self.priority_sample_interval
+            if self.priority_sample_interval is not None
+            else min(8, self.priority_interval)
+        )
 
     # ---- validation -------------------------------------------------------------------------
 
-    def validated(self, shape: ModelShape, cuda_available: bool = False) -> "HetTPConfig":
+    def validated(self, shape: ModelShape, cuda_available: bool = False) -> HetTPConfig:
         """Every check of the het-TP flags, before anything is built; returns the config with
         implied and parsed values filled in. Raises ConfigError naming the flag."""
         p = self.policy_spec
         tp = shape.tp_size
-        _require(self.granularity > 0,
-                 f"--het-tp-granularity must be positive, got {self.granularity}")
+        _require(
+            self.granularity > 0, f"--het-tp-granularity must be positive, got {self.granularity}"
+        )
         if p.vanilla:
             for name in ("het_tp", "plan", "resize"):
-                _require(not getattr(self, name), f"--het-tp-policy {self.policy} runs vanilla "
-                         f"megatron-core layers; drop {self.flag(name)}")
-        het_tp = bool(self.het_tp or self.plan is not None or self.resize is not None
-                      or p.layers == "het")
+                _require(
+                    not getattr(self, name),
+                    f"--het-tp-policy {self.policy} runs vanilla "
+                    f"megatron-core layers; drop {self.flag(name)}",
+                )
+        het_tp = bool(
+            self.het_tp or self.plan is not None or self.resize is not None or p.layers == "het"
+        )
         for name in ("interval", "patience", "window"):
-            _require(getattr(self, name) > 0,
-                     f"{self.flag(name)} must be positive, got {getattr(self, name)}")
-        _require(1.0 <= self.end < self.onset,
-                 f"--het-tp-end ({self.end}) must be >= 1 and below --het-tp-onset ({self.onset})")
-        _require(self.onset_at_once >= self.onset,
-                 f"--het-tp-onset-at-once ({self.onset_at_once}) must be >= --het-tp-onset "
-                 f"({self.onset})")
+            _require(
+                getattr(self, name) > 0,
+                f"{self.flag(name)} must be positive, got {getattr(self, name)}",
+            )
+        _require(
+            1.0 <= self.end < self.onset,
+            f"--het-tp-end ({self.end}) must be >= 1 and below --het-tp-onset ({self.onset})",
+        )
+        _require(
+            self.onset_at_once >= self.onset,
+            f"--het-tp-onset-at-once ({self.onset_at_once}) must be >= --het-tp-onset "
+            f"({self.onset})",
+        )
         scenario = None
         if self.emulate is not None:
-            _require(not cuda_available, "--het-tp-emulate is implemented for CPU runs; on GPUs "
-                     "create real contention (scripts/noisy_neighbor.py)")
+            _require(
+                not cuda_available,
+                "--het-tp-emulate is implemented for CPU runs; on GPUs "
+                "create real contention (scripts/noisy_neighbor.py)",
+            )
             try:
                 scenario = Scenario.parse(self.emulate, tp)
             except ScenarioError as err:
                 raise ConfigError(str(err)) from None
-        _require(1.0 <= self.emulate_dilation < math.inf, "--het-tp-emulate-dilation must be a "
-                 f"finite number >= 1, got {self.emulate_dilation}")
+        _require(
+            1.0 <= self.emulate_dilation < math.inf,
+            f"--het-tp-emulate-dilation must be a finite number >= 1, got {self.emulate_dilation}",
+        )
         if self.emulate_dilation > 1.0:
-            _require(not cuda_available, "--het-tp-emulate-dilation emulates a device per rank "
-                     "on CPU; drop it on GPUs")
-            _require(self.timer == "cpu", "--het-tp-emulate-dilation stretches the CPU time of "
-                     f"each GEMM; it needs --het-tp-timer cpu, got {self.timer}")
-        _require(0.0 <= self.max_resize <= 1.0,
-                 f"--het-tp-max-resize must be within [0, 1], got {self.max_resize}")
-        _require(self.priority_interval > 0,
-                 f"--het-tp-priority-interval must be positive, got {self.priority_interval}")
+            _require(
+                not cuda_available,
+                "--het-tp-emulate-dilation emulates a device per rank on CPU; drop it on GPUs",
+            )
+            _require(
+                self.timer == "cpu",
+                "--het-tp-emulate-dilation stretches the CPU time of "
+                f"each GEMM; it needs --het-tp-timer cpu, got {self.timer}",
+            )
+        _require(
+            0.0 <= self.max_resize <= 1.0,
+            f"--het-tp-max-resize must be within [0, 1], got {self.max_resize}",
+        )
+        _require(
+            self.priority_interval > 0,
+            f"--het-tp-priority-interval must be positive, got {self.priority_interval}",
+        )
         sample = self.sample_interval
-        _require(0 < sample <= self.priority_interval,
-                 "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval "
-                 f"{self.priority_interval}], got {sample}")
-        _require(self.resize is None or p.fixed_shares,
-                 f"--het-tp-resize sets fixed shares; --het-tp-policy {self.policy} decides them "
-                 "itself")
+        _require(
+            0 < sample <= self.priority_interval,
+            "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval "
+            f"{self.priority_interval}], got {sample}",
+        )
+        _require(
+            self.resize is None or p.fixed_shares,
+            f"--het-tp-resize sets fixed shares; --het-tp-policy {self.policy} decides them itself",
+        )
         if p.scorer is not None:
-            _require(self.priority == p.scorer,
-                     f"--het-tp-policy {self.policy} ranks units by --het-tp-priority "
-                     f"{p.scorer}; drop --het-tp-priority {self.priority}")
+            _require(
+                self.priority == p.scorer,
+                f"--het-tp-policy {self.policy} ranks units by --het-tp-priority "
+                f"{p.scorer}; drop --het-tp-priority {self.priority}",
+            )
         shares = None
         if self.resize is not None:
             try:
@@ -260,26 +296,39 @@ class HetTPConfig:
             except ResizeError as err:
                 raise ConfigError(str(err)) from None
             if p.cut is not None:
-                _require(all(s in (0.0, p.cut) for s in shares),
-                         f"--het-tp-policy {self.policy} cuts a fixed {p.cut:.0%}: --het-tp-resize "
-                         f"shares must be 0 or {p.cut:g}, got '{self.resize}'")
+                _require(
+                    all(s in (0.0, p.cut) for s in shares),
+                    f"--het-tp-policy {self.policy} cuts a fixed {p.cut:.0%}: --het-tp-resize "
+                    f"shares must be 0 or {p.cut:g}, got '{self.resize}'",
+                )
         plan = None
         if het_tp:
             gran, ffn = self.granularity, shape.ffn_hidden_size
-            _require(ffn % gran == 0,
-                     f"--het-tp-granularity {gran} does not divide --ffn-hidden-size {ffn}")
-            _require((ffn // gran) % tp == 0,
-                     f"--ffn-hidden-size / --het-tp-granularity = {ffn // gran} MLP units must "
-                     f"split evenly over --tensor-model-parallel-size {tp} at start")
+            _require(
+                ffn % gran == 0,
+                f"--het-tp-granularity {gran} does not divide --ffn-hidden-size {ffn}",
+            )
+            _require(
+                (ffn // gran) % tp == 0,
+                f"--ffn-hidden-size / --het-tp-granularity = {ffn // gran} MLP units must "
+                f"split evenly over --tensor-model-parallel-size {tp} at start",
+            )
             if self.plan is not None:
                 try:
-                    plan = PartitionPlan.parse(self.plan, tp, shape.num_layers,
-                                               shape.query_groups, ffn // gran, gran)
+                    plan = PartitionPlan.parse(
+                        self.plan, tp, shape.num_layers, shape.query_groups, ffn // gran, gran
+                    )
                 except PlanError as err:
                     raise ConfigError(f"--het-tp-plan: {err}") from None
-        return dataclasses.replace(self, het_tp=het_tp, priority_sample_interval=sample,
-                                   partition_plan=plan, resize_shares=shares, scenario=scenario,
-                                   validated_for=shape)
+        return dataclasses.replace(
+            self,
+            het_tp=het_tp,
+            priority_sample_interval=sample,
+            partition_plan=plan,
+            resize_shares=shares,
+            scenario=scenario,
+            validated_for=shape,
+        )
 
 
 def _require(cond, message):
@@ -311,8 +360,12 @@ def _field_docs(cls) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs

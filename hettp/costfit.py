@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class ComputeFit:

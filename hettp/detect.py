@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 class DetectError(ValueError):
@@ -35,8 +35,16 @@ class Detection:
 
 
 class StragglerDetector:
-    def __init__(self, tp_size: int, onset: float = 1.3, end: float = 1.15, patience: int = 2,
-                 window: int = 3, replan: float = 0.5, at_once: float = 1.6):
+    def __init__(
+        self,
+        tp_size: int,
+        onset: float = 1.3,
+        end: float = 1.15,
+        patience: int = 2,
+        window: int = 3,
+        replan: float = 0.5,
+        at_once: float = 1.6,
+    ):
         if not 1.0 <= end < onset:
             raise DetectError(f"thresholds: need 1 <= end ({end}) < onset ({onset})")
         if not at_once >= onset:
@@ -72,16 +80,18 @@ class StragglerDetector:
         smoothed = [statistics.median(h) if h else None for h in self._history]
         known = [v for v in smoothed if v is not None]
         if not known:
-            return Detection((1.0,) * self.tp_size, self.stragglers, False, frozenset(),
-                             frozenset())
+            return Detection(
+                (1.0,) * self.tp_size, self.stragglers, False, frozenset(), frozenset()
+            )
         fastest = min(known)
         slowdown = tuple(1.0 if v is None else v / fastest for v in smoothed)
         onsets, ends = set(), set()
         for rank, factor in enumerate(slowdown):
             self._above[rank] = self._above[rank] + 1 if factor >= self.onset else 0
             self._below[rank] = self._below[rank] + 1 if factor <= self.end else 0
-            if rank not in self.stragglers and (self._above[rank] >= self.patience
-                                                or factor >= self.at_once):
+            if rank not in self.stragglers and (
+                self._above[rank] >= self.patience or factor >= self.at_once
+            ):
                 onsets.add(rank)
             elif rank in self.stragglers and self._below[rank] >= self.patience:
                 ends.add(rank)
@@ -91,10 +101,12 @@ class StragglerDetector:
         if self._rebased:
             self._rebased = False
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
-        drifted = any(slowdown[r] >= self.onset and
-                      abs(math.log(slowdown[r] / self._planned_for.get(r, slowdown[r])))
-                      > math.log1p(self.replan)
-                      for r in self.stragglers)
+        drifted = any(
+            slowdown[r] >= self.onset
+            and abs(math.log(slowdown[r] / self._planned_for.get(r, slowdown[r])))
+            > math.log1p(self.replan)
+            for r in self.stragglers
+        )
         changed = bool(onsets or ends or drifted)
         if changed:
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
@@ -102,15 +114,21 @@ class StragglerDetector:
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to detect as this one would (plain data)."""
-        return {"history": [list(h) for h in self._history], "above": list(self._above),
-                "below": list(self._below), "stragglers": sorted(self.stragglers),
-                "planned_for": {str(r): v for r, v in self._planned_for.items()},
-                "rebased": self._rebased}
+        return {
+            "history": [list(h) for h in self._history],
+            "above": list(self._above),
+            "below": list(self._below),
+            "stragglers": sorted(self.stragglers),
+            "planned_for": {str(r): v for r, v in self._planned_for.items()},
+            "rebased": self._rebased,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["history"]) != self.tp_size:
-            raise DetectError(f"saved detector state is for a TP group of "
-                              f"{len(state['history'])}, not {self.tp_size}")
+            raise DetectError(
+                f"saved detector state is for a TP group of "
+                f"{len(state['history'])}, not {self.tp_size}"
+            )
         for history, saved in zip(self._history, state["history"]):
             history.clear()
             history.extend(saved)

@@ -27,9 +27,11 @@ _KEYS = {
     "multi": {"factors", "start"},
 }
 _REQUIRED = {
-    "none": set(), "persistent": {"rank", "factor"},
+    "none": set(),
+    "persistent": {"rank", "factor"},
     "transient": {"rank", "factor", "start", "length", "period"},
-    "rotating": {"factor", "period"}, "multi": {"factors"},
+    "rotating": {"factor", "period"},
+    "multi": {"factors"},
 }
 
 
@@ -40,20 +42,28 @@ class Scenario:
     params: tuple  # sorted (key, value) pairs
 
     @classmethod
-    def parse(cls, text: str, tp_size: int, flag: str = "--het-tp-emulate") -> "Scenario":
+    def parse(cls, text: str, tp_size: int, flag: str = "--het-tp-emulate") -> Scenario:
         kind, _, rest = text.strip().partition(":")
         if kind not in _KEYS:
-            raise ScenarioError(f"{flag} '{text}': unknown scenario '{kind}'; choose from "
-                                f"{', '.join(_KEYS)}")
+            raise ScenarioError(
+                f"{flag} '{text}': unknown scenario '{kind}'; choose from {', '.join(_KEYS)}"
+            )
         params = {}
         for item in filter(None, (p.strip() for p in rest.split(","))):
             key, sep, value = item.partition("=")
             if not sep or key not in _KEYS[kind]:
-                raise ScenarioError(f"{flag} '{text}': '{item}' is not one of "
-                                    f"{sorted(_KEYS[kind]) or 'nothing'} (key=value)")
+                raise ScenarioError(
+                    f"{flag} '{text}': '{item}' is not one of "
+                    f"{sorted(_KEYS[kind]) or 'nothing'} (key=value)"
+                )
             try:
-                params[key] = (tuple(float(v) for v in value.split("/")) if key == "factors"
-                               else float(value) if key == "factor" else int(value))
+                params[key] = (
+                    tuple(float(v) for v in value.split("/"))
+                    if key == "factors"
+                    else float(value)
+                    if key == "factor"
+                    else int(value)
+                )
             except ValueError:
                 raise ScenarioError(f"{flag} '{text}': bad value for {key}: '{value}'") from None
         missing = _REQUIRED[kind] - set(params)
@@ -63,11 +73,13 @@ class Scenario:
         if any(f < 1.0 for f in factors):
             raise ScenarioError(f"{flag} '{text}': slowdown factors must be >= 1")
         if "rank" in params and not 0 <= params["rank"] < tp_size:
-            raise ScenarioError(f"{flag} '{text}': rank {params['rank']} is not a TP rank "
-                                f"(TP size {tp_size})")
+            raise ScenarioError(
+                f"{flag} '{text}': rank {params['rank']} is not a TP rank (TP size {tp_size})"
+            )
         if len(params.get("factors", ())) > tp_size:
-            raise ScenarioError(f"{flag} '{text}': {len(params['factors'])} factors for "
-                                f"{tp_size} TP ranks")
+            raise ScenarioError(
+                f"{flag} '{text}': {len(params['factors'])} factors for {tp_size} TP ranks"
+            )
         for key in ("period", "length"):
             if key in params and params[key] < 1:
                 raise ScenarioError(f"{flag} '{text}': {key} must be >= 1")

@@ -12,8 +12,8 @@ after verifying; a rank whose exchange failed still reaches the vote, so no peer
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,13 +50,17 @@ def payload_nbytes(specs: Sequence[TensorSpec]) -> int:
     return sum(s.padded for s in specs)
 
 
-def _pack(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], out: torch.Tensor, offset: int) -> int:
+def _pack(
+    tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], out: torch.Tensor, offset: int
+) -> int:
     for tensor, spec in zip(tensors, specs, strict=True):
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise ValueError(f"payload tensor {tuple(tensor.shape)}/{tensor.dtype} does not match "
-                             f"{spec.shape}/{spec.dtype}")
+            raise ValueError(
+                f"payload tensor {tuple(tensor.shape)}/{tensor.dtype} does not match "
+                f"{spec.shape}/{spec.dtype}"
+            )
         raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        out[offset:offset + raw.numel()].copy_(raw)
+        out[offset : offset + raw.numel()].copy_(raw)
         offset += spec.padded
     return offset
 
@@ -64,7 +68,7 @@ def _pack(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], out: tor
 def _unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec], offset: int):
     tensors = []
     for spec in specs:
-        tensors.append(buffer[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape))
+        tensors.append(buffer[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape))
         offset += spec.padded
     return tensors, offset
 
@@ -104,11 +108,16 @@ class Migration:
         return minimum_bytes(self.before, self.after, lambda block: sizes.get(block, 0))
 
 
-def run_transfer(schedule: TransferSchedule, group, primitive: str,
-                 payload: Callable[[UnitMove], Sequence[torch.Tensor]],
-                 specs: Callable[[UnitMove], Sequence[TensorSpec]],
-                 device: torch.device | str = "cpu", step: int | None = None,
-                 fault: Callable[[str], None] | None = None) -> TransferResult:
+def run_transfer(
+    schedule: TransferSchedule,
+    group,
+    primitive: str,
+    payload: Callable[[UnitMove], Sequence[torch.Tensor]],
+    specs: Callable[[UnitMove], Sequence[TensorSpec]],
+    device: torch.device | str = "cpu",
+    step: int | None = None,
+    fault: Callable[[str], None] | None = None,
+) -> TransferResult:
     """Move every unit of `schedule` within `group` (ranks are group ranks).
 
     payload(move) gives the sender's tensors for a unit, specs(move) their shapes and dtypes
@@ -117,7 +126,9 @@ def run_transfer(schedule: TransferSchedule, group, primitive: str,
     rank = dist.get_rank(group)
     start = time.perf_counter()
     bundles = schedule.bundles()
-    sizes = {pair: sum(payload_nbytes(specs(m)) for m in moves) + 8 for pair, moves in bundles.items()}
+    sizes = {
+        pair: sum(payload_nbytes(specs(m)) for m in moves) + 8 for pair, moves in bundles.items()
+    }
     failures: list[str] = []
 
     # 1. pack into per-destination buffers (copies)
@@ -139,8 +150,11 @@ def run_transfer(schedule: TransferSchedule, group, primitive: str,
     _vote(failures, group, device, step)  # nothing was sent yet: abort cheaply
 
     # 2. exchange into staging buffers
-    recv = {src: torch.empty(sizes[(src, dst)], dtype=torch.uint8, device=device)
-            for (src, dst) in bundles if dst == rank}
+    recv = {
+        src: torch.empty(sizes[(src, dst)], dtype=torch.uint8, device=device)
+        for (src, dst) in bundles
+        if dst == rank
+    }
     try:
         _EXCHANGES[primitive](schedule, group, rank, send, recv, sizes, device)
         if fault:
@@ -163,8 +177,9 @@ def run_transfer(schedule: TransferSchedule, group, primitive: str,
         failures.append(f"verify: {type(err).__name__}: {err}")
 
     _vote(failures, group, device, step)
-    return TransferResult(received, primitive, schedule.total_bytes, sum(sizes.values()),
-                          time.perf_counter() - start)
+    return TransferResult(
+        received, primitive, schedule.total_bytes, sum(sizes.values()), time.perf_counter() - start
+    )
 
 
 def _vote(failures, group, device, step):
@@ -176,8 +191,10 @@ def _vote(failures, group, device, step):
     if failed:
         where = f" at iteration {step}" if step is not None else ""
         mine = f"; this rank: {'; '.join(failures)}" if failures else ""
-        raise TransferError(f"unit transfer{where} aborted: TP rank(s) {failed} failed{mine}. "
-                            "Every rank keeps its previous partition and state.")
+        raise TransferError(
+            f"unit transfer{where} aborted: TP rank(s) {failed} failed{mine}. "
+            "Every rank keeps its previous partition and state."
+        )
 
 
 def _global(group, rank):
@@ -185,8 +202,12 @@ def _global(group, rank):
 
 
 def _p2p(schedule, group, rank, send, recv, sizes, device):
-    ops = [dist.P2POp(dist.isend, buf, _global(group, dst), group) for dst, buf in sorted(send.items())]
-    ops += [dist.P2POp(dist.irecv, buf, _global(group, src), group) for src, buf in sorted(recv.items())]
+    ops = [
+        dist.P2POp(dist.isend, buf, _global(group, dst), group) for dst, buf in sorted(send.items())
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, buf, _global(group, src), group) for src, buf in sorted(recv.items())
+    ]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -196,13 +217,17 @@ def _all_to_all(schedule, group, rank, send, recv, sizes, device):
     n = dist.get_world_size(group)
     in_splits = [send[d].numel() if d in send else 0 for d in range(n)]
     out_splits = [recv[s].numel() if s in recv else 0 for s in range(n)]
-    inp = torch.cat([send[d] for d in range(n) if d in send]) if send else torch.empty(0, dtype=torch.uint8, device=device)
+    inp = (
+        torch.cat([send[d] for d in range(n) if d in send])
+        if send
+        else torch.empty(0, dtype=torch.uint8, device=device)
+    )
     out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
     offset = 0
     for src in range(n):
         if src in recv:
-            recv[src].copy_(out[offset:offset + out_splits[src]])
+            recv[src].copy_(out[offset : offset + out_splits[src]])
         offset += out_splits[src]
 
 
@@ -215,10 +240,10 @@ def _scatter(schedule, group, rank, send, recv, sizes, device):
     if rank == src:
         chunks = [torch.zeros(chunk, dtype=torch.uint8, device=device) for _ in range(n)]
         for dst, buf in send.items():
-            chunks[dst][:buf.numel()].copy_(buf)
+            chunks[dst][: buf.numel()].copy_(buf)
     dist.scatter(out, chunks, src=_global(group, src), group=group)
     if src in recv:
-        recv[src].copy_(out[:recv[src].numel()])
+        recv[src].copy_(out[: recv[src].numel()])
 
 
 def _broadcast(schedule, group, rank, send, recv, sizes, device):
@@ -232,12 +257,17 @@ def _broadcast(schedule, group, rank, send, recv, sizes, device):
     offset = 0
     for dst in order:
         if dst == rank:
-            recv[src].copy_(buf[offset:offset + sizes[(src, dst)]])
+            recv[src].copy_(buf[offset : offset + sizes[(src, dst)]])
         offset += sizes[(src, dst)]
 
 
-_EXCHANGES = {"p2p": _p2p, "all_to_all": _all_to_all, "scatter": _scatter, "broadcast": _broadcast,
-              "none": lambda *args: None}
+_EXCHANGES = {
+    "p2p": _p2p,
+    "all_to_all": _all_to_all,
+    "scatter": _scatter,
+    "broadcast": _broadcast,
+    "none": lambda *args: None,
+}
 
 
 def measure_costs(group, device="cpu", sizes=(1024, 4 << 20), repeats=5):
@@ -254,8 +284,9 @@ def measure_costs(group, device="cpu", sizes=(1024, 4 << 20), repeats=5):
     spec = {s: [TensorSpec((s // 4,), torch.float32)] for s in sizes}
 
     def timed(primitive, dsts, size):
-        schedule = TransferSchedule(n, tuple(UnitMove(0, "mlp", i, 0, d, size)
-                                             for i, d in enumerate(dsts)))
+        schedule = TransferSchedule(
+            n, tuple(UnitMove(0, "mlp", i, 0, d, size) for i, d in enumerate(dsts))
+        )
         data = [torch.ones(size // 4, dtype=torch.float32, device=device)]
         times = []
         for _ in range(repeats):

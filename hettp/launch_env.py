@@ -15,7 +15,7 @@ import os
 import re
 import shlex
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 PORT_BASE, PORT_SPAN = 20000, 20000
 
@@ -84,8 +84,10 @@ def master_port(job_id: int | str) -> int:
 def _need(env: Mapping[str, str], *names: str) -> list[str]:
     missing = [n for n in names if not env.get(n)]
     if missing:
-        raise SlurmEnvError(f"not inside a Slurm job step: {', '.join(missing)} unset "
-                            "(run under srun, or set them for a dry run)")
+        raise SlurmEnvError(
+            f"not inside a Slurm job step: {', '.join(missing)} unset "
+            "(run under srun, or set them for a dry run)"
+        )
     return [env[n] for n in names]
 
 
@@ -94,8 +96,10 @@ def distributed_env(env: Mapping[str, str], per_node: bool = False) -> dict[str,
     node), plus MASTER_ADDR and MASTER_PORT, from a Slurm task's environment."""
     job_id, nodelist = _need(env, "SLURM_JOB_ID", "SLURM_JOB_NODELIST")
     hosts = expand_nodelist(nodelist)
-    out = {"MASTER_ADDR": env.get("MASTER_ADDR") or hosts[0],
-           "MASTER_PORT": env.get("MASTER_PORT") or str(master_port(job_id))}
+    out = {
+        "MASTER_ADDR": env.get("MASTER_ADDR") or hosts[0],
+        "MASTER_PORT": env.get("MASTER_PORT") or str(master_port(job_id)),
+    }
     if per_node:
         (node_rank,) = _need(env, "SLURM_NODEID")
         out.update(NNODES=str(len(hosts)), NODE_RANK=node_rank)
@@ -103,16 +107,23 @@ def distributed_env(env: Mapping[str, str], per_node: bool = False) -> dict[str,
         rank, world, local = _need(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
         if not int(rank) < int(world):
             raise SlurmEnvError(f"SLURM_PROCID {rank} is not below SLURM_NTASKS {world}")
-        out.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=local,
-                   LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-                   or str(int(world) // len(hosts)))
+        out.update(
+            RANK=rank,
+            WORLD_SIZE=world,
+            LOCAL_RANK=local,
+            LOCAL_WORLD_SIZE=env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+            or str(int(world) // len(hosts)),
+        )
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--per-node", action="store_true",
-                   help="one torchrun per node: NNODES and NODE_RANK instead of RANK etc.")
+    p.add_argument(
+        "--per-node",
+        action="store_true",
+        help="one torchrun per node: NNODES and NODE_RANK instead of RANK etc.",
+    )
     a = p.parse_args(argv)
     try:
         env = distributed_env(os.environ, a.per_node)

@@ -6,8 +6,8 @@ the same object with simulated reports.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from .costfit import ComputeFit
 from .detect import Detection, StragglerDetector
@@ -26,13 +26,15 @@ class TimingReport:
     step: float  # median wall seconds per step
 
     @classmethod
-    def slowest_replica(cls, reports: Sequence["TimingReport"]) -> "TimingReport":
+    def slowest_replica(cls, reports: Sequence[TimingReport]) -> TimingReport:
         """Data-parallel replicas at one TP position all-reduce their gradients, so they share
         one plan; the slowest of them sets everyone's pace, so that is the one to plan for."""
-        return cls(reports[0].iteration,
-                   tuple(max(values) for values in zip(*(r.compute for r in reports))),
-                   tuple(max(values) for values in zip(*(r.work for r in reports))),
-                   max(r.step for r in reports))
+        return cls(
+            reports[0].iteration,
+            tuple(max(values) for values in zip(*(r.compute for r in reports))),
+            tuple(max(values) for values in zip(*(r.work for r in reports))),
+            max(r.step for r in reports),
+        )
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,9 @@ class Verdict:
     decision: Decision | None
 
 
-def step_model(report: TimingReport, factors: Sequence[float | None], stragglers,
-               per_unit: float) -> StepModel:
+def step_model(
+    report: TimingReport, factors: Sequence[float | None], stragglers, per_unit: float
+) -> StepModel:
     """The planner's model of a step from a report: measured factors for stragglers, 1 for the
     rest (their spread is noise; planning on it would shuffle units for nothing), and the time
     outside the slowest rank's sharded compute as the part no partition changes."""
@@ -55,38 +58,58 @@ def step_model(report: TimingReport, factors: Sequence[float | None], stragglers
     slowest = max(known) if known else 1.0
     return StepModel(
         max(0.0, report.step - max(report.compute)),
-        tuple(max(1.0, (f if f is not None else slowest) / fastest) if r in stragglers else 1.0
-              for r, f in enumerate(factors)),
-        per_unit * fastest)
+        tuple(
+            max(1.0, (f if f is not None else slowest) / fastest) if r in stragglers else 1.0
+            for r, f in enumerate(factors)
+        ),
+        per_unit * fastest,
+    )
 
 
 class ControlLoop:
     """The decisions of one TP group. Every rank keeps the cost fit (so factors agree
     everywhere); only the deciding rank detects and plans (`decide=True`)."""
 
-    def __init__(self, tp_size: int, planner: Planner | None, detector: StragglerDetector,
-                 migration_cost: MigrationCost | None = None, fit: ComputeFit | None = None):
+    def __init__(
+        self,
+        tp_size: int,
+        planner: Planner | None,
+        detector: StragglerDetector,
+        migration_cost: MigrationCost | None = None,
+        fit: ComputeFit | None = None,
+    ):
         self.tp_size = tp_size
         self.planner, self.detector = planner, detector
         self.migration_cost = migration_cost
         self.fit = fit or ComputeFit()
 
-    def observe(self, report: TimingReport, plan: PartitionPlan | None, shares: Sequence[float],
-                decide: bool, unit_bytes: Mapping[str, int] | None = None) -> Verdict:
+    def observe(
+        self,
+        report: TimingReport,
+        plan: PartitionPlan | None,
+        shares: Sequence[float],
+        decide: bool,
+        unit_bytes: Mapping[str, int] | None = None,
+    ) -> Verdict:
         """Learn from `report`; where this rank decides, detect and plan (`unit_bytes`: what
         one unit of each block carries now, for the migration's predicted cost)."""
         factors = tuple(self.fit.factors(report.work, report.compute))
         detection = model = decision = None
         if decide and self.planner is not None:
             detection = self.detector.update(factors)
-            model = step_model(report, factors, detection.stragglers,
-                               self.fit.per_unit(report.work, report.compute))
+            model = step_model(
+                report,
+                factors,
+                detection.stragglers,
+                self.fit.per_unit(report.work, report.compute),
+            )
             if self.migration_cost is not None and unit_bytes is not None:
                 self.migration_cost.unit_bytes = dict(unit_bytes)
-            decision = self.planner.decide(report.iteration, detection, model, plan,
-                                           tuple(shares))
+            decision = self.planner.decide(report.iteration, detection, model, plan, tuple(shares))
         slow = {r for r, f in enumerate(factors) if f is not None and f >= self.detector.onset}
-        self.fit.add(report.work, report.compute, slow | (detection.stragglers if detection else set()))
+        self.fit.add(
+            report.work, report.compute, slow | (detection.stragglers if detection else set())
+        )
         return Verdict(factors, detection, model, decision)
 
     def applied(self) -> None:
@@ -94,8 +117,11 @@ class ControlLoop:
         self.detector.rebase()
 
     def state_dict(self) -> dict:
-        return {"fit": self.fit.state_dict(), "detector": self.detector.state_dict(),
-                "planner": self.planner.state_dict() if self.planner is not None else None}
+        return {
+            "fit": self.fit.state_dict(),
+            "detector": self.detector.state_dict(),
+            "planner": self.planner.state_dict() if self.planner is not None else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.fit.load_state_dict(state["fit"])
@@ -104,8 +130,12 @@ class ControlLoop:
             self.planner.load_state_dict(state["planner"])
 
 
-def work_of(plan: PartitionPlan | None, unit_work: Mapping[str, float] | None,
-            shares: Sequence[float], tp_size: int) -> tuple[float, ...]:
+def work_of(
+    plan: PartitionPlan | None,
+    unit_work: Mapping[str, float] | None,
+    shares: Sequence[float],
+    tp_size: int,
+) -> tuple[float, ...]:
     """Per rank, the work a report divides its compute by: the active units of the plan, or
     an even share where the layers are megatron-core's own."""
     if plan is None or unit_work is None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 def _clean(value: Any) -> Any:

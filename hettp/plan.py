@@ -12,8 +12,8 @@ in one line, and serialisable to JSON.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 BLOCKS = ("attn", "mlp")
 
@@ -53,40 +53,72 @@ class PartitionPlan:
         for rank, units in enumerate(owners):
             for unit in units:
                 if not isinstance(unit, int) or not 0 <= unit < total:
-                    raise PlanError(f"{where}: rank {rank} lists unit {unit!r}; units are 0..{total - 1}")
+                    raise PlanError(
+                        f"{where}: rank {rank} lists unit {unit!r}; units are 0..{total - 1}"
+                    )
                 if unit in seen:
-                    raise PlanError(f"{where}: unit {unit} is owned by ranks {seen[unit]} and {rank}")
+                    raise PlanError(
+                        f"{where}: unit {unit} is owned by ranks {seen[unit]} and {rank}"
+                    )
                 seen[unit] = rank
         if len(seen) != total:
             missing = sorted(set(range(total)) - set(seen))
-            raise PlanError(f"{where}: ranks own {len(seen)} of {total} units; "
-                            f"unowned: {_ranges(missing)}")
+            raise PlanError(
+                f"{where}: ranks own {len(seen)} of {total} units; unowned: {_ranges(missing)}"
+            )
 
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_counts(cls, tp_size: int, num_layers: int, attn_units: int, mlp_units: int,
-                    attn_counts: Sequence[int], mlp_counts: Sequence[int],
-                    mlp_unit_size: int = 1) -> "PartitionPlan":
+    def from_counts(
+        cls,
+        tp_size: int,
+        num_layers: int,
+        attn_units: int,
+        mlp_units: int,
+        attn_counts: Sequence[int],
+        mlp_counts: Sequence[int],
+        mlp_unit_size: int = 1,
+    ) -> PartitionPlan:
         """Every layer alike; rank r owns the r-th contiguous run of `counts[r]` units."""
-        layer = {"attn": _contiguous(attn_counts, attn_units, "attn", tp_size),
-                 "mlp": _contiguous(mlp_counts, mlp_units, "mlp", tp_size)}
-        return cls(tp_size, attn_units, mlp_units, mlp_unit_size, tuple(layer for _ in range(num_layers)))
+        layer = {
+            "attn": _contiguous(attn_counts, attn_units, "attn", tp_size),
+            "mlp": _contiguous(mlp_counts, mlp_units, "mlp", tp_size),
+        }
+        return cls(
+            tp_size, attn_units, mlp_units, mlp_unit_size, tuple(layer for _ in range(num_layers))
+        )
 
     @classmethod
-    def even(cls, tp_size: int, num_layers: int, attn_units: int, mlp_units: int,
-             mlp_unit_size: int = 1) -> "PartitionPlan":
+    def even(
+        cls, tp_size: int, num_layers: int, attn_units: int, mlp_units: int, mlp_unit_size: int = 1
+    ) -> PartitionPlan:
         """Megatron's own partition: equal contiguous shares."""
         for name, total in (("query groups", attn_units), ("MLP units", mlp_units)):
             if total % tp_size:
-                raise PlanError(f"an even plan needs {name} ({total}) divisible by TP size {tp_size}")
-        return cls.from_counts(tp_size, num_layers, attn_units, mlp_units,
-                               [attn_units // tp_size] * tp_size,
-                               [mlp_units // tp_size] * tp_size, mlp_unit_size)
+                raise PlanError(
+                    f"an even plan needs {name} ({total}) divisible by TP size {tp_size}"
+                )
+        return cls.from_counts(
+            tp_size,
+            num_layers,
+            attn_units,
+            mlp_units,
+            [attn_units // tp_size] * tp_size,
+            [mlp_units // tp_size] * tp_size,
+            mlp_unit_size,
+        )
 
     @classmethod
-    def parse(cls, spec: str, tp_size: int, num_layers: int, attn_units: int, mlp_units: int,
-              mlp_unit_size: int = 1) -> "PartitionPlan":
+    def parse(
+        cls,
+        spec: str,
+        tp_size: int,
+        num_layers: int,
+        attn_units: int,
+        mlp_units: int,
+        mlp_unit_size: int = 1,
+    ) -> PartitionPlan:
         """A JSON file path, or inline per-rank counts for every layer: 'attn=2,1,1;mlp=90,30,8'.
 
         A block left out of an inline spec stays even.
@@ -101,27 +133,37 @@ class PartitionPlan:
             block, sep, values = part.partition("=")
             block = block.strip()
             if not sep or block not in BLOCKS:
-                raise PlanError(f"plan '{spec}': expected 'attn=<counts>;mlp=<counts>', got '{part}'")
+                raise PlanError(
+                    f"plan '{spec}': expected 'attn=<counts>;mlp=<counts>', got '{part}'"
+                )
             if block in counts:
                 raise PlanError(f"plan '{spec}': '{block}' given twice")
             try:
                 counts[block] = [int(v) for v in values.split(",")]
             except ValueError:
-                raise PlanError(f"plan '{spec}': {block} counts must be integers, got '{values}'")
+                raise PlanError(
+                    f"plan '{spec}': {block} counts must be integers, got '{values}'"
+                ) from None
         if not counts:
             raise PlanError(f"plan '{spec}': no blocks given")
         for block, total in (("attn", attn_units), ("mlp", mlp_units)):
             if block not in counts:
                 if total % tp_size:
-                    raise PlanError(f"plan '{spec}': {block} not given and {total} units do not "
-                                    f"split evenly over {tp_size} ranks")
+                    raise PlanError(
+                        f"plan '{spec}': {block} not given and {total} units do not "
+                        f"split evenly over {tp_size} ranks"
+                    )
                 counts[block] = [total // tp_size] * tp_size
-        return cls.from_counts(tp_size, num_layers, attn_units, mlp_units,
-                               counts["attn"], counts["mlp"], mlp_unit_size)
+        return cls.from_counts(
+            tp_size, num_layers, attn_units, mlp_units, counts["attn"], counts["mlp"], mlp_unit_size
+        )
 
-    def rebalanced(self, attn_counts: Sequence[int] | None = None,
-                   mlp_counts: Sequence[int] | None = None,
-                   layers: Sequence[int] | None = None) -> "PartitionPlan":
+    def rebalanced(
+        self,
+        attn_counts: Sequence[int] | None = None,
+        mlp_counts: Sequence[int] | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> PartitionPlan:
         """This plan with new per-rank counts, moving the fewest units.
 
         Ranks above their count give away the last units of their local order; ranks below
@@ -148,8 +190,9 @@ class PartitionPlan:
                         units.append(spare.pop(0))
                 new_layer[block] = tuple(tuple(u) for u in owners)
             new_layers.append(new_layer)
-        return PartitionPlan(self.tp_size, self.attn_units, self.mlp_units, self.mlp_unit_size,
-                             tuple(new_layers))
+        return PartitionPlan(
+            self.tp_size, self.attn_units, self.mlp_units, self.mlp_unit_size, tuple(new_layers)
+        )
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -169,14 +212,17 @@ class PartitionPlan:
     def owner_map(self, layer: int, block: str) -> dict[int, int]:
         return {u: r for r, units in enumerate(self.layers[layer][block]) for u in units}
 
-    def check_model(self, tp_size: int, num_layers: int, attn_units: int, mlp_units: int,
-                    mlp_unit_size: int) -> None:
+    def check_model(
+        self, tp_size: int, num_layers: int, attn_units: int, mlp_units: int, mlp_unit_size: int
+    ) -> None:
         """Raise PlanError naming the first mismatch between this plan and the model."""
-        for what, mine, theirs in (("TP size", self.tp_size, tp_size),
-                                   ("layers", self.num_layers, num_layers),
-                                   ("query groups per layer", self.attn_units, attn_units),
-                                   ("MLP unit size", self.mlp_unit_size, mlp_unit_size),
-                                   ("MLP units per layer", self.mlp_units, mlp_units)):
+        for what, mine, theirs in (
+            ("TP size", self.tp_size, tp_size),
+            ("layers", self.num_layers, num_layers),
+            ("query groups per layer", self.attn_units, attn_units),
+            ("MLP unit size", self.mlp_unit_size, mlp_unit_size),
+            ("MLP units per layer", self.mlp_units, mlp_units),
+        ):
             if mine != theirs:
                 raise PlanError(f"plan has {mine} {what}, the model has {theirs}")
 
@@ -189,34 +235,49 @@ class PartitionPlan:
                 runs[-1][1] = index
             else:
                 runs.append([index, index, text])
-        parts = [f"layer{'s' if a != b else ''} {a}{'-' + str(b) if a != b else ''}: {t}"
-                 for a, b, t in runs]
+        parts = [
+            f"layer{'s' if a != b else ''} {a}{'-' + str(b) if a != b else ''}: {t}"
+            for a, b, t in runs
+        ]
         return f"TP={self.tp_size} " + "; ".join(parts)
 
     # ---- serialisation ------------------------------------------------------------------
 
     def to_json(self) -> str:
-        return json.dumps({
-            "version": 1, "tp_size": self.tp_size, "attn_units": self.attn_units,
-            "mlp_units": self.mlp_units, "mlp_unit_size": self.mlp_unit_size,
-            "layers": [{b: [list(u) for u in layer[b]] for b in BLOCKS} for layer in self.layers],
-        })
+        return json.dumps(
+            {
+                "version": 1,
+                "tp_size": self.tp_size,
+                "attn_units": self.attn_units,
+                "mlp_units": self.mlp_units,
+                "mlp_unit_size": self.mlp_unit_size,
+                "layers": [
+                    {b: [list(u) for u in layer[b]] for b in BLOCKS} for layer in self.layers
+                ],
+            }
+        )
 
     @classmethod
-    def from_json(cls, text: str) -> "PartitionPlan":
+    def from_json(cls, text: str) -> PartitionPlan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise PlanError(f"plan JSON: {err}")
+            raise PlanError(f"plan JSON: {err}") from None
         try:
             if data.get("version") != 1:
                 raise PlanError(f"plan JSON: unsupported version {data.get('version')!r}")
-            layers = tuple({b: tuple(tuple(u) for u in layer[b]) for b in BLOCKS}
-                           for layer in data["layers"])
-            return cls(data["tp_size"], data["attn_units"], data["mlp_units"],
-                       data["mlp_unit_size"], layers)
+            layers = tuple(
+                {b: tuple(tuple(u) for u in layer[b]) for b in BLOCKS} for layer in data["layers"]
+            )
+            return cls(
+                data["tp_size"],
+                data["attn_units"],
+                data["mlp_units"],
+                data["mlp_unit_size"],
+                layers,
+            )
         except (KeyError, TypeError, AttributeError) as err:
-            raise PlanError(f"plan JSON: missing or malformed field {err}")
+            raise PlanError(f"plan JSON: missing or malformed field {err}") from None
 
 
 def _contiguous(counts, total, block, tp_size):
@@ -225,8 +286,9 @@ def _contiguous(counts, total, block, tp_size):
     if any(c < 0 for c in counts):
         raise PlanError(f"plan {block}: negative unit count in {list(counts)}")
     if sum(counts) != total:
-        raise PlanError(f"plan {block}: counts {list(counts)} sum to {sum(counts)}, "
-                        f"the model has {total} units")
+        raise PlanError(
+            f"plan {block}: counts {list(counts)} sum to {sum(counts)}, the model has {total} units"
+        )
     owners, start = [], 0
     for count in counts:
         owners.append(tuple(range(start, start + count)))
@@ -250,4 +312,4 @@ def _read(path):
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as err:
-        raise PlanError(f"plan file {path}: {err.strerror}")
+        raise PlanError(f"plan file {path}: {err.strerror}") from None

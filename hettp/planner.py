@@ -16,8 +16,8 @@ the ffn size allows (mlp_chunk); resized ranks' active widths are not aligned.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 from .detect import Detection
 from .plan import BLOCKS, PartitionPlan
@@ -47,15 +47,18 @@ class StepModel:
         return [total / f / speed for f in self.factors]
 
 
-def plan_work(plan: PartitionPlan, unit_work: Mapping[str, float],
-              shares: Sequence[float] | None = None) -> tuple[float, ...]:
+def plan_work(
+    plan: PartitionPlan, unit_work: Mapping[str, float], shares: Sequence[float] | None = None
+) -> tuple[float, ...]:
     """Per rank, the work of its active units (every layer and block)."""
     shares = shares or (0.0,) * plan.tp_size
     work = [0.0] * plan.tp_size
     for layer in plan.layers:
         for block in BLOCKS:
             for rank, units in enumerate(layer[block]):
-                work[rank] += (len(units) - skipped_count(len(units), shares[rank])) * unit_work[block]
+                work[rank] += (len(units) - skipped_count(len(units), shares[rank])) * unit_work[
+                    block
+                ]
     return tuple(work)
 
 
@@ -76,8 +79,9 @@ def mlp_chunk(plan: PartitionPlan, align: int = MLP_ALIGN) -> int:
     return chunk
 
 
-def proportional_plan(plan: PartitionPlan, speeds: Sequence[float],
-                      align: int = MLP_ALIGN) -> PartitionPlan:
+def proportional_plan(
+    plan: PartitionPlan, speeds: Sequence[float], align: int = MLP_ALIGN
+) -> PartitionPlan:
     """Unit counts proportional to `speeds`, moving the fewest units from `plan`.
 
     Where a block's target share is fractional, layers round differently so that the counts
@@ -101,17 +105,19 @@ def proportional_plan(plan: PartitionPlan, speeds: Sequence[float],
             counts = [math.floor(t) for t in target]  # each layer within one chunk of target
             behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
             order = sorted(range(plan.tp_size), key=lambda r: (-behind[r], r))
-            for rank in order[:n - sum(counts)]:  # who is furthest behind gets the spare ones
+            for rank in order[: n - sum(counts)]:  # who is furthest behind gets the spare ones
                 counts[rank] += 1
             assigned = [a + c for a, c in zip(assigned, counts)]
-            kwargs = {"attn_counts" if block == "attn" else "mlp_counts": [c * chunk
-                                                                          for c in counts]}
+            kwargs = {
+                "attn_counts" if block == "attn" else "mlp_counts": [c * chunk for c in counts]
+            }
             new = new.rebalanced(**kwargs, layers=[index])
     return new
 
 
-def balancing_shares(plan: PartitionPlan, unit_work: Mapping[str, float], model: StepModel,
-                     stragglers, cap: float) -> tuple[float, ...]:
+def balancing_shares(
+    plan: PartitionPlan, unit_work: Mapping[str, float], model: StepModel, stragglers, cap: float
+) -> tuple[float, ...]:
     """Resize shares that bring each straggler down to the slowest other rank's compute time
     (no migration: everybody else keeps its work), within the cap."""
     work = plan_work(plan, unit_work)
@@ -145,9 +151,14 @@ class Decision:
 class Planner:
     """Decides for one TP group. `migration_seconds(old, new)` predicts a transfer's time."""
 
-    def __init__(self, policy: str, unit_work: Mapping[str, float], cap: float = 0.5,
-                 migration_seconds: Callable[[PartitionPlan, PartitionPlan], float] = None,
-                 min_gain: float = 0.03):
+    def __init__(
+        self,
+        policy: str,
+        unit_work: Mapping[str, float],
+        cap: float = 0.5,
+        migration_seconds: Callable[[PartitionPlan, PartitionPlan], float] = None,
+        min_gain: float = 0.03,
+    ):
         self.policy = get_policy(policy)
         if self.policy.decides and self.policy.name not in self._RULES:
             raise ValueError(f"policy '{policy}' decides, but the planner has no rule for it")
@@ -162,14 +173,21 @@ class Planner:
     def load_state_dict(self, state: dict) -> None:
         self._onset = state["onset"]
 
-    def decide(self, iteration: int, detection: Detection, model: StepModel,
-               plan: PartitionPlan, shares: Sequence[float]) -> Decision | None:
+    def decide(
+        self,
+        iteration: int,
+        detection: Detection,
+        model: StepModel,
+        plan: PartitionPlan,
+        shares: Sequence[float],
+    ) -> Decision | None:
         if not self.policy.decides:
             return None
         shares = tuple(shares)
         before = model.step_time(plan_work(plan, self.unit_work, shares))
-        return self._RULES[self.policy.name](self, iteration, detection, model, plan, shares,
-                                             before)
+        return self._RULES[self.policy.name](
+            self, iteration, detection, model, plan, shares, before
+        )
 
     # ---- policies: one rule per deciding policy of hettp.policy.POLICIES -------------------
 
@@ -178,17 +196,25 @@ class Planner:
             return None
         stragglers, cut = detection.stragglers, self.policy.cut
         new = tuple(cut if r in stragglers else 0.0 for r in range(plan.tp_size))
-        return self._resize(new, plan, model, before, "zero",
-                            f"straggling ranks {sorted(stragglers)}: fixed {cut:.0%} cut (paper "
-                            "baseline)")
+        return self._resize(
+            new,
+            plan,
+            model,
+            before,
+            "zero",
+            f"straggling ranks {sorted(stragglers)}: fixed {cut:.0%} cut (paper baseline)",
+        )
 
     def _resize_rule(self, iteration, detection, model, plan, shares, before):
         if not detection.changed:
             return None
         stragglers = detection.stragglers
         new = balancing_shares(plan, self.unit_work, model, stragglers, self.cap)
-        why = (f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
-               if stragglers else "no straggler left")
+        why = (
+            f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
+            if stragglers
+            else "no straggler left"
+        )
         return self._resize(new, plan, model, before, "resize" if any(new) else "restore", why)
 
     def _migrate_rule(self, iteration, detection, model, plan, shares, before):
@@ -203,15 +229,29 @@ class Planner:
             if stragglers:  # resize at once; migration may follow once it pays
                 new = balancing_shares(plan, self.unit_work, model, stragglers, self.cap)
                 if new != shares:
-                    return self._resize(new, plan, model, before, "hybrid-resize",
-                                        f"ranks {sorted(stragglers)} at "
-                                        f"{_factors(detection, stragglers)}; resize now")
+                    return self._resize(
+                        new,
+                        plan,
+                        model,
+                        before,
+                        "hybrid-resize",
+                        f"ranks {sorted(stragglers)} at "
+                        f"{_factors(detection, stragglers)}; resize now",
+                    )
             else:  # the straggle ended: back to the plan that fits the speeds now
-                decision = self._migrate(plan, model, before, detection, "hybrid-migrate",
-                                         shares, why="no straggler left")
+                decision = self._migrate(
+                    plan,
+                    model,
+                    before,
+                    detection,
+                    "hybrid-migrate",
+                    shares,
+                    why="no straggler left",
+                )
                 if decision is None and any(shares):
-                    return self._resize((0.0,) * plan.tp_size, plan, model, before, "restore",
-                                        "no straggler left")
+                    return self._resize(
+                        (0.0,) * plan.tp_size, plan, model, before, "restore", "no straggler left"
+                    )
                 return decision
         if not stragglers or self._onset is None:
             return None
@@ -225,15 +265,25 @@ class Planner:
         cost = self.migration_seconds(plan, target)
         remaining = max(1, iteration - self._onset)  # lasted t steps: ~t more predicted
         gain = remaining * (unresized - after)
-        details = {"remaining_steps": remaining, "gain_s": round(gain, 4),
-                   "migration_s": round(cost, 4), "resized_share": sum(shares) / len(shares)}
+        details = {
+            "remaining_steps": remaining,
+            "gain_s": round(gain, 4),
+            "migration_s": round(cost, 4),
+            "resized_share": sum(shares) / len(shares),
+        }
         if gain <= cost:
             return None
         self._onset = None  # handled: the next move waits for the detector to see a change
-        return Decision("hybrid-migrate", target, (0.0,) * plan.tp_size,
-                        f"straggle predicted to last ~{remaining} more steps: saves {gain:.2f} s "
-                        f"over the unresized plan for a {cost:.2f} s move; resize undone",
-                        before, after, details)
+        return Decision(
+            "hybrid-migrate",
+            target,
+            (0.0,) * plan.tp_size,
+            f"straggle predicted to last ~{remaining} more steps: saves {gain:.2f} s "
+            f"over the unresized plan for a {cost:.2f} s move; resize undone",
+            before,
+            after,
+            details,
+        )
 
     def _migrate(self, plan, model, before, detection, action, shares, why=None):
         target = proportional_plan(plan, _speeds(model, plan, self.unit_work))
@@ -241,16 +291,27 @@ class Planner:
         if target == plan or before - after <= self.min_gain * before:
             return None
         stragglers = detection.stragglers
-        why = why or (f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
-                      if stragglers else "no straggler left")
-        return Decision(action, target, (0.0,) * plan.tp_size, why, before, after,
-                        {"migration_s": self.migration_seconds(plan, target)})
+        why = why or (
+            f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
+            if stragglers
+            else "no straggler left"
+        )
+        return Decision(
+            action,
+            target,
+            (0.0,) * plan.tp_size,
+            why,
+            before,
+            after,
+            {"migration_s": self.migration_seconds(plan, target)},
+        )
 
     def _resize(self, new, plan, model, before, action, why):
         check_shares(new, self.cap, "planner")
         after = model.step_time(plan_work(plan, self.unit_work, new))
-        return Decision(action, plan, tuple(new), why, before, after,
-                        {"resized_share": sum(new) / len(new)})
+        return Decision(
+            action, plan, tuple(new), why, before, after, {"resized_share": sum(new) / len(new)}
+        )
 
     # The decision rule of each policy that decides (hettp.policy.POLICIES).
     _RULES = {"resize": _resize_rule, "migrate": _migrate_rule, "hybrid": _hybrid, "zero": _zero}

@@ -35,27 +35,72 @@ ZERO_IMPUTED_GRAD = 1e-8
 POLICIES: dict[str, Policy] = {
     p.name: p
     for p in (
-        Policy("none", "vanilla megatron-core layers, timed (the baseline of a comparison)",
-               layers="vanilla", times=True, decides=False, resizes=False, migrates=False,
-               fixed_shares=False),
-        Policy("static", "the given --het-tp-plan and --het-tp-resize for the whole run",
-               layers="any", times=False, decides=False, resizes=False, migrates=False,
-               fixed_shares=True),
-        Policy("resize", "a detected straggler skips its lowest-priority units",
-               layers="het", times=False, decides=True, resizes=True, migrates=False,
-               fixed_shares=False),
-        Policy("migrate", "units and their optimizer state move off a detected straggler",
-               layers="het", times=False, decides=True, resizes=False, migrates=True,
-               fixed_shares=False),
-        Policy("hybrid", "resize at once; migrate when the straggle is predicted to repay the "
-               "move, then undo the resize",
-               layers="het", times=False, decides=True, resizes=True, migrates=True,
-               fixed_shares=False),
-        Policy("zero", "the paper's public-code baseline: a fixed 50% cut by accumulated |dW| "
-               "with imputed gradients, of the ranks --het-tp-resize names, else of detected "
-               "stragglers",
-               layers="het", times=False, decides=True, resizes=True, migrates=False,
-               fixed_shares=True, cut=0.5, impute=ZERO_IMPUTED_GRAD, scorer="dw"),
+        Policy(
+            "none",
+            "vanilla megatron-core layers, timed (the baseline of a comparison)",
+            layers="vanilla",
+            times=True,
+            decides=False,
+            resizes=False,
+            migrates=False,
+            fixed_shares=False,
+        ),
+        Policy(
+            "static",
+            "the given --het-tp-plan and --het-tp-resize for the whole run",
+            layers="any",
+            times=False,
+            decides=False,
+            resizes=False,
+            migrates=False,
+            fixed_shares=True,
+        ),
+        Policy(
+            "resize",
+            "a detected straggler skips its lowest-priority units",
+            layers="het",
+            times=False,
+            decides=True,
+            resizes=True,
+            migrates=False,
+            fixed_shares=False,
+        ),
+        Policy(
+            "migrate",
+            "units and their optimizer state move off a detected straggler",
+            layers="het",
+            times=False,
+            decides=True,
+            resizes=False,
+            migrates=True,
+            fixed_shares=False,
+        ),
+        Policy(
+            "hybrid",
+            "resize at once; migrate when the straggle is predicted to repay the "
+            "move, then undo the resize",
+            layers="het",
+            times=False,
+            decides=True,
+            resizes=True,
+            migrates=True,
+            fixed_shares=False,
+        ),
+        Policy(
+            "zero",
+            "the paper's public-code baseline: a fixed 50% cut by accumulated |dW| "
+            "with imputed gradients, of the ranks --het-tp-resize names, else of detected "
+            "stragglers",
+            layers="het",
+            times=False,
+            decides=True,
+            resizes=True,
+            migrates=False,
+            fixed_shares=True,
+            cut=0.5,
+            impute=ZERO_IMPUTED_GRAD,
+            scorer="dw",
+        ),
     )
 }
 
@@ -67,8 +112,9 @@ def policy(name: str) -> Policy:
     try:
         return POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown het-TP policy '{name}'; choose from "
-                         f"{', '.join(POLICIES)}") from None
+        raise ValueError(
+            f"unknown het-TP policy '{name}'; choose from {', '.join(POLICIES)}"
+        ) from None
 
 
 def compared_policies() -> list[str]:

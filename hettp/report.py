@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from .policy import VANILLA
 
@@ -35,8 +35,9 @@ class Run:
     tokens_per_step: int = 0
 
     @classmethod
-    def from_records(cls, records: Iterable[dict], scenario: str, policy: str, repeat: int,
-                     path: str) -> "Run":
+    def from_records(
+        cls, records: Iterable[dict], scenario: str, policy: str, repeat: int, path: str
+    ) -> Run:
         run = cls(scenario, policy, repeat, path)
         for r in records:
             kind = r.get("kind")
@@ -69,11 +70,13 @@ class Run:
 
     def sharded_compute(self) -> list[float]:
         """Per-rank sharded compute per step, median over the second half's reports."""
-        late = [c for it, c in self.compute if it > self.iterations // 2] or \
-            [c for _, c in self.compute]
+        late = [c for it, c in self.compute if it > self.iterations // 2] or [
+            c for _, c in self.compute
+        ]
         if not late:
-            raise ValueError(f"{self.path}: no timing records (is --het-tp-interval larger "
-                             "than the run?)")
+            raise ValueError(
+                f"{self.path}: no timing records (is --het-tp-interval larger than the run?)"
+            )
         return [statistics.median(c[r] for c in late) for r in range(len(late[0]))]
 
     @property
@@ -85,8 +88,9 @@ def ideal_step(t_fast: float, c: float, speeds: Sequence[float]) -> float:
     return (t_fast - c) + c * len(speeds) / sum(speeds)
 
 
-def measured_speeds(vanilla: Sequence[Run], base: Sequence[float],
-                    iterations: int) -> list[tuple[float, ...]]:
+def measured_speeds(
+    vanilla: Sequence[Run], base: Sequence[float], iterations: int
+) -> list[tuple[float, ...]]:
     """Per-iteration rank speeds of a real-contention scenario: unslowed compute over the
     compute its vanilla runs measured in each report interval (median over repeats)."""
     reports: dict[int, list[list[float]]] = {}
@@ -111,7 +115,7 @@ def reaction_steps(run: Run, onset: int, steady: float) -> int | None:
     its = [i for i in sorted(run.step_s) if i >= onset]
     settled = None
     for k, i in enumerate(its):
-        med = statistics.median(run.step_s[j] for j in its[max(0, k - 1):k + 2])
+        med = statistics.median(run.step_s[j] for j in its[max(0, k - 1) : k + 2])
         if abs(med - steady) <= REACTION_BAND * steady:
             settled = i if settled is None else settled
         else:
@@ -123,8 +127,12 @@ def _spread(values: Sequence[float]) -> float:
     return max(values) - min(values) if values else 0.0
 
 
-def compare(runs: Sequence[Run], factors: dict[str, list[tuple[float, ...]]],
-            varying: dict[str, bool], real: set[str] = frozenset()) -> dict:
+def compare(
+    runs: Sequence[Run],
+    factors: dict[str, list[tuple[float, ...]]],
+    varying: dict[str, bool],
+    real: set[str] = frozenset(),
+) -> dict:
     """Rows per (scenario, policy) and the baseline. `factors[scenario]` holds the emulated
     slowdown per rank for iterations 1..n; scenarios in `real` get speeds measured from their
     vanilla runs instead."""
@@ -133,14 +141,19 @@ def compare(runs: Sequence[Run], factors: dict[str, list[tuple[float, ...]]],
         by_key.setdefault((run.scenario, run.policy), []).append(run)
     base_runs = by_key.get(("none", VANILLA))
     if not base_runs:
-        raise ValueError("the no-straggler vanilla runs (scenario 'none', policy 'none') are "
-                         "missing: T_fast and C come from them")
+        raise ValueError(
+            "the no-straggler vanilla runs (scenario 'none', policy 'none') are "
+            "missing: T_fast and C come from them"
+        )
     t_fast = statistics.median(r.step_time(False) for r in base_runs)
-    per_rank = [statistics.median(vals) for vals in
-                zip(*(r.sharded_compute() for r in base_runs))]
+    per_rank = [statistics.median(vals) for vals in zip(*(r.sharded_compute() for r in base_runs))]
     c = max(per_rank)
-    baseline = {"t_fast_s": t_fast, "c_s": c, "c_over_t_fast": c / t_fast,
-                "compute_per_rank_s": per_rank}
+    baseline = {
+        "t_fast_s": t_fast,
+        "c_s": c,
+        "c_over_t_fast": c / t_fast,
+        "compute_per_rank_s": per_rank,
+    }
 
     rows, all_speeds = [], {}
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
@@ -149,8 +162,11 @@ def compare(runs: Sequence[Run], factors: dict[str, list[tuple[float, ...]]],
         if not vanilla:
             raise ValueError(f"scenario '{scenario}' has no vanilla runs to compare against")
         iterations = vanilla[0].iterations
-        speeds = (measured_speeds(vanilla, per_rank, iterations) if scenario in real
-                  else [tuple(1.0 / f for f in fs) for fs in factors[scenario][:iterations]])
+        speeds = (
+            measured_speeds(vanilla, per_rank, iterations)
+            if scenario in real
+            else [tuple(1.0 / f for f in fs) for fs in factors[scenario][:iterations]]
+        )
         all_speeds[scenario] = speeds
         vary = varying[scenario]
         window = vanilla[0].window(vary)
@@ -159,64 +175,88 @@ def compare(runs: Sequence[Run], factors: dict[str, list[tuple[float, ...]]],
         t_vanilla = statistics.median(r.step_time(vary) for r in vanilla)
         slowed = [i for i, s in enumerate(speeds, 1) if min(s) < 1.0]
         onset = slowed[0] if slowed else None
-        persistent = onset is not None and not vary and slowed == list(
-            range(onset, iterations + 1))
+        persistent = onset is not None and not vary and slowed == list(range(onset, iterations + 1))
         vanilla_loss = {r.repeat: r.final_loss for r in vanilla}
         for policy in dict.fromkeys(r.policy for r in runs if r.scenario == scenario):
             group = sorted(by_key[(scenario, policy)], key=lambda r: r.repeat)
             times = [r.step_time(vary) for r in group]
             t = statistics.median(times)
-            gaps = [r.final_loss - vanilla_loss[r.repeat] for r in group
-                    if r.repeat in vanilla_loss]
+            gaps = [
+                r.final_loss - vanilla_loss[r.repeat] for r in group if r.repeat in vanilla_loss
+            ]
             moved = [sum(d.get("bytes", 0) for d in r.decisions) for r in group]
             minimum = [sum(d.get("min_bytes", 0) for d in r.decisions) for r in group]
-            reactions = ([reaction_steps(r, onset, r.step_time(False)) for r in group]
-                         if persistent else [])
+            reactions = (
+                [reaction_steps(r, onset, r.step_time(False)) for r in group] if persistent else []
+            )
             known = [x for x in reactions if x is not None]
             straggling = onset is not None and t_vanilla > t_ideal
-            rows.append({
-                "scenario": scenario, "policy": policy, "repeats": len(group),
-                "step_s": t, "spread_s": _spread(times), "step_s_runs": times,
-                "tokens_per_s": group[0].tokens_per_step / t if t > 0 else math.nan,
-                "speedup": t_vanilla / t, "t_ideal_s": t_ideal, "t_vanilla_s": t_vanilla,
-                "E": t_ideal / t if onset is not None else None,
-                "R": (t_vanilla - t) / (t_vanilla - t_ideal) if straggling else None,
-                "reaction_steps": statistics.median(known) if known else None,
-                "bytes_moved": statistics.median(moved),
-                "bytes_vs_min": (statistics.median(m / n for m, n in zip(moved, minimum) if n)
-                                 if any(minimum) else None),
-                "decisions": statistics.median(len(r.decisions) for r in group),
-                "decisions_first_run": [f"{d['action']}@{d['iteration']}"
-                                        for d in group[0].decisions],
-                "final_loss": statistics.median(r.final_loss for r in group),
-                "loss_gap": statistics.median(gaps) if gaps else None,
-                "runs": [r.path for r in group],
-            })
+            rows.append(
+                {
+                    "scenario": scenario,
+                    "policy": policy,
+                    "repeats": len(group),
+                    "step_s": t,
+                    "spread_s": _spread(times),
+                    "step_s_runs": times,
+                    "tokens_per_s": group[0].tokens_per_step / t if t > 0 else math.nan,
+                    "speedup": t_vanilla / t,
+                    "t_ideal_s": t_ideal,
+                    "t_vanilla_s": t_vanilla,
+                    "E": t_ideal / t if onset is not None else None,
+                    "R": (t_vanilla - t) / (t_vanilla - t_ideal) if straggling else None,
+                    "reaction_steps": statistics.median(known) if known else None,
+                    "bytes_moved": statistics.median(moved),
+                    "bytes_vs_min": (
+                        statistics.median(m / n for m, n in zip(moved, minimum) if n)
+                        if any(minimum)
+                        else None
+                    ),
+                    "decisions": statistics.median(len(r.decisions) for r in group),
+                    "decisions_first_run": [
+                        f"{d['action']}@{d['iteration']}" for d in group[0].decisions
+                    ],
+                    "final_loss": statistics.median(r.final_loss for r in group),
+                    "loss_gap": statistics.median(gaps) if gaps else None,
+                    "runs": [r.path for r in group],
+                }
+            )
     return {"baseline": baseline, "rows": rows, "speeds": all_speeds}
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:
-    return none if value is None or (isinstance(value, float) and math.isnan(value)) \
+    return (
+        none
+        if value is None or (isinstance(value, float) and math.isnan(value))
         else format(value, spec)
+    )
 
 
 def markdown(result: dict) -> str:
     b = result["baseline"]
-    lines = [f"T_fast {b['t_fast_s'] * 1e3:.1f} ms, C {b['c_s'] * 1e3:.1f} ms "
-             f"(C/T_fast {b['c_over_t_fast']:.2f})", "",
-             "| scenario | policy | step ms (spread) | tokens/s | speedup | E | R | reaction "
-             "| MB moved (x min) | decisions | final loss (gap) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"T_fast {b['t_fast_s'] * 1e3:.1f} ms, C {b['c_s'] * 1e3:.1f} ms "
+        f"(C/T_fast {b['c_over_t_fast']:.2f})",
+        "",
+        "| scenario | policy | step ms (spread) | tokens/s | speedup | E | R | reaction "
+        "| MB moved (x min) | decisions | final loss (gap) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        moved = (f"{r['bytes_moved'] / 1e6:.1f} ({_fmt(r['bytes_vs_min'], '.2f')})"
-                 if r["bytes_moved"] else "0")
+        moved = (
+            f"{r['bytes_moved'] / 1e6:.1f} ({_fmt(r['bytes_vs_min'], '.2f')})"
+            if r["bytes_moved"]
+            else "0"
+        )
         first = " ".join(r["decisions_first_run"][:3]) + (
-            " ..." if len(r["decisions_first_run"]) > 3 else "")
+            " ..." if len(r["decisions_first_run"]) > 3 else ""
+        )
         lines.append(
             f"| {r['scenario']} | {r['policy']} | {r['step_s'] * 1e3:.1f} "
             f"({r['spread_s'] * 1e3:.1f}) | {r['tokens_per_s']:.0f} | {r['speedup']:.3f} | "
             f"{_fmt(r['E'], '.3f')} | {_fmt(r['R'], '.2f')} | "
             f"{_fmt(r['reaction_steps'], 'g')} | {moved} | {r['decisions']:g}"
             f"{' (' + first + ')' if first else ''} | {r['final_loss']:.5f} "
-            f"({_fmt(r['loss_gap'], '+.1e')}) |")
+            f"({_fmt(r['loss_gap'], '+.1e')}) |"
+        )
     return "\n".join(lines) + "\n"

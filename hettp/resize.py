@@ -11,8 +11,8 @@ the skipped ones a suffix: the layers slice views, nothing is gathered on the ho
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from .plan import BLOCKS, PartitionPlan
 
@@ -51,13 +51,30 @@ def register_scorer(scorer: Scorer) -> Scorer:
     return scorer
 
 
-register_scorer(Scorer("dw", lambda weight, grad, delta: delta.abs(), needs_delta=True,
-                       help="accumulated |weight change| per step (the paper's accumulated |dW|)"))
-register_scorer(Scorer("magnitude", lambda weight, grad, delta: weight.abs(), per_step=False,
-                       help="|weight| at the refresh"))
-register_scorer(Scorer("wg", lambda weight, grad, delta: (weight * grad).abs(),
-                       help="accumulated |weight x gradient| per step (first-order estimate of "
-                            "the loss change were the unit dropped)"))
+register_scorer(
+    Scorer(
+        "dw",
+        lambda weight, grad, delta: delta.abs(),
+        needs_delta=True,
+        help="accumulated |weight change| per step (the paper's accumulated |dW|)",
+    )
+)
+register_scorer(
+    Scorer(
+        "magnitude",
+        lambda weight, grad, delta: weight.abs(),
+        per_step=False,
+        help="|weight| at the refresh",
+    )
+)
+register_scorer(
+    Scorer(
+        "wg",
+        lambda weight, grad, delta: (weight * grad).abs(),
+        help="accumulated |weight x gradient| per step (first-order estimate of "
+        "the loss change were the unit dropped)",
+    )
+)
 
 
 def skipped_count(num_local_units: int, share: float) -> int:
@@ -71,8 +88,10 @@ def parse_shares(text: str, tp_size: int, cap: float, flag: str = "--het-tp-resi
     try:
         shares = tuple(float(v) for v in text.split(","))
     except ValueError:
-        raise ResizeError(f"{flag} '{text}': expected one share per TP rank, e.g. "
-                          f"'{','.join(['0'] * (tp_size - 1) + ['0.5'])}'") from None
+        raise ResizeError(
+            f"{flag} '{text}': expected one share per TP rank, e.g. "
+            f"'{','.join(['0'] * (tp_size - 1) + ['0.5'])}'"
+        ) from None
     if len(shares) != tp_size:
         raise ResizeError(f"{flag} '{text}': {len(shares)} shares given, the TP size is {tp_size}")
     check_shares(shares, cap, flag)
@@ -85,8 +104,10 @@ def check_shares(shares: Sequence[float], cap: float, flag: str = "--het-tp-resi
         if not 0.0 <= share <= 1.0 or math.isnan(share):
             raise ResizeError(f"{flag}: rank {rank} share {share} is not within [0, 1]")
         if share > cap + 1e-12:
-            raise ResizeError(f"{flag}: rank {rank} would skip {share:.0%} of its units, more "
-                              f"than --het-tp-max-resize {cap:g} allows")
+            raise ResizeError(
+                f"{flag}: rank {rank} would skip {share:.0%} of its units, more "
+                f"than --het-tp-max-resize {cap:g} allows"
+            )
 
 
 @dataclass
@@ -100,11 +121,12 @@ class Priorities:
     scores: dict  # (layer, block) -> list[float | None]
 
     @classmethod
-    def unmeasured(cls, plan: PartitionPlan) -> "Priorities":
-        return cls({(i, b): [None] * plan.num_units(b)
-                    for i in range(plan.num_layers) for b in BLOCKS})
+    def unmeasured(cls, plan: PartitionPlan) -> Priorities:
+        return cls(
+            {(i, b): [None] * plan.num_units(b) for i in range(plan.num_layers) for b in BLOCKS}
+        )
 
-    def updated(self, measured: Mapping) -> "Priorities":
+    def updated(self, measured: Mapping) -> Priorities:
         """New scores for the units in `measured` ((layer, block) -> {unit: score}); the others
         keep theirs (a skipped unit keeps the score it had when it last ran).
 
@@ -122,19 +144,25 @@ class Priorities:
     def order(self, key, units: Sequence[int]) -> tuple[int, ...]:
         """`units` from highest to lowest priority; ties keep their current order."""
         scores = self.scores[key]
-        return tuple(sorted(units, key=lambda u: (scores[u] is not None,
-                                                  -(scores[u] or 0.0))))
+        return tuple(sorted(units, key=lambda u: (scores[u] is not None, -(scores[u] or 0.0))))
 
     def ordered_plan(self, plan: PartitionPlan, ranks: Sequence[int]) -> PartitionPlan:
         """`plan` with the local order of `ranks` sorted by priority (owners unchanged)."""
         chosen = set(ranks)
         layers = []
         for index, layer in enumerate(plan.layers):
-            layers.append({block: tuple(self.order((index, block), units) if rank in chosen
-                                        else units for rank, units in enumerate(owners))
-                           for block, owners in layer.items()})
-        return PartitionPlan(plan.tp_size, plan.attn_units, plan.mlp_units, plan.mlp_unit_size,
-                             tuple(layers))
+            layers.append(
+                {
+                    block: tuple(
+                        self.order((index, block), units) if rank in chosen else units
+                        for rank, units in enumerate(owners)
+                    )
+                    for block, owners in layer.items()
+                }
+            )
+        return PartitionPlan(
+            plan.tp_size, plan.attn_units, plan.mlp_units, plan.mlp_unit_size, tuple(layers)
+        )
 
 
 def active_counts(plan: PartitionPlan, shares: Sequence[float]) -> dict:
@@ -144,12 +172,17 @@ def active_counts(plan: PartitionPlan, shares: Sequence[float]) -> dict:
         for block in BLOCKS:
             counts[(index, block)] = tuple(
                 len(units) - skipped_count(len(units), shares[rank])
-                for rank, units in enumerate(plan.layers[index][block]))
+                for rank, units in enumerate(plan.layers[index][block])
+            )
     return counts
 
 
-def realized_share(plan: PartitionPlan, shares: Sequence[float], rank: int,
-                   weights: Mapping[str, float] | None = None) -> float:
+def realized_share(
+    plan: PartitionPlan,
+    shares: Sequence[float],
+    rank: int,
+    weights: Mapping[str, float] | None = None,
+) -> float:
     """The share of `rank`'s unit work skipped, with blocks weighted by `weights` (e.g. work
     per unit; default: one per unit). Differs from the asked share where counts round down."""
     weights = weights or {b: 1.0 for b in BLOCKS}
@@ -167,7 +200,7 @@ def skipped_units(plan: PartitionPlan, shares: Sequence[float]) -> dict:
     skipped = {}
     for (index, block), active in active_counts(plan, shares).items():
         for rank, units in enumerate(plan.layers[index][block]):
-            skipped[(index, block, rank)] = frozenset(units[active[rank]:])
+            skipped[(index, block, rank)] = frozenset(units[active[rank] :])
     return skipped
 
 

@@ -30,15 +30,20 @@ class ScenarioSpec:
         return self.neighbor_rank is not None
 
     def emulation(self, tp_size: int) -> Scenario | None:
-        return Scenario.parse(self.emulate, tp_size, f"scenario '{self.name}'") if self.emulate \
+        return (
+            Scenario.parse(self.emulate, tp_size, f"scenario '{self.name}'")
+            if self.emulate
             else None
+        )
 
     def factors(self, tp_size: int, iterations: int) -> list[tuple[float, ...]]:
         """Emulated slowdown per rank for iterations 1..n (all 1.0 for real contention: that
         is measured, not known)."""
         emulation = self.emulation(tp_size)
-        return [tuple(emulation.factor(r, i) if emulation else 1.0 for r in range(tp_size))
-                for i in range(1, iterations + 1)]
+        return [
+            tuple(emulation.factor(r, i) if emulation else 1.0 for r in range(tp_size))
+            for i in range(1, iterations + 1)
+        ]
 
     def varying(self, tp_size: int, iterations: int) -> bool:
         """Does who is slow change during the run (after the first iteration)? Then its step
@@ -47,12 +52,13 @@ class ScenarioSpec:
 
     def check(self, tp_size: int) -> None:
         if self.emulate and self.real:
-            raise ScenarioError(f"scenario '{self.name}': give emulate or noisy_neighbor, "
-                                "not both")
+            raise ScenarioError(f"scenario '{self.name}': give emulate or noisy_neighbor, not both")
         self.emulation(tp_size)
         if self.real and not 0 <= self.neighbor_rank < tp_size:
-            raise ScenarioError(f"scenario '{self.name}': noisy_neighbor rank "
-                                f"{self.neighbor_rank} is not a TP rank (TP size {tp_size})")
+            raise ScenarioError(
+                f"scenario '{self.name}': noisy_neighbor rank "
+                f"{self.neighbor_rank} is not a TP rank (TP size {tp_size})"
+            )
 
 
 def builtin(tp_size: int, iterations: int) -> dict[str, ScenarioSpec]:
@@ -63,45 +69,67 @@ def builtin(tp_size: int, iterations: int) -> dict[str, ScenarioSpec]:
     burst, period = max(2, n // 6), max(4, n // 2)
     specs = [
         ScenarioSpec("none", about="no straggler"),
-        ScenarioSpec("persistent-2x", "persistent:rank=1,factor=2",
-                     about="rank 1 2x slower from the start"),
-        ScenarioSpec("persistent-4x", "persistent:rank=1,factor=4",
-                     about="rank 1 4x slower from the start"),
-        ScenarioSpec("transient", f"transient:rank=1,factor=4,start={n // 4},length={burst},"
-                     f"period={period}", about=f"rank 1 4x slower for {burst} of every "
-                     f"{period} iterations from iteration {n // 4}"),
-        ScenarioSpec("rotating", f"rotating:factor=2,period={max(1, n // 3)}",
-                     about=f"one rank 2x slower, a different one every {max(1, n // 3)} "
-                     "iterations"),
-        ScenarioSpec("multi", f"multi:factors={multi}",
-                     about=f"ranks 0..{half - 1} at {multi}x (half the ranks)"),
-        ScenarioSpec("noisy", neighbor_rank=1,
-                     about="real contention: a busy process shares rank 1's core"),
+        ScenarioSpec(
+            "persistent-2x", "persistent:rank=1,factor=2", about="rank 1 2x slower from the start"
+        ),
+        ScenarioSpec(
+            "persistent-4x", "persistent:rank=1,factor=4", about="rank 1 4x slower from the start"
+        ),
+        ScenarioSpec(
+            "transient",
+            f"transient:rank=1,factor=4,start={n // 4},length={burst},period={period}",
+            about=f"rank 1 4x slower for {burst} of every "
+            f"{period} iterations from iteration {n // 4}",
+        ),
+        ScenarioSpec(
+            "rotating",
+            f"rotating:factor=2,period={max(1, n // 3)}",
+            about=f"one rank 2x slower, a different one every {max(1, n // 3)} iterations",
+        ),
+        ScenarioSpec(
+            "multi",
+            f"multi:factors={multi}",
+            about=f"ranks 0..{half - 1} at {multi}x (half the ranks)",
+        ),
+        ScenarioSpec(
+            "noisy", neighbor_rank=1, about="real contention: a busy process shares rank 1's core"
+        ),
     ]
     return {s.name: s for s in specs}
 
 
 def from_dict(item: dict, where: str) -> ScenarioSpec:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        raise ScenarioError(f"{where}: each scenario needs a \"name\" string")
+        raise ScenarioError(f'{where}: each scenario needs a "name" string')
     unknown = set(item) - {"name", "emulate", "noisy_neighbor", "about"}
     if unknown:
-        raise ScenarioError(f"{where}: scenario '{item['name']}' has unknown keys "
-                            f"{sorted(unknown)} (known: name, emulate, noisy_neighbor, about)")
+        raise ScenarioError(
+            f"{where}: scenario '{item['name']}' has unknown keys "
+            f"{sorted(unknown)} (known: name, emulate, noisy_neighbor, about)"
+        )
     if not isinstance(item.get("emulate", ""), str):
-        raise ScenarioError(f"{where}: scenario '{item['name']}': emulate must be a "
-                            "--het-tp-emulate string, e.g. \"persistent:rank=1,factor=2\"")
+        raise ScenarioError(
+            f"{where}: scenario '{item['name']}': emulate must be a "
+            '--het-tp-emulate string, e.g. "persistent:rank=1,factor=2"'
+        )
     neighbor = item.get("noisy_neighbor")
-    if neighbor is not None and not (isinstance(neighbor, dict) and
-                                     isinstance(neighbor.get("rank"), int)):
-        raise ScenarioError(f"{where}: scenario '{item['name']}': noisy_neighbor must be "
-                            "{\"rank\": N}")
-    return ScenarioSpec(item["name"], item.get("emulate"),
-                        neighbor["rank"] if neighbor else None, item.get("about", ""))
+    if neighbor is not None and not (
+        isinstance(neighbor, dict) and isinstance(neighbor.get("rank"), int)
+    ):
+        raise ScenarioError(
+            f"{where}: scenario '{item['name']}': noisy_neighbor must be {{\"rank\": N}}"
+        )
+    return ScenarioSpec(
+        item["name"],
+        item.get("emulate"),
+        neighbor["rank"] if neighbor else None,
+        item.get("about", ""),
+    )
 
 
-def resolve(names: str, tp_size: int, iterations: int,
-            flag: str = "--scenarios") -> list[ScenarioSpec]:
+def resolve(
+    names: str, tp_size: int, iterations: int, flag: str = "--scenarios"
+) -> list[ScenarioSpec]:
     """Comma-separated built-in names and/or JSON files (a list of scenarios each), checked."""
     known = builtin(tp_size, iterations)
     out: list[ScenarioSpec] = []
@@ -120,8 +148,10 @@ def resolve(names: str, tp_size: int, iterations: int,
                 raise ScenarioError(f"{flag}: {name} must hold a JSON list of scenarios")
             out.extend(from_dict(item, name) for item in items)
         else:
-            raise ScenarioError(f"{flag}: unknown scenario '{name}'; choose from "
-                                f"{', '.join(known)}, all, or a .json file")
+            raise ScenarioError(
+                f"{flag}: unknown scenario '{name}'; choose from "
+                f"{', '.join(known)}, all, or a .json file"
+            )
     names_seen = [s.name for s in out]
     duplicates = sorted({n for n in names_seen if names_seen.count(n) > 1})
     if duplicates:

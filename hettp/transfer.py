@@ -9,8 +9,8 @@ change requires.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .plan import BLOCKS, PartitionPlan
 
@@ -55,13 +55,20 @@ class TransferSchedule:
         return len(pairs), sum(size for _, size in pairs)
 
 
-def plan_transfer(old: PartitionPlan, new: PartitionPlan,
-                  unit_nbytes: Callable[[str], int]) -> TransferSchedule:
+def plan_transfer(
+    old: PartitionPlan, new: PartitionPlan, unit_nbytes: Callable[[str], int]
+) -> TransferSchedule:
     """Moves that take `old` to `new`; unit_nbytes(block) is one unit's payload size."""
     if (old.tp_size, old.num_layers, old.attn_units, old.mlp_units, old.mlp_unit_size) != (
-            new.tp_size, new.num_layers, new.attn_units, new.mlp_units, new.mlp_unit_size):
-        raise ValueError("plans describe different models or TP sizes: "
-                         f"{old.summary()} vs {new.summary()}")
+        new.tp_size,
+        new.num_layers,
+        new.attn_units,
+        new.mlp_units,
+        new.mlp_unit_size,
+    ):
+        raise ValueError(
+            f"plans describe different models or TP sizes: {old.summary()} vs {new.summary()}"
+        )
     moves = []
     for layer in range(old.num_layers):
         for block in BLOCKS:
@@ -73,13 +80,15 @@ def plan_transfer(old: PartitionPlan, new: PartitionPlan,
     return TransferSchedule(old.tp_size, tuple(sorted(moves)))
 
 
-def minimum_bytes(old: PartitionPlan, new: PartitionPlan,
-                  unit_nbytes: Callable[[str], int]) -> int:
+def minimum_bytes(old: PartitionPlan, new: PartitionPlan, unit_nbytes: Callable[[str], int]) -> int:
     """The fewest bytes any transfer from `old`'s counts to `new`'s can move: per layer and
     block, each rank that gains k units must receive k of them."""
-    return sum(max(0, b - a) * unit_nbytes(block)
-               for layer in range(old.num_layers) for block in BLOCKS
-               for a, b in zip(old.counts(layer, block), new.counts(layer, block)))
+    return sum(
+        max(0, b - a) * unit_nbytes(block)
+        for layer in range(old.num_layers)
+        for block in BLOCKS
+        for a, b in zip(old.counts(layer, block), new.counts(layer, block))
+    )
 
 
 @dataclass(frozen=True)
@@ -113,16 +122,22 @@ class CostModel:
         busiest_bytes = max(b for _, b in traffic)
         out = {
             "p2p": self.p2p.call + max(m * self.p2p.alpha + b / self.p2p.beta for m, b in traffic),
-            "all_to_all": (self.all_to_all.call + (n - 1) * self.all_to_all.alpha
-                           + busiest_bytes / self.all_to_all.beta),
+            "all_to_all": (
+                self.all_to_all.call
+                + (n - 1) * self.all_to_all.alpha
+                + busiest_bytes / self.all_to_all.beta
+            ),
         }
         if len(schedule.sources()) == 1:
             sizes = schedule.bundle_bytes().values()
             padded = (n - 1) * max(sizes)  # gloo scatters equal chunks
-            out["scatter"] = self.scatter.call + (n - 1) * self.scatter.alpha + padded / self.scatter.beta
+            out["scatter"] = (
+                self.scatter.call + (n - 1) * self.scatter.alpha + padded / self.scatter.beta
+            )
             hops = math.ceil(math.log2(n))  # tree broadcast of every bundle to every rank
             out["broadcast"] = self.broadcast.call + hops * (
-                self.broadcast.alpha + schedule.total_bytes / self.broadcast.beta)
+                self.broadcast.alpha + schedule.total_bytes / self.broadcast.beta
+            )
         return out
 
     def choose(self, schedule: TransferSchedule) -> tuple[str, dict[str, float]]:
@@ -144,8 +159,12 @@ class MigrationCost:
     move, times `rebuild_factor`. `unit_bytes` (block -> one unit's payload: weights, fp32
     masters and optimizer moments) is set by whoever knows the model's tensors."""
 
-    def __init__(self, cost_model: CostModel | None = None,
-                 unit_bytes: dict[str, int] | None = None, rebuild_factor: float = REBUILD_FACTOR):
+    def __init__(
+        self,
+        cost_model: CostModel | None = None,
+        unit_bytes: dict[str, int] | None = None,
+        rebuild_factor: float = REBUILD_FACTOR,
+    ):
         self.cost_model = cost_model or CostModel()
         self.unit_bytes = dict(unit_bytes or {})
         self.rebuild_factor = rebuild_factor

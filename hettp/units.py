@@ -11,8 +11,8 @@ A unit's payload is its slices of every part, concatenated along the axis.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -28,8 +28,10 @@ class UnitLayout:
 
     def payload(self, local: torch.Tensor, num_local_units: int, position: int) -> torch.Tensor:
         """The unit at `position` of a rank's local order, as one tensor."""
-        pieces = [local.narrow(self.axis, (part * num_local_units + position) * self.width, self.width)
-                  for part in range(self.parts)]
+        pieces = [
+            local.narrow(self.axis, (part * num_local_units + position) * self.width, self.width)
+            for part in range(self.parts)
+        ]
         return pieces[0] if self.parts == 1 else torch.cat(pieces, dim=self.axis)
 
     def assemble(self, payloads: Sequence[torch.Tensor], template: torch.Tensor) -> torch.Tensor:
@@ -40,8 +42,13 @@ class UnitLayout:
             return template.new_empty(shape)
         if self.parts == 1:
             return torch.cat(list(payloads), dim=self.axis).contiguous()
-        sections = [torch.cat([p.narrow(self.axis, part * self.width, self.width) for p in payloads],
-                              dim=self.axis) for part in range(self.parts)]
+        sections = [
+            torch.cat(
+                [p.narrow(self.axis, part * self.width, self.width) for p in payloads],
+                dim=self.axis,
+            )
+            for part in range(self.parts)
+        ]
         return torch.cat(sections, dim=self.axis).contiguous()
 
     def global_fragment(self, unit: int, part: int, num_units: int) -> tuple[int, int]:
@@ -56,24 +63,36 @@ class UnitLayout:
 
     def prefix(self, local: torch.Tensor, num_local_units: int, count: int) -> list[torch.Tensor]:
         """Views of the first `count` local units, one per part (no copy)."""
-        return [local.narrow(self.axis, part * num_local_units * self.width, count * self.width)
-                for part in range(self.parts)]
+        return [
+            local.narrow(self.axis, part * num_local_units * self.width, count * self.width)
+            for part in range(self.parts)
+        ]
 
     def suffix(self, local: torch.Tensor, num_local_units: int, count: int) -> list[torch.Tensor]:
         """Views of the local units from position `count` on, one per part (no copy)."""
         rest = (num_local_units - count) * self.width
-        return [local.narrow(self.axis, (part * num_local_units + count) * self.width, rest)
-                for part in range(self.parts)]
+        return [
+            local.narrow(self.axis, (part * num_local_units + count) * self.width, rest)
+            for part in range(self.parts)
+        ]
 
     def unit_sums(self, local: torch.Tensor, num_local_units: int) -> torch.Tensor:
         """Per local unit, the sum of `local`'s elements over all of the unit's parts (float64)."""
         moved = local.movedim(self.axis, 0).reshape(self.parts, num_local_units, -1)
         return moved.sum(dim=(0, 2), dtype=torch.float64)
 
-    def permuted(self, local: torch.Tensor, num_local_units: int,
-                 positions: Sequence[int]) -> torch.Tensor:
+    def permuted(
+        self, local: torch.Tensor, num_local_units: int, positions: Sequence[int]
+    ) -> torch.Tensor:
         """A copy of `local` whose units are those at `positions` of the current order."""
-        index = torch.tensor([(part * num_local_units + p) * self.width + i
-                              for part in range(self.parts) for p in positions
-                              for i in range(self.width)], dtype=torch.long, device=local.device)
+        index = torch.tensor(
+            [
+                (part * num_local_units + p) * self.width + i
+                for part in range(self.parts)
+                for p in positions
+                for i in range(self.width)
+            ],
+            dtype=torch.long,
+            device=local.device,
+        )
         return local.index_select(self.axis, index)

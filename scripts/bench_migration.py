@@ -3,7 +3,8 @@
 print bytes moved, migration time, and migration time as a ratio of one all_reduce of the same
 bytes on the same group, side by side; then the cost model fitted on this machine.
 
-    python scripts/bench_migration.py [--tp 4] [--repeats 3] [--granularity 16] [--out results/migration.json]
+    python scripts/bench_migration.py [--tp 4] [--repeats 3] [--granularity 16] \
+        [--out results/migration.json]
 
 Ranks are spawned on this machine (gloo on CPU). Each change goes from the current plan to new
 per-rank counts moving the fewest units. Times are medians over --repeats rounds, each round
@@ -28,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def plan_changes(tp, mlp_units):
     """(name, attn counts, mlp counts), applied in order, each from the previous plan with the
     fewest moves (PartitionPlan.rebalanced)."""
+
     def share(weights, total):
         counts = [total * w // sum(weights) for w in weights]
         counts[0] += total - sum(counts)
@@ -36,15 +38,23 @@ def plan_changes(tp, mlp_units):
     even = [1] * tp
     skew = [2, 1] if tp == 2 else [2, 1, 1, 0]
     solo = [1] + [0] * (tp - 1)
-    return [(f"{':'.join(map(str, skew))} share", share(skew, 8), share(skew, mlp_units)),
-            ("back to even", share(even, 8), share(even, mlp_units)),
-            ("all to rank 0", share(solo, 8), share(solo, mlp_units)),
-            ("back to even", share(even, 8), share(even, mlp_units))]
+    return [
+        (f"{':'.join(map(str, skew))} share", share(skew, 8), share(skew, mlp_units)),
+        ("back to even", share(even, 8), share(even, mlp_units)),
+        ("all to rank 0", share(solo, 8), share(solo, mlp_units)),
+        ("back to even", share(even, 8), share(even, mlp_units)),
+    ]
 
 
 def worker(rank, world, port, opts, out_path):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -60,10 +70,12 @@ def worker(rank, world, port, opts, out_path):
     from megatron.hetero.training import initialize, setup_model_and_optimizer, shutdown, train_step
 
     ffn = 2048
-    argv = (f"--num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size {ffn} "
-            f"--seq-length 64 --micro-batch-size 1 --global-batch-size 1 --train-iters 2 --lr 1e-4 "
-            f"--mock-data --vocab-size 255 --tensor-model-parallel-size {world} --het-tp "
-            f"--het-tp-granularity {opts.granularity} --hidden-dropout 0 --attention-dropout 0").split()
+    argv = (
+        f"--num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size {ffn} "
+        f"--seq-length 64 --micro-batch-size 1 --global-batch-size 1 --train-iters 2 --lr 1e-4 "
+        f"--mock-data --vocab-size 255 --tensor-model-parallel-size {world} --het-tp "
+        f"--het-tp-granularity {opts.granularity} --hidden-dropout 0 --attention-dropout 0"
+    ).split()
     args = parse_args(argv)
     runtime = HetTPRuntime.from_args(args)
     initialize(args)
@@ -82,8 +94,11 @@ def worker(rank, world, port, opts, out_path):
             t0 = time.perf_counter()
             migration = partition.repartition(state, plan)
             total = time.perf_counter() - t0
-            schedule, result, predictions = (migration.schedule, migration.result,
-                                             migration.predictions)
+            schedule, result, predictions = (
+                migration.schedule,
+                migration.result,
+                migration.predictions,
+            )
             payload = torch.ones(max(result.payload_bytes // 4, 1))
             reduce_times = []
             for _ in range(3):
@@ -91,29 +106,48 @@ def worker(rank, world, port, opts, out_path):
                 t1 = time.perf_counter()
                 dist.all_reduce(payload, group=group)
                 reduce_times.append(time.perf_counter() - t1)
-            times = torch.tensor([total, result.seconds, statistics.median(reduce_times)],
-                                 dtype=torch.float64)
+            times = torch.tensor(
+                [total, result.seconds, statistics.median(reduce_times)], dtype=torch.float64
+            )
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            row = rows.setdefault(f"{number}. {name} (attn {'/'.join(map(str, attn))})", {"units": len(schedule.moves),
-                                                        "bytes": result.payload_bytes,
-                                                        "primitive": result.primitive,
-                                                        "predicted_ms": predictions.get(result.primitive, 0) * 1e3,
-                                                        "total": [], "transfer": [], "all_reduce": []})
+            row = rows.setdefault(
+                f"{number}. {name} (attn {'/'.join(map(str, attn))})",
+                {
+                    "units": len(schedule.moves),
+                    "bytes": result.payload_bytes,
+                    "primitive": result.primitive,
+                    "predicted_ms": predictions.get(result.primitive, 0) * 1e3,
+                    "total": [],
+                    "transfer": [],
+                    "all_reduce": [],
+                },
+            )
             row["total"].append(times[0].item())
             row["transfer"].append(times[1].item())
             row["all_reduce"].append(times[2].item())
     fitted = measure_costs(group)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"tp": world, "granularity": opts.granularity, "rows": rows,
-                       "cost_model": {p: vars(getattr(fitted, p)) for p in
-                                      ("p2p", "all_to_all", "scatter", "broadcast")}}, f)
+            json.dump(
+                {
+                    "tp": world,
+                    "granularity": opts.granularity,
+                    "rows": rows,
+                    "cost_model": {
+                        p: vars(getattr(fitted, p))
+                        for p in ("p2p", "all_to_all", "scatter", "broadcast")
+                    },
+                },
+                f,
+            )
     runtime.close()
     shutdown()
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tp", type=int, default=4, choices=[2, 4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--granularity", type=int, default=16, help="ffn neurons per MLP unit")
@@ -123,22 +157,31 @@ def main(argv=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(worker, args=(opts.tp, port, opts, opts.out), nprocs=opts.tp,
-                       start_method="spawn")
+    mp.start_processes(
+        worker, args=(opts.tp, port, opts, opts.out), nprocs=opts.tp, start_method="spawn"
+    )
     data = json.load(open(opts.out))
-    print(f"migration benchmark: hidden 512, ffn 2048, 4 layers, Adam state, TP={opts.tp} on CPU "
-          f"(gloo), MLP units of {opts.granularity} neurons; medians of {opts.repeats} rounds")
-    print(f"{'plan change':58s} {'units':>6s} {'MB':>7s} {'via':>10s} {'transfer ms':>11s} "
-          f"{'total ms':>9s} {'all_reduce ms':>13s} {'transfer/AR':>11s} {'total/AR':>8s}")
+    print(
+        f"migration benchmark: hidden 512, ffn 2048, 4 layers, Adam state, TP={opts.tp} on CPU "
+        f"(gloo), MLP units of {opts.granularity} neurons; medians of {opts.repeats} rounds"
+    )
+    print(
+        f"{'plan change':58s} {'units':>6s} {'MB':>7s} {'via':>10s} {'transfer ms':>11s} "
+        f"{'total ms':>9s} {'all_reduce ms':>13s} {'transfer/AR':>11s} {'total/AR':>8s}"
+    )
     for name, row in data["rows"].items():
         transfer = statistics.median(row["transfer"]) * 1e3
         total = statistics.median(row["total"]) * 1e3
         reduce = statistics.median(row["all_reduce"]) * 1e3
-        print(f"{name:58s} {row['units']:6d} {row['bytes'] / 1e6:7.2f} {row['primitive']:>10s} "
-              f"{transfer:11.1f} {total:9.1f} {reduce:13.1f} {transfer / reduce:11.2f} "
-              f"{total / reduce:8.2f}")
-    print("transfer = pack + exchange + verify; total adds the commit and the rebuild of the DDP "
-          "wrapper and optimizer; AR = one all_reduce of the same bytes on the TP group.")
+        print(
+            f"{name:58s} {row['units']:6d} {row['bytes'] / 1e6:7.2f} {row['primitive']:>10s} "
+            f"{transfer:11.1f} {total:9.1f} {reduce:13.1f} {transfer / reduce:11.2f} "
+            f"{total / reduce:8.2f}"
+        )
+    print(
+        "transfer = pack + exchange + verify; total adds the commit and the rebuild of the DDP "
+        "wrapper and optimizer; AR = one all_reduce of the same bytes on the TP group."
+    )
     print("cost model fitted on this machine (call s, alpha s/message, beta bytes/s):")
     for name, c in data["cost_model"].items():
         print(f"  {name:10s} call {c['call']:.2e}  alpha {c['alpha']:.2e}  beta {c['beta']:.2e}")

@@ -47,13 +47,16 @@ def main(argv=None):
     from megatron.hetero.spec import get_het_gpt_layer_spec
     from megatron.hetero.training import initialize, shutdown
 
-    args = parse_args(f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads "
-                      f"{a.heads} --seq-length {a.seq} --micro-batch-size {a.batch} --train-iters 1 "
-                      f"--lr 1e-3 --mock-data --vocab-size 255 --het-tp".split())
+    args = parse_args(
+        f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads "
+        f"{a.heads} --seq-length {a.seq} --micro-batch-size {a.batch} --train-iters 1 "
+        f"--lr 1e-3 --mock-data --vocab-size 255 --het-tp".split()
+    )
     initialize(args)
     try:
-        model = build_gpt_model(args, transformer_config(args), 256,
-                                get_het_gpt_layer_spec(args.normalization, 1))
+        model = build_gpt_model(
+            args, transformer_config(args), 256, get_het_gpt_layer_spec(args.normalization, 1)
+        )
         blocks = het_blocks(model)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 256, (a.batch, a.seq), generator=gen)
@@ -80,14 +83,22 @@ def main(argv=None):
             raise SystemExit("--fractions must include 0 and 1 (the fixed part and the full step)")
         full = med[1.0] - med[0.0]
         rows = []
-        lines = [f"resize compute on one rank: hidden {a.hidden}, {a.heads} heads, ffn "
-                 f"{4 * a.hidden}, {a.layers} layers, {a.batch}x{a.seq} tokens, 1 thread, "
-                 f"medians of {a.repeats} interleaved",
-                 f"{'active':>7} {'step/full step':>15} {'sharded work/full':>18} {'ideal':>6}"]
+        lines = [
+            f"resize compute on one rank: hidden {a.hidden}, {a.heads} heads, ffn "
+            f"{4 * a.hidden}, {a.layers} layers, {a.batch}x{a.seq} tokens, 1 thread, "
+            f"medians of {a.repeats} interleaved",
+            f"{'active':>7} {'step/full step':>15} {'sharded work/full':>18} {'ideal':>6}",
+        ]
         for f in fractions:
             work = (med[f] - med[0.0]) / full
-            rows.append({"active_fraction": f, "step_ratio": med[f] / med[1.0],
-                         "sharded_work_ratio": work, "seconds": times[f]})
+            rows.append(
+                {
+                    "active_fraction": f,
+                    "step_ratio": med[f] / med[1.0],
+                    "sharded_work_ratio": work,
+                    "seconds": times[f],
+                }
+            )
             lines.append(f"{f:>7.2f} {med[f] / med[1.0]:>15.3f} {work:>18.3f} {f:>6.2f}")
         lines.append(f"sharded work share of the full step: {full / med[1.0]:.2f}")
         print("\n".join(lines))

@@ -49,20 +49,35 @@ from hettp.report import VANILLA, Run, compare, markdown  # noqa: E402
 from hettp.scenarios import resolve  # noqa: E402
 
 POLICIES = tuple(compared_policies())
-OWN_FLAGS = ("--tensor-model-parallel-size", "--train-iters", "--het-tp-policy",
-             "--het-tp-emulate", "--het-tp-interval", "--het-tp-timer", "--metrics-file",
-             "--seed", "--log-interval", "--global-batch-size", "--save", "--load",
-             "--het-tp-emulate-dilation")
+OWN_FLAGS = (
+    "--tensor-model-parallel-size",
+    "--train-iters",
+    "--het-tp-policy",
+    "--het-tp-emulate",
+    "--het-tp-interval",
+    "--het-tp-timer",
+    "--metrics-file",
+    "--seed",
+    "--log-interval",
+    "--global-batch-size",
+    "--save",
+    "--load",
+    "--het-tp-emulate-dilation",
+)
 
 
 def model_flags(quick: bool) -> list[str]:
     if quick:
-        return ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-                "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --mock-data "
-                "--vocab-size 255 --hidden-dropout 0 --attention-dropout 0").split()
-    return ("--num-layers 2 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048 "
-            "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 4 --lr 1e-4 "
-            "--mock-data --vocab-size 255 --hidden-dropout 0 --attention-dropout 0").split()
+        return (
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --mock-data "
+            "--vocab-size 255 --hidden-dropout 0 --attention-dropout 0"
+        ).split()
+    return (
+        "--num-layers 2 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048 "
+        "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 4 --lr 1e-4 "
+        "--mock-data --vocab-size 255 --hidden-dropout 0 --attention-dropout 0"
+    ).split()
 
 
 def _flag_value(flags: list[str], name: str, default: str) -> str:
@@ -116,10 +131,13 @@ class Progress:
     def show(self, label: str, iteration: int, iterations: int, final: bool = False) -> None:
         elapsed = time.monotonic() - self.start
         finished = self.done + int(final)
-        eta_text = (self._clock(elapsed / finished * (self.total - finished)) if finished
-                    else "--:--")
-        line = (f"[{self.done + 1:3d}/{self.total}  {self._clock(elapsed)} "
-                f"eta {eta_text}] {label}: iteration {iteration}/{iterations}")
+        eta_text = (
+            self._clock(elapsed / finished * (self.total - finished)) if finished else "--:--"
+        )
+        line = (
+            f"[{self.done + 1:3d}/{self.total}  {self._clock(elapsed)} "
+            f"eta {eta_text}] {label}: iteration {iteration}/{iterations}"
+        )
         if self.tty:
             sys.stdout.write("\r" + line.ljust(100) + ("\n" if final else ""))
             sys.stdout.flush()
@@ -142,38 +160,63 @@ def _iterations_done(path: str) -> int:
         return 0
 
 
-def launch(a, flags: list[str], path: str, neighbor_core: int | None, label: str,
-           progress: Progress) -> None:
+def launch(
+    a, flags: list[str], path: str, neighbor_core: int | None, label: str, progress: Progress
+) -> None:
     """Run pretrain_gpt.py on tp x dp pinned ranks (rank i on core i % cores); wait, showing
     progress; raise SystemExit naming the run if any rank fails."""
     world = a.tp * a.dp
     cores = _cores()
-    for stale in (path, path[:-len(".jsonl")] + ".log"):
+    for stale in (path, path[: -len(".jsonl")] + ".log"):
         if os.path.exists(stale):
             os.remove(stale)
     port = _free_port()
-    log_path = path[:-len(".jsonl")] + ".log"
+    log_path = path[: -len(".jsonl")] + ".log"
     log = open(log_path, "w")
     neighbor = None
     if neighbor_core is not None:
-        neighbor = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts",
-                                     "noisy_neighbor.py"), "--cpu", str(neighbor_core),
-                                     "--duration", "86400"], stdout=log, stderr=subprocess.STDOUT)
+        neighbor = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(ROOT, "scripts", "noisy_neighbor.py"),
+                "--cpu",
+                str(neighbor_core),
+                "--duration",
+                "86400",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     ranks = multiprocessing.get_context("forkserver")
     ranks.set_forkserver_preload(PRELOAD)
     procs = []
     try:
         for rank in range(world):
-            env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            procs.append(ranks.Process(target=_rank, name=f"rank{rank}", args=(
-                env, cores[rank % len(cores)], log_path, [*flags, "--metrics-file", path])))
+            env = dict(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            )
+            procs.append(
+                ranks.Process(
+                    target=_rank,
+                    name=f"rank{rank}",
+                    args=(
+                        env,
+                        cores[rank % len(cores)],
+                        log_path,
+                        [*flags, "--metrics-file", path],
+                    ),
+                )
+            )
             procs[-1].start()
         deadline = time.monotonic() + a.run_timeout
         while any(p.exitcode is None for p in procs):
-            if (any(p.exitcode not in (None, 0) for p in procs)
-                    or time.monotonic() > deadline):
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
                 break
             progress.show(label, _iterations_done(path), a.iters)
             time.sleep(0.5)
@@ -200,45 +243,76 @@ def parse(argv):
     extra = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+        argv, extra = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
-    p.add_argument("--scenarios", default=None,
-                   help="comma-separated built-in names and/or JSON files "
-                        "(default: none,persistent-2x,transient,noisy)")
-    p.add_argument("--policies", default=None,
-                   help=f"comma-separated from {', '.join(POLICIES)}; vanilla (none) always runs "
-                        "(default: none,resize,migrate,hybrid)")
+    p.add_argument(
+        "--scenarios",
+        default=None,
+        help="comma-separated built-in names and/or JSON files "
+        "(default: none,persistent-2x,transient,noisy)",
+    )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help=f"comma-separated from {', '.join(POLICIES)}; vanilla (none) always runs "
+        "(default: none,resize,migrate,hybrid)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="rounds of every run (default 3)")
     p.add_argument("--iters", type=int, default=None, help="iterations per run (default 24)")
-    p.add_argument("--interval", type=int, default=None,
-                   help="--het-tp-interval of every run (default 4)")
+    p.add_argument(
+        "--interval", type=int, default=None, help="--het-tp-interval of every run (default 4)"
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="output folder (default results/compare)")
-    p.add_argument("--report-only", action="store_true",
-                   help="launch nothing: rebuild the report from the runs already in --out/runs")
-    p.add_argument("--dilation", default="auto",
-                   help="--het-tp-emulate-dilation of every run: 'auto' (1 with a core per "
-                        "rank, else 1.5 x the ranks on the busiest core, so that each rank "
-                        "behaves as if it had its own device) or a number >= 1")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="launch nothing: rebuild the report from the runs already in --out/runs",
+    )
+    p.add_argument(
+        "--dilation",
+        default="auto",
+        help="--het-tp-emulate-dilation of every run: 'auto' (1 with a core per "
+        "rank, else 1.5 x the ranks on the busiest core, so that each rank "
+        "behaves as if it had its own device) or a number >= 1",
+    )
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
-    p.add_argument("--quick", action="store_true",
-                   help="a tiny model, 12 iterations, scenarios none,persistent-2x,noisy, "
-                        "policies none,migrate, 2 rounds: the whole path in about 2.5 minutes")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny model, 12 iterations, scenarios none,persistent-2x,noisy, "
+        "policies none,migrate, 2 rounds: the whole path in about 2.5 minutes",
+    )
     a = p.parse_args(argv)
     # --quick includes the real-contention path when each of its 2 ranks can have a core
-    quick = dict(scenarios="none,persistent-2x" + (",noisy" if len(_cores()) >= 2 else ""),
-                 policies="none,migrate", repeats=2, iters=12,
-                 interval=3, out=os.path.join(ROOT, "results", "compare-quick"))
-    full = dict(scenarios="none,persistent-2x,transient,noisy", policies="none,resize,migrate,"
-                "hybrid", repeats=3, iters=24, interval=4,
-                out=os.path.join(ROOT, "results", "compare"))
+    quick = dict(
+        scenarios="none,persistent-2x" + (",noisy" if len(_cores()) >= 2 else ""),
+        policies="none,migrate",
+        repeats=2,
+        iters=12,
+        interval=3,
+        out=os.path.join(ROOT, "results", "compare-quick"),
+    )
+    full = dict(
+        scenarios="none,persistent-2x,transient,noisy",
+        policies="none,resize,migrate,hybrid",
+        repeats=3,
+        iters=24,
+        interval=4,
+        out=os.path.join(ROOT, "results", "compare"),
+    )
     for key, value in (quick if a.quick else full).items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    for name, value, low in (("--tp", a.tp, 1), ("--dp", a.dp, 1), ("--repeats", a.repeats, 1),
-                             ("--iters", a.iters, 4), ("--interval", a.interval, 1)):
+    for name, value, low in (
+        ("--tp", a.tp, 1),
+        ("--dp", a.dp, 1),
+        ("--repeats", a.repeats, 1),
+        ("--iters", a.iters, 4),
+        ("--interval", a.interval, 1),
+    ):
         if value < low:
             p.error(f"{name} must be >= {low}, got {value}")
     if 2 * a.interval > a.iters:
@@ -260,12 +334,15 @@ def parse(argv):
     a.model = extra or model_flags(a.quick)
     world = a.tp * a.dp
     if world > len(_cores()) and any(s.real for s in a.scenario_list):
-        p.error(f"real-contention scenarios need a core per rank: {world} ranks, "
-                f"{len(_cores())} cores")
+        p.error(
+            f"real-contention scenarios need a core per rank: {world} ranks, {len(_cores())} cores"
+        )
     a.dilation = _dilation(p, a.dilation, world, len(_cores()))
     if a.dilation > 1 and any(s.real for s in a.scenario_list):
-        p.error(f"--dilation {a.dilation:g} stretches CPU time, which a busy neighbour does not "
-                "show; real-contention scenarios need --dilation 1")
+        p.error(
+            f"--dilation {a.dilation:g} stretches CPU time, which a busy neighbour does not "
+            "show; real-contention scenarios need --dilation 1"
+        )
     return a
 
 
@@ -286,23 +363,39 @@ def _dilation(p, value: str, world: int, cores: int) -> float:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    command = " ".join(["python scripts/compare.py"] + [
-        shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)])
+    command = " ".join(
+        ["python scripts/compare.py"]
+        + [shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)]
+    )
     runs_dir = os.path.join(a.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     cores = _cores()
     micro = int(_flag_value(a.model, "--micro-batch-size", "1"))
-    common = [*a.model, "--tensor-model-parallel-size", str(a.tp), "--global-batch-size",
-              str(micro * a.dp), "--train-iters", str(a.iters), "--log-interval", str(a.iters),
-              "--het-tp-interval", str(a.interval),
-              "--seed", str(a.seed)]
+    common = [
+        *a.model,
+        "--tensor-model-parallel-size",
+        str(a.tp),
+        "--global-batch-size",
+        str(micro * a.dp),
+        "--train-iters",
+        str(a.iters),
+        "--log-interval",
+        str(a.iters),
+        "--het-tp-interval",
+        str(a.interval),
+        "--seed",
+        str(a.seed),
+    ]
     if a.dilation > 1:
         common += ["--het-tp-emulate-dilation", f"{a.dilation:g}"]
     configs = [(s, policy) for s in a.scenario_list for policy in a.policy_list]
     progress = Progress(len(configs) * a.repeats)
-    print(f"compare: TP={a.tp} DP={a.dp}, {len(a.scenario_list)} scenarios x "
-          f"{len(a.policy_list)} policies x {a.repeats} rounds = {progress.total} runs of "
-          f"{a.iters} iterations; ranks pinned to cores {cores}", flush=True)
+    print(
+        f"compare: TP={a.tp} DP={a.dp}, {len(a.scenario_list)} scenarios x "
+        f"{len(a.policy_list)} policies x {a.repeats} rounds = {progress.total} runs of "
+        f"{a.iters} iterations; ranks pinned to cores {cores}",
+        flush=True,
+    )
     start = time.monotonic()
     runs = []
     for repeat in range(a.repeats):  # interleaved: every configuration once per round
@@ -311,16 +404,24 @@ def main(argv=None) -> int:
             if scenario.emulate:
                 flags += ["--het-tp-emulate", scenario.emulate]
             path = os.path.join(runs_dir, f"{scenario.name}.{policy}.{repeat}.jsonl")
-            neighbor_core = (cores[scenario.neighbor_rank % len(cores)] if scenario.real
-                             else None)
+            neighbor_core = cores[scenario.neighbor_rank % len(cores)] if scenario.real else None
             if not a.report_only:
-                launch(a, flags, path, neighbor_core,
-                       f"{scenario.name} / {policy} / round {repeat + 1}", progress)
+                launch(
+                    a,
+                    flags,
+                    path,
+                    neighbor_core,
+                    f"{scenario.name} / {policy} / round {repeat + 1}",
+                    progress,
+                )
             elif not os.path.exists(path):
                 raise SystemExit(f"compare: --report-only but {path} is missing")
             progress.done += 1
-            runs.append(Run.from_records(read_metrics(path), scenario.name, policy, repeat,
-                                         os.path.relpath(path, a.out)))
+            runs.append(
+                Run.from_records(
+                    read_metrics(path), scenario.name, policy, repeat, os.path.relpath(path, a.out)
+                )
+            )
     minutes = (time.monotonic() - start) / 60
     previous = os.path.join(a.out, "report.json")
     provenance = {}
@@ -332,44 +433,87 @@ def main(argv=None) -> int:
     factors = {s.name: s.factors(a.tp, a.iters) for s in a.scenario_list}
     varying = {s.name: s.varying(a.tp, a.iters) for s in a.scenario_list}
     result = compare(runs, factors, varying, {s.name for s in a.scenario_list if s.real})
-    machine = (f"{platform.node()}: {len(os.sched_getaffinity(0))} cores "
-               f"({platform.processor() or platform.machine()}), Python "
-               f"{platform.python_version()}")
+    machine = (
+        f"{platform.node()}: {len(os.sched_getaffinity(0))} cores "
+        f"({platform.processor() or platform.machine()}), Python "
+        f"{platform.python_version()}"
+    )
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine, date = provenance.get("machine", machine), provenance.get("date", date)
-    scenario_lines = [f"- `{s.name}`: {s.about or s.emulate or 'custom'}"
-                      + (f" (`--het-tp-emulate {s.emulate}`)" if s.emulate else "")
-                      + (", mean over the run" if varying[s.name] else "")
-                      + f"; compute timer {_timer(s)}"
-                      for s in a.scenario_list]
-    header = [f"# het-TP vs vanilla: TP={a.tp} DP={a.dp}", "",
-              f"`{command}` on {date}, {machine}; {progress.total} runs in {minutes:.1f} min.",
-              f"Model: `{' '.join(a.model)}`; {a.iters} iterations per run, reports every "
-              f"{a.interval}; medians over {a.repeats} interleaved rounds (spread = max - min); "
-              "step time = median of the second half, or the mean after iteration 1 where "
-              "who is slow changes."
-              + (f" Each sharded GEMM is stretched to {dilation:g}x its CPU time "
-                 "(`--het-tp-emulate-dilation`): with more ranks than cores, a sleeping "
-                 "straggler would otherwise lend its core to the others."
-                 if dilation > 1 else ""), "", *scenario_lines, ""]
+    scenario_lines = [
+        f"- `{s.name}`: {s.about or s.emulate or 'custom'}"
+        + (f" (`--het-tp-emulate {s.emulate}`)" if s.emulate else "")
+        + (", mean over the run" if varying[s.name] else "")
+        + f"; compute timer {_timer(s)}"
+        for s in a.scenario_list
+    ]
+    header = [
+        f"# het-TP vs vanilla: TP={a.tp} DP={a.dp}",
+        "",
+        f"`{command}` on {date}, {machine}; {progress.total} runs in {minutes:.1f} min.",
+        f"Model: `{' '.join(a.model)}`; {a.iters} iterations per run, reports every "
+        f"{a.interval}; medians over {a.repeats} interleaved rounds (spread = max - min); "
+        "step time = median of the second half, or the mean after iteration 1 where "
+        "who is slow changes."
+        + (
+            f" Each sharded GEMM is stretched to {dilation:g}x its CPU time "
+            "(`--het-tp-emulate-dilation`): with more ranks than cores, a sleeping "
+            "straggler would otherwise lend its core to the others."
+            if dilation > 1
+            else ""
+        ),
+        "",
+        *scenario_lines,
+        "",
+    ]
     with open(os.path.join(a.out, "report.md"), "w") as f:
         f.write("\n".join(header) + "\n" + markdown(result))
     with open(os.path.join(a.out, "report.json"), "w") as f:
-        json.dump({"command": command, "date": date, "machine": machine, "minutes": minutes,
-                   "tp": a.tp, "dp": a.dp, "iters": a.iters, "interval": a.interval,
-                   "repeats": a.repeats, "model": a.model, "dilation": dilation,
-                   "scenarios": [{"name": s.name, "emulate": s.emulate, "timer": _timer(s),
-                                  "noisy_neighbor_rank": s.neighbor_rank, "about": s.about,
-                                  "varying": varying[s.name]} for s in a.scenario_list],
-                   **result}, f, indent=1)
+        json.dump(
+            {
+                "command": command,
+                "date": date,
+                "machine": machine,
+                "minutes": minutes,
+                "tp": a.tp,
+                "dp": a.dp,
+                "iters": a.iters,
+                "interval": a.interval,
+                "repeats": a.repeats,
+                "model": a.model,
+                "dilation": dilation,
+                "scenarios": [
+                    {
+                        "name": s.name,
+                        "emulate": s.emulate,
+                        "timer": _timer(s),
+                        "noisy_neighbor_rank": s.neighbor_rank,
+                        "about": s.about,
+                        "varying": varying[s.name],
+                    }
+                    for s in a.scenario_list
+                ],
+                **result,
+            },
+            f,
+            indent=1,
+        )
     from hettp.plots import plot
 
-    plot(runs, result["speeds"], result["baseline"], os.path.join(a.out, "step_time.png"),
-         os.path.join(a.out, "loss.png"))
+    plot(
+        runs,
+        result["speeds"],
+        result["baseline"],
+        os.path.join(a.out, "step_time.png"),
+        os.path.join(a.out, "loss.png"),
+    )
     print(markdown(result))
-    print(f"compare: {progress.total} runs in {minutes:.1f} min; report in "
-          f"{os.path.relpath(a.out, os.getcwd())}/report.md, report.json, step_time.png, "
-          "loss.png", flush=True)
+    print(
+        f"compare: {progress.total} runs in {minutes:.1f} min; report in "
+        f"{os.path.relpath(a.out, os.getcwd())}/report.md, report.json, step_time.png, "
+        "loss.png",
+        flush=True,
+    )
     return 0
 
 

@@ -48,8 +48,14 @@ def main(argv=None) -> int:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--cpu", type=int, metavar="CORE", help="core to contend on")
     where.add_argument("--gpu", type=int, metavar="DEVICE", help="CUDA device to contend on")
-    p.add_argument("--pin", type=int, nargs="*", default=[], metavar="PID",
-                   help="processes to pin to the same core (--cpu)")
+    p.add_argument(
+        "--pin",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="PID",
+        help="processes to pin to the same core (--cpu)",
+    )
     p.add_argument("--duration", type=float, default=60.0, help="seconds of contention")
     p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before starting")
     p.add_argument("--size", type=int, default=8192, help="matrix size (--gpu)")
@@ -79,8 +85,10 @@ def main(argv=None) -> int:
         loops = -1
     target = f"core {a.cpu}" if a.cpu is not None else f"cuda:{a.gpu}"
     pinned = f", pinned {a.pin} there" if a.pin else ""
-    print(f"noisy neighbour on {target}{pinned}: {time.monotonic() - start:.1f} s, "
-          f"{loops} loops", flush=True)
+    print(
+        f"noisy neighbour on {target}{pinned}: {time.monotonic() - start:.1f} s, {loops} loops",
+        flush=True,
+    )
     return 0
 
 

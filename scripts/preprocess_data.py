@@ -34,19 +34,32 @@ from megatron.hetero.data import build_tokenizer  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--input", nargs="*", default=[], help="JSONL files, text files or folders")
-    p.add_argument("--stdlib", action="store_true",
-                   help="add this Python's standard library sources (*.py) as documents")
+    p.add_argument(
+        "--stdlib",
+        action="store_true",
+        help="add this Python's standard library sources (*.py) as documents",
+    )
     p.add_argument("--glob", default="*", help="file pattern inside input folders (default: *)")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=TOKENIZER_TYPES)
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="for NullTokenizer: documents are whitespace-separated ids below this")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="for NullTokenizer: documents are whitespace-separated ids below this",
+    )
     p.add_argument("--append-eod", action="store_true", help="end every document with EOD")
-    p.add_argument("--max-bytes", type=int, default=None,
-                   help="stop after this many bytes of text (deterministic prefix of the input)")
+    p.add_argument(
+        "--max-bytes",
+        type=int,
+        default=None,
+        help="stop after this many bytes of text (deterministic prefix of the input)",
+    )
     args = p.parse_args(argv)
     if not args.input and not args.stdlib:
         p.error("give --input and/or --stdlib")
@@ -91,7 +104,7 @@ def iter_documents(args):
                         try:
                             record = json.loads(line)
                         except json.JSONDecodeError as err:
-                            raise SystemExit(f"{path}:{number}: not JSON ({err})")
+                            raise SystemExit(f"{path}:{number}: not JSON ({err})") from None
                         for key in args.json_keys:
                             if key not in record:
                                 raise SystemExit(f"{path}:{number}: no key '{key}' (--json-keys)")
@@ -131,8 +144,10 @@ def main(argv=None):
     for key, (builder, prefix) in builders.items():
         builder.finalize(prefix + ".idx")
         docs, tokens = counts[key]
-        print(f"wrote {prefix}.bin/.idx: {docs} documents, {tokens} tokens "
-              f"({args.tokenizer_type}, {np.dtype(dtype).name})")
+        print(
+            f"wrote {prefix}.bin/.idx: {docs} documents, {tokens} tokens "
+            f"({args.tokenizer_type}, {np.dtype(dtype).name})"
+        )
 
 
 if __name__ == "__main__":

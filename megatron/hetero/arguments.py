@@ -49,17 +49,28 @@ def _add_network_args(parser):
     g = parser.add_argument_group("network size")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="Default: 4 x hidden size (or 8/3 x, rounded to 64, with --swiglu).")
+    g.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="Default: 4 x hidden size (or 8/3 x, rounded to 64, with --swiglu).",
+    )
     g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--kv-channels", type=int, default=None,
-                   help="Projection size per head. Default: hidden size / attention heads.")
+    g.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="Projection size per head. Default: hidden size / attention heads.",
+    )
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"])
+    g.add_argument(
+        "--position-embedding-type",
+        default="learned_absolute",
+        choices=["learned_absolute", "rope", "none"],
+    )
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
@@ -85,14 +96,22 @@ def _add_regularization_args(parser):
 def _add_training_args(parser):
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True)
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="Default: micro batch size x data-parallel size.")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Default: micro batch size x data-parallel size.",
+    )
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--use-cpu-initialization", action="store_true", default=None,
-                   help="Build full weights on the CPU, then shard them (always on for CPU runs). "
-                        "Makes initial weights independent of the TP size.")
+    g.add_argument(
+        "--use-cpu-initialization",
+        action="store_true",
+        default=None,
+        help="Build full weights on the CPU, then shard them (always on for CPU runs). "
+        "Makes initial weights independent of the TP size.",
+    )
     g.add_argument("--exit-interval", type=int, default=None)
 
 
@@ -100,8 +119,11 @@ def _add_learning_rate_args(parser):
     g = parser.add_argument_group("learning rate")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument(
+        "--lr-decay-style",
+        default="linear",
+        choices=["constant", "linear", "cosine", "inverse-square-root"],
+    )
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
@@ -111,8 +133,12 @@ def _add_distributed_args(parser):
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
-                   help="Default: nccl with CUDA, gloo without.")
+    g.add_argument(
+        "--distributed-backend",
+        default=None,
+        choices=["nccl", "gloo"],
+        help="Default: nccl with CUDA, gloo without.",
+    )
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
@@ -127,9 +153,13 @@ def _add_mixed_precision_args(parser):
 def _add_data_args(parser):
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="Indexed dataset prefixes (.bin/.idx), optionally weighted: "
-                        "'w1 prefix1 w2 prefix2 ...'.")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="Indexed dataset prefixes (.bin/.idx), optionally weighted: "
+        "'w1 prefix1 w2 prefix2 ...'.",
+    )
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
@@ -148,9 +178,12 @@ def _add_logging_args(parser):
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--metrics-file", default=None,
-                   help="JSONL file with one record per iteration and evaluation (hettp). "
-                        "Default: <save>/metrics.jsonl, or logs/metrics-<time>.jsonl without --save.")
+    g.add_argument(
+        "--metrics-file",
+        default=None,
+        help="JSONL file with one record per iteration and evaluation (hettp). "
+        "Default: <save>/metrics.jsonl, or logs/metrics-<time>.jsonl without --save.",
+    )
 
 
 def _add_checkpointing_args(parser):
@@ -186,10 +219,19 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         cuda_available = torch.cuda.is_available()
     args.world_size = world_size
 
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "log_interval", "eval_interval",
-                 "make_vocab_size_divisible_by"):
+    for flag in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "train_iters",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "log_interval",
+        "eval_interval",
+        "make_vocab_size_divisible_by",
+    ):
         value = getattr(args, flag)
         _require(value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
     for flag in ("eval_iters", "lr_warmup_iters", "num_workers"):
@@ -201,31 +243,42 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
 
     # Parallel layout.
     tp = args.tensor_model_parallel_size
-    _require(args.pipeline_model_parallel_size == 1,
-             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
-             "pipeline parallelism is not supported yet (use 1)")
-    _require(world_size % tp == 0,
-             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp})")
+    _require(
+        args.pipeline_model_parallel_size == 1,
+        f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+        "pipeline parallelism is not supported yet (use 1)",
+    )
+    _require(
+        world_size % tp == 0,
+        f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp})",
+    )
     args.data_parallel_size = world_size // tp
 
     # Model shape.
     heads = args.num_attention_heads
-    _require(heads % tp == 0,
-             f"--num-attention-heads ({heads}) must be divisible by "
-             f"--tensor-model-parallel-size ({tp})")
+    _require(
+        heads % tp == 0,
+        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
+    )
     if args.kv_channels is None:
-        _require(args.hidden_size % heads == 0,
-                 f"--hidden-size ({args.hidden_size}) must be divisible by "
-                 f"--num-attention-heads ({heads}) unless --kv-channels is given")
+        _require(
+            args.hidden_size % heads == 0,
+            f"--hidden-size ({args.hidden_size}) must be divisible by "
+            f"--num-attention-heads ({heads}) unless --kv-channels is given",
+        )
         args.kv_channels = args.hidden_size // heads
     if args.group_query_attention:
         groups = args.num_query_groups
         _require(groups > 0, f"--num-query-groups must be positive, got {groups}")
-        _require(heads % groups == 0,
-                 f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})")
-        _require(groups % tp == 0,
-                 f"--num-query-groups ({groups}) must be divisible by "
-                 f"--tensor-model-parallel-size ({tp})")
+        _require(
+            heads % groups == 0,
+            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
+        )
+        _require(
+            groups % tp == 0,
+            f"--num-query-groups ({groups}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})",
+        )
     else:
         args.num_query_groups = heads
     if args.ffn_hidden_size is None:
@@ -233,85 +286,120 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 64
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
-    _require(args.ffn_hidden_size % tp == 0,
-             f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
-             f"--tensor-model-parallel-size ({tp})")
+    _require(
+        args.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+        f"--tensor-model-parallel-size ({tp})",
+    )
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute":
-        _require(args.seq_length <= args.max_position_embeddings,
-                 f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
-                 f"({args.max_position_embeddings})")
+        _require(
+            args.seq_length <= args.max_position_embeddings,
+            f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
+            f"({args.max_position_embeddings})",
+        )
 
     # Batch.
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
-    _require(args.global_batch_size > 0,
-             f"--global-batch-size must be positive, got {args.global_batch_size}")
-    _require(args.global_batch_size % (mbs * dp) == 0,
-             f"--global-batch-size ({args.global_batch_size}) is not a multiple of "
-             f"--micro-batch-size ({mbs}) x data-parallel size ({dp})")
+    _require(
+        args.global_batch_size > 0,
+        f"--global-batch-size must be positive, got {args.global_batch_size}",
+    )
+    _require(
+        args.global_batch_size % (mbs * dp) == 0,
+        f"--global-batch-size ({args.global_batch_size}) is not a multiple of "
+        f"--micro-batch-size ({mbs}) x data-parallel size ({dp})",
+    )
     args.num_microbatches = args.global_batch_size // (mbs * dp)
 
     # Learning rate.
     _require(args.lr >= 0.0, f"--lr must be >= 0, got {args.lr}")
-    _require(0.0 <= args.min_lr <= args.lr,
-             f"--min-lr ({args.min_lr}) must be between 0 and --lr ({args.lr})")
+    _require(
+        0.0 <= args.min_lr <= args.lr,
+        f"--min-lr ({args.min_lr}) must be between 0 and --lr ({args.lr})",
+    )
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    _require(args.lr_decay_iters > 0, f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
-    _require(args.lr_warmup_iters < args.lr_decay_iters,
-             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
-             f"({args.lr_decay_iters})")
+    _require(
+        args.lr_decay_iters > 0, f"--lr-decay-iters must be positive, got {args.lr_decay_iters}"
+    )
+    _require(
+        args.lr_warmup_iters < args.lr_decay_iters,
+        f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
+        f"({args.lr_decay_iters})",
+    )
     _require(args.clip_grad >= 0.0, f"--clip-grad must be >= 0, got {args.clip_grad}")
 
     # Precision and device.
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive")
     if args.fp16 and not cuda_available:
         raise ArgumentError("--fp16 needs CUDA; CPU runs train in fp32 or --bf16")
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    args.params_dtype = (
+        torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    )
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
-    _require(args.distributed_backend != "nccl" or cuda_available,
-             "--distributed-backend nccl needs CUDA; use gloo on CPU")
+    _require(
+        args.distributed_backend != "nccl" or cuda_available,
+        "--distributed-backend nccl needs CUDA; use gloo on CPU",
+    )
     if args.use_cpu_initialization is None:
         args.use_cpu_initialization = not cuda_available
 
     # Data.
-    _require(args.mock_data != bool(args.data_path),
-             "give exactly one of --mock-data and --data-path")
+    _require(
+        args.mock_data != bool(args.data_path), "give exactly one of --mock-data and --data-path"
+    )
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
     if args.tokenizer_type == "NullTokenizer":
-        _require(args.vocab_size is not None and args.vocab_size > 0,
-                 "--tokenizer-type NullTokenizer needs a positive --vocab-size")
+        _require(
+            args.vocab_size is not None and args.vocab_size > 0,
+            "--tokenizer-type NullTokenizer needs a positive --vocab-size",
+        )
     elif args.vocab_size is not None:
-        _require(args.vocab_size == BYTE_LEVEL_VOCAB_SIZE,
-                 f"--vocab-size {args.vocab_size} contradicts --tokenizer-type ByteLevelTokenizer "
-                 f"(its vocabulary has {BYTE_LEVEL_VOCAB_SIZE} entries; omit --vocab-size)")
+        _require(
+            args.vocab_size == BYTE_LEVEL_VOCAB_SIZE,
+            f"--vocab-size {args.vocab_size} contradicts --tokenizer-type ByteLevelTokenizer "
+            f"(its vocabulary has {BYTE_LEVEL_VOCAB_SIZE} entries; omit --vocab-size)",
+        )
     if args.data_path:
         for prefix in parse_data_path(args.data_path)[0]:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            _require(not missing, f"--data-path {prefix}: no {' or '.join(prefix + e for e in missing)} "
-                                  "(build one with scripts/preprocess_data.py)")
+            _require(
+                not missing,
+                f"--data-path {prefix}: no {' or '.join(prefix + e for e in missing)} "
+                "(build one with scripts/preprocess_data.py)",
+            )
         split = [s for s in args.split.replace(" ", "").replace("/", ",").split(",") if s]
-        _require(len(split) <= 3 and all(_is_number(s) and float(s) >= 0 for s in split)
-                 and sum(map(float, split)) > 0,
-                 f"--split '{args.split}' must be up to three non-negative weights, e.g. 969,30,1")
+        _require(
+            len(split) <= 3
+            and all(_is_number(s) and float(s) >= 0 for s in split)
+            and sum(map(float, split)) > 0,
+            f"--split '{args.split}' must be up to three non-negative weights, e.g. 969,30,1",
+        )
 
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
-        raise ArgumentError("--tensorboard-dir needs the tensorboard package "
-                            "(pip install tensorboard, or the project's [tensorboard] extra)")
+        raise ArgumentError(
+            "--tensorboard-dir needs the tensorboard package "
+            "(pip install tensorboard, or the project's [tensorboard] extra)"
+        )
 
     het_tp = het_tp_config(args, cuda_available)
 
     # Checkpointing.
     if args.save_interval is not None:
-        _require(args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}")
+        _require(
+            args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}"
+        )
         _require(args.save is not None, "--save-interval needs --save")
     if args.exit_interval is not None:
-        _require(args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}")
+        _require(
+            args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}"
+        )
     return het_tp
 
 
@@ -329,8 +417,9 @@ def model_shape(args) -> ModelShape:
     groups = args.num_query_groups
     if not getattr(args, "group_query_attention", True) or groups is None:
         groups = args.num_attention_heads
-    return ModelShape(args.tensor_model_parallel_size, args.num_layers, groups,
-                      args.ffn_hidden_size)
+    return ModelShape(
+        args.tensor_model_parallel_size, args.num_layers, groups, args.ffn_hidden_size
+    )
 
 
 def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
@@ -344,14 +433,17 @@ def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
         raise ArgumentError(str(err)) from None
     if config.het_tp:
         if getattr(args, "virtual_pipeline_model_parallel_size", None):
-            raise ArgumentError("--het-tp supports one model chunk: drop "
-                                "--num-layers-per-virtual-pipeline-stage")
+            raise ArgumentError(
+                "--het-tp supports one model chunk: drop --num-layers-per-virtual-pipeline-stage"
+            )
         for attr, what in _UNSUPPORTED_WITH_HET_TP:
             if getattr(args, attr, None):
                 raise ArgumentError(f"--het-tp has no {what}: drop --{attr.replace('_', '-')}")
         if getattr(args, "use_distributed_optimizer", False):
-            raise ArgumentError("--het-tp migrates Adam state of the plain optimizer: drop "
-                                "--use-distributed-optimizer")
+            raise ArgumentError(
+                "--het-tp migrates Adam state of the plain optimizer: drop "
+                "--use-distributed-optimizer"
+            )
     return config
 
 
@@ -366,14 +458,20 @@ def _is_number(text):
 def parse_data_path(data_path):
     """Megatron's blend syntax: either 'prefix ...' or 'weight prefix weight prefix ...'."""
     if len(data_path) == 1 or not _is_number(data_path[0]):
-        _require(not any(_is_number(p) for p in data_path),
-                 f"--data-path {' '.join(data_path)}: mixes weights and prefixes")
+        _require(
+            not any(_is_number(p) for p in data_path),
+            f"--data-path {' '.join(data_path)}: mixes weights and prefixes",
+        )
         return list(data_path), None
-    _require(len(data_path) % 2 == 0 and all(_is_number(w) for w in data_path[0::2]),
-             f"--data-path {' '.join(data_path)}: expected 'weight prefix' pairs")
+    _require(
+        len(data_path) % 2 == 0 and all(_is_number(w) for w in data_path[0::2]),
+        f"--data-path {' '.join(data_path)}: expected 'weight prefix' pairs",
+    )
     weights = [float(w) for w in data_path[0::2]]
-    _require(all(w >= 0 for w in weights) and sum(weights) > 0,
-             f"--data-path weights must be non-negative and not all zero, got {weights}")
+    _require(
+        all(w >= 0 for w in weights) and sum(weights) > 0,
+        f"--data-path weights must be non-negative and not all zero, got {weights}",
+    )
     return list(data_path[1::2]), weights
 
 

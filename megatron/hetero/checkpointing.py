@@ -21,10 +21,20 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 # Flags that fix tensor shapes: a checkpoint only loads into a model built with the same values.
-SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-              "num_query_groups", "kv_channels", "swiglu", "add_bias_linear",
-              "untie_embeddings_and_output_weights", "position_embedding_type",
-              "max_position_embeddings", "normalization")
+SHAPE_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "swiglu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "position_embedding_type",
+    "max_position_embeddings",
+    "normalization",
+)
 
 
 class CheckpointError(RuntimeError):
@@ -69,8 +79,13 @@ def _set_rng_state(state: dict) -> None:
 def _per_tp_rank(key: str, value) -> ShardedObject:
     """One object per TP position; data-parallel replicas share it (replica_id = DP rank)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return ShardedObject(key, value, (1, tp), (0, parallel_state.get_tensor_model_parallel_rank()),
-                         replica_id=parallel_state.get_data_parallel_rank())
+    return ShardedObject(
+        key,
+        value,
+        (1, tp),
+        (0, parallel_state.get_tensor_model_parallel_rank()),
+        replica_id=parallel_state.get_data_parallel_rank(),
+    )
 
 
 def _sharded_state(model, optimizer, scheduler, *, with_rng: bool, is_loading: bool) -> dict:
@@ -85,8 +100,16 @@ def _sharded_state(model, optimizer, scheduler, *, with_rng: bool, is_loading: b
     return state
 
 
-def save_checkpoint(root: str, iteration: int, consumed_train_samples: int, model, optimizer,
-                    scheduler, args, runtime=None) -> str:
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    consumed_train_samples: int,
+    model,
+    optimizer,
+    scheduler,
+    args,
+    runtime=None,
+) -> str:
     """`runtime`: the het-TP runtime, whose plan (common) and per-TP-rank state (priorities,
     detector) the checkpoint keeps, so a resumed run starts where this one stands."""
     state = _sharded_state(model, optimizer, scheduler, with_rng=True, is_loading=False)
@@ -126,11 +149,13 @@ def saved_plan(root: str | None) -> dict | None:
     if iteration is None:
         return None
     return dist_checkpointing.load_common_state_dict(checkpoint_dir(root, iteration)).get(
-        "het_tp_plan")
+        "het_tp_plan"
+    )
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, args,
-                    runtime=None) -> tuple[int, int] | None:
+def load_checkpoint(
+    root: str, model, optimizer, scheduler, args, runtime=None
+) -> tuple[int, int] | None:
     """Restores the newest checkpoint under `root`; returns (iteration, consumed samples), or
     None when `root` holds no checkpoint yet (training then starts from scratch).
 
@@ -142,11 +167,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args,
     path = checkpoint_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
     saved = common["args"]
-    mismatched = [f"--{name.replace('_', '-')} {saved[name]} (this run: {getattr(args, name)})"
-                  for name in SHAPE_ARGS if saved.get(name) != getattr(args, name)]
+    mismatched = [
+        f"--{name.replace('_', '-')} {saved[name]} (this run: {getattr(args, name)})"
+        for name in SHAPE_ARGS
+        if saved.get(name) != getattr(args, name)
+    ]
     if mismatched:
-        raise CheckpointError(f"checkpoint {path} was saved with a different model: "
-                              + ", ".join(mismatched))
+        raise CheckpointError(
+            f"checkpoint {path} was saved with a different model: " + ", ".join(mismatched)
+        )
     # RNG states are per TP rank: they only carry over to the same TP size.
     with_rng = saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
     state = _sharded_state(model, optimizer, scheduler, with_rng=with_rng, is_loading=True)

@@ -25,8 +25,13 @@ from .timing import ComputeTimer
 
 
 class Controller:
-    def __init__(self, config: HetTPConfig, model, unit_work: dict | None,
-                 cost_model: CostModel | None = None):
+    def __init__(
+        self,
+        config: HetTPConfig,
+        model,
+        unit_work: dict | None,
+        cost_model: CostModel | None = None,
+    ):
         self.interval = config.interval
         self.group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = dist.get_rank(self.group)
@@ -38,15 +43,27 @@ class Controller:
         planner = None  # without a decision to take, the ranks are only timed
         migration_cost = MigrationCost(cost_model) if config.policy_spec.migrates else None
         if config.decides and unit_work is not None:
-            planner = Planner(config.policy, unit_work, config.max_resize,
-                              migration_seconds=migration_cost.seconds if migration_cost else None)
+            planner = Planner(
+                config.policy,
+                unit_work,
+                config.max_resize,
+                migration_seconds=migration_cost.seconds if migration_cost else None,
+            )
         self.decides = planner is not None
         self.migrates = self.decides and migration_cost is not None
         self.loop = ControlLoop(
-            self.tp_size, planner,
-            StragglerDetector(self.tp_size, config.onset, config.end, config.patience,
-                              config.window, at_once=config.onset_at_once),
-            migration_cost)
+            self.tp_size,
+            planner,
+            StragglerDetector(
+                self.tp_size,
+                config.onset,
+                config.end,
+                config.patience,
+                config.window,
+                at_once=config.onset_at_once,
+            ),
+            migration_cost,
+        )
         self._compute, self._wall = [], []
 
     def begin_step(self, iteration: int) -> None:
@@ -54,8 +71,9 @@ class Controller:
         factor = self.scenario.factor(self.tp_rank, iteration) if self.scenario else 1.0
         self.timer.reset(factor)
 
-    def end_step(self, iteration: int, wall_seconds: float, work, plan, shares,
-                 unit_bytes) -> tuple[TimingReport, Verdict] | None:
+    def end_step(
+        self, iteration: int, wall_seconds: float, work, plan, shares, unit_bytes
+    ) -> tuple[TimingReport, Verdict] | None:
         """After the step: record; every interval, report and decide. `work` is this TP
         group's per-rank active work, `unit_bytes()` what one unit carries (called where a
         decision is taken). Returns the report and the verdict every rank agrees on."""
@@ -65,16 +83,22 @@ class Controller:
             return None
         # The median step: one slow step (a hiccup, a burst's tail) does not make a report
         # slow, and a straggle shows once it covers most of the interval.
-        report = self._gather(iteration, statistics.median(self._compute),
-                              statistics.median(self._wall), work[self.tp_rank])
+        report = self._gather(
+            iteration,
+            statistics.median(self._compute),
+            statistics.median(self._wall),
+            work[self.tp_rank],
+        )
         self._compute, self._wall = [], []
         decide = self.tp_rank == 0
-        verdict = self.loop.observe(report, plan, shares, decide,
-                                    unit_bytes() if decide and self.migrates else None)
+        verdict = self.loop.observe(
+            report, plan, shares, decide, unit_bytes() if decide and self.migrates else None
+        )
         if self.decides and self.tp_size > 1:
             box = [verdict.detection, verdict.decision]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),
-                                       group=self.group)
+            dist.broadcast_object_list(
+                box, src=dist.get_global_rank(self.group, 0), group=self.group
+            )
             verdict = Verdict(verdict.factors, box[0], verdict.model, box[1])
         return report, verdict
 
@@ -86,8 +110,11 @@ class Controller:
         self.timer.remove()
 
     def state_dict(self) -> dict:
-        return {"loop": self.loop.state_dict(), "compute": list(self._compute),
-                "wall": list(self._wall)}
+        return {
+            "loop": self.loop.state_dict(),
+            "compute": list(self._compute),
+            "wall": list(self._wall),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.loop.load_state_dict(state["loop"])
@@ -107,6 +134,12 @@ class Controller:
         reports = []
         for t in tables:
             rows = t.cpu().tolist()
-            reports.append(TimingReport(iteration, tuple(r[0] for r in rows),
-                                        tuple(r[1] for r in rows), max(r[2] for r in rows)))
+            reports.append(
+                TimingReport(
+                    iteration,
+                    tuple(r[0] for r in rows),
+                    tuple(r[1] for r in rows),
+                    max(r[2] for r in rows),
+                )
+            )
         return TimingReport.slowest_replica(reports)

@@ -45,8 +45,10 @@ SHIMS = (
     ),
     Shim(
         "synchronize",
-        ("torch.cuda:synchronize",
-         "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync"),
+        (
+            "torch.cuda:synchronize",
+            "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync",
+        ),
         "dist_checkpointing's filesystem writer calls torch.cuda.synchronize() before reading "
         "tensors; CPU work is already synchronous, so it becomes a no-op.",
     ),
@@ -109,7 +111,7 @@ class CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
-            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch."):]
+            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch.") :]
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu(args[1]), *args[2:])
         return func(*args, **kwargs)
@@ -137,7 +139,8 @@ def _check_symbols():
                 missing.append(f"{target} for shim '{shim.name}'")
     if missing:
         raise CompatError(
-            "megatron-core changed: the CPU shims cannot cover " + "; ".join(missing)
+            "megatron-core changed: the CPU shims cannot cover "
+            + "; ".join(missing)
             + ". hettp pins megatron-core==0.16.1."
         )
 

@@ -31,8 +31,9 @@ def build_tokenizer(tokenizer_type: str, vocab_size: int | None = None):
     library = _TOKENIZER_LIBRARY[tokenizer_type]
     if tokenizer_type == "ByteLevelTokenizer":
         vocab_size = BYTE_LEVEL_VOCAB_SIZE
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": library},
-                                             vocab_size=vocab_size)
+    return MegatronTokenizer.from_pretrained(
+        metadata_path={"library": library}, vocab_size=vocab_size
+    )
 
 
 class PretrainingSampler:
@@ -89,40 +90,52 @@ def build_datasets(args, tokenizer):
     """(train, valid, test) megatron-core datasets; valid/test may be None when not requested."""
     config = dataset_config(args, tokenizer)
     if not args.mock_data:
-        return BlendedMegatronDatasetBuilder(GPTDataset, num_samples(args), lambda: True,
-                                             config).build()
+        return BlendedMegatronDatasetBuilder(
+            GPTDataset, num_samples(args), lambda: True, config
+        ).build()
     # Mock indexes are cheap to rebuild; megatron-core warns on every rank that it cannot
     # cache them, which is noise here.
     dataset_logger = logging.getLogger("megatron.core.datasets.gpt_dataset")
     level = dataset_logger.level
     dataset_logger.setLevel(logging.ERROR)
     try:
-        return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples(args), lambda: True,
-                                             config).build()
+        return BlendedMegatronDatasetBuilder(
+            MockGPTDataset, num_samples(args), lambda: True, config
+        ).build()
     finally:
         dataset_logger.setLevel(level)
 
 
 def _collate_dict(batch):
-    return {key: torch.stack([torch.as_tensor(sample[key]) for sample in batch])
-            for key in batch[0]}
+    return {
+        key: torch.stack([torch.as_tensor(sample[key]) for sample in batch]) for key in batch[0]
+    }
 
 
 def build_loader(dataset, consumed_samples, args, dp_rank, dp_size):
-    sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
-                                 dp_rank, dp_size)
+    sampler = PretrainingSampler(
+        len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size
+    )
     # A private generator: creating a loader iterator draws a seed from it, and drawing from the
     # global one would shift dropout masks between a run and its resumed continuation.
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
-                                       num_workers=args.num_workers, collate_fn=_collate_dict,
-                                       persistent_workers=args.num_workers > 0,
-                                       generator=torch.Generator().manual_seed(args.seed))
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=args.num_workers,
+        collate_fn=_collate_dict,
+        persistent_workers=args.num_workers > 0,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
 
 
 def get_batch(data_iterator, device):
     """One micro-batch as GPTModel's forward wants it, on `device`."""
     batch = next(data_iterator)
     mask = batch.get("attention_mask")
-    return (batch["tokens"].long().to(device), batch["labels"].long().to(device),
-            batch["loss_mask"].float().to(device),
-            None if mask is None else mask.to(device), batch["position_ids"].long().to(device))
+    return (
+        batch["tokens"].long().to(device),
+        batch["labels"].long().to(device),
+        batch["loss_mask"].float().to(device),
+        None if mask is None else mask.to(device),
+        batch["position_ids"].long().to(device),
+    )

@@ -3,9 +3,9 @@
 The modules are built exactly like megatron-core's (same shapes, same initialisation, so the
 same random stream): a fresh model holds Megatron's even partition. HetPartition.install
 (partition.py) then moves units to the plan's owners, and HetPartition.repartition moves them
-again while training runs. Each block knows its units' layout; the linears only hold "these units, in this
-order" and describe them to dist-checkpointing in the canonical global layout, so checkpoints
-load under any plan, TP size, or vanilla megatron-core.
+again while training runs. Each block knows its units' layout; the linears only hold "these
+units, in this order" and describe them to dist-checkpointing in the canonical global layout, so
+checkpoints load under any plan, TP size, or vanilla megatron-core.
 
 Units: attention = one query group (its query heads plus its K and V heads, which Megatron's
 QKV weight lays out per group as [q..q k v]) and the matching columns of the output projection;
@@ -19,11 +19,15 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from megatron.core.parallel_state import (get_tensor_model_parallel_rank,
-                                          get_tensor_model_parallel_world_size)
+from megatron.core.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    reduce_from_tensor_model_parallel_region)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
@@ -52,9 +56,11 @@ class UnitShardedLinear:
         for name, layout in self.unit_layouts.items():
             size = getattr(self, name).shape[layout.axis]
             if size != layout.local_size(len(self.units)):
-                raise ValueError(f"{type(self).__name__}.{name}: {size} elements along axis "
-                                 f"{layout.axis}, expected {layout.local_size(len(self.units))} "
-                                 f"for {len(self.units)} units")
+                raise ValueError(
+                    f"{type(self).__name__}.{name}: {size} elements along axis "
+                    f"{layout.axis}, expected {layout.local_size(len(self.units))} "
+                    f"for {len(self.units)} units"
+                )
 
     def set_shard(self, units, tensors: dict) -> None:
         """Replace the sharded parameters with new tensors holding `units` in that order.
@@ -79,11 +85,16 @@ class UnitShardedLinear:
         for name, layout in self.unit_layouts.items():
             key = f"{prefix}{name}"
             if key in state:
-                state[key] = unit_sharded_factory(state[key].key, getattr(self, name), layout,
-                                                  self.units, self.num_units, sharded_offsets,
-                                                  state[key].replica_id)
+                state[key] = unit_sharded_factory(
+                    state[key].key,
+                    getattr(self, name),
+                    layout,
+                    self.units,
+                    self.num_units,
+                    sharded_offsets,
+                    state[key].replica_id,
+                )
         return state
-
 
     def _active_views(self, name):
         tensor = getattr(self, name)
@@ -107,8 +118,9 @@ class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
         # gradient of the skipped suffix stays zero; each SwiGLU half is its own GEMM.
         self._check_resizable()
         if weight is not None or runtime_gather_output or self.gather_output:
-            raise NotImplementedError("a resized het-TP column linear takes its own weight and "
-                                      "does not gather its output")
+            raise NotImplementedError(
+                "a resized het-TP column linear takes its own weight and does not gather its output"
+            )
         x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         weights = self._active_views("weight")
         biases = self._active_views("bias") or [None] * len(weights)
@@ -132,15 +144,17 @@ class HetRowParallelLinear(UnitShardedLinear, RowParallelLinear):
         if not self.input_is_parallel:
             raise NotImplementedError("a resized het-TP row linear needs a parallel input")
         (weight,) = self._active_views("weight")
-        output = reduce_from_tensor_model_parallel_region(F.linear(input_, weight),
-                                                          group=self.tp_group)
+        output = reduce_from_tensor_model_parallel_region(
+            F.linear(input_, weight), group=self.tp_group
+        )
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None
 
 
-def unit_sharded_factory(key, data, layout: UnitLayout, units, num_units, sharded_offsets,
-                         replica_id) -> ShardedTensorFactory:
+def unit_sharded_factory(
+    key, data, layout: UnitLayout, units, num_units, sharded_offsets, replica_id
+) -> ShardedTensorFactory:
     """One ShardedTensor per unit (and part) at its offset in the canonical full tensor.
 
     A function of (key, tensor) only, so megatron-core applies it to optimizer states too.
@@ -156,26 +170,38 @@ def unit_sharded_factory(key, data, layout: UnitLayout, units, num_units, sharde
 
     def piece(key, tensor, fragment, fragments, replica):
         return ShardedTensor.from_rank_offsets(
-            key, tensor, *sharded_offsets, (layout.axis + prepend, fragment, fragments),
-            replica_id=replica, prepend_axis_num=prepend)
+            key,
+            tensor,
+            *sharded_offsets,
+            (layout.axis + prepend, fragment, fragments),
+            replica_id=replica,
+            prepend_axis_num=prepend,
+        )
 
     def build(key, tensor, replica_id, flattened_range):
         if flattened_range is not None:
-            raise NotImplementedError("het-TP checkpoints do not support flattened (distributed "
-                                      "optimizer) shards")
+            raise NotImplementedError(
+                "het-TP checkpoints do not support flattened (distributed optimizer) shards"
+            )
         if not units:
             shape = list(tensor.shape)
             shape[layout.axis] = layout.width
             fragment, fragments = layout.global_fragment(0, 0, num_units)
-            return [piece(key, tensor.new_zeros(shape), fragment, fragments,
-                          _non_main(replica_id))]
+            return [piece(key, tensor.new_zeros(shape), fragment, fragments, _non_main(replica_id))]
         pieces = []
         for part in range(layout.parts):
             for position, unit in enumerate(units):
                 start = (part * len(units) + position) * layout.width
                 fragment, fragments = layout.global_fragment(unit, part, num_units)
-                pieces.append(piece(key, tensor.narrow(layout.axis, start, layout.width).contiguous(),
-                                    fragment, fragments, replica_id))
+                pieces.append(
+                    piece(
+                        key,
+                        tensor.narrow(layout.axis, start, layout.width).contiguous(),
+                        fragment,
+                        fragments,
+                        replica_id,
+                    )
+                )
         return pieces
 
     def merge(pieces):
@@ -198,19 +224,38 @@ class SDPACoreAttention(MegatronModule):
     Takes megatron's [s, b, heads, dim] query/key/value and returns [s, b, heads * dim].
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         self.attn_mask_type = attn_mask_type
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
         self.softmax_scale = softmax_scale
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention: packed sequences and attention bias "
-                                      "are not supported")
+            raise NotImplementedError(
+                "SDPACoreAttention: packed sequences and attention bias are not supported"
+            )
         sq, b, heads, dim = query.shape
         if heads == 0:
             # Stay on the autograd graph: linear_qkv's backward all-reduce must run on every rank.
@@ -224,9 +269,15 @@ class SDPACoreAttention(MegatronModule):
         mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked
         dropout = self.dropout_p if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                 is_causal=attention_mask is None,
-                                                 scale=self.softmax_scale)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=attention_mask is None,
+                scale=self.softmax_scale,
+            )
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
 
 
@@ -299,12 +350,26 @@ class HetSelfAttention(UnitBlock, SelfAttention):
     block = "attn"
     linear_names = ("linear_qkv", "linear_proj")
 
-    def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None,
-                 pg_collection=None, **kwargs):
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number,
+        attn_mask_type=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **kwargs,
+    ):
         if attn_mask_type is not None:
             kwargs["attn_mask_type"] = attn_mask_type
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+            **kwargs,
+        )
         if config.num_query_groups < get_tensor_model_parallel_world_size():
             raise ValueError("het-TP needs at least one query group per TP rank in the even plan")
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
@@ -314,18 +379,21 @@ class HetSelfAttention(UnitBlock, SelfAttention):
         if self.linear_qkv.bias is not None:
             qkv["bias"] = UnitLayout(0, (self.heads_per_group + 2) * dim)
         self.linear_qkv.bind_units(units, config.num_query_groups, qkv)
-        self.linear_proj.bind_units(units, config.num_query_groups,
-                                    {"weight": UnitLayout(1, self.heads_per_group * dim)})
+        self.linear_proj.bind_units(
+            units, config.num_query_groups, {"weight": UnitLayout(1, self.heads_per_group * dim)}
+        )
 
     def _units_changed(self, num_local_units):
         self.num_query_groups_per_partition = num_local_units
         self.num_attention_heads_per_partition = num_local_units * self.heads_per_group
 
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
-                                    output_gate=False, split_qkv=True):
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
+    ):
         if output_gate or not split_qkv:
-            raise NotImplementedError("het-TP attention supports neither an output gate nor "
-                                      "fused QKV rope")
+            raise NotImplementedError(
+                "het-TP attention supports neither an output gate nor fused QKV rope"
+            )
         mixed_qkv, _ = self.linear_qkv(hidden_states)
         sq, b = mixed_qkv.shape[:2]
         groups, dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
@@ -341,14 +409,29 @@ class HetMLP(UnitBlock, MLP):
     block = "mlp"
     linear_names = ("linear_fc1", "linear_fc2")
 
-    def __init__(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None,
-                 tp_group=None, unit_size: int = 1):
-        super().__init__(config=config, submodules=submodules, is_expert=is_expert,
-                         input_size=input_size, ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
+    def __init__(
+        self,
+        config,
+        submodules,
+        is_expert=False,
+        input_size=None,
+        ffn_hidden_size=None,
+        tp_group=None,
+        unit_size: int = 1,
+    ):
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            is_expert=is_expert,
+            input_size=input_size,
+            ffn_hidden_size=ffn_hidden_size,
+            tp_group=tp_group,
+        )
         ffn = config.ffn_hidden_size
         if ffn % unit_size:
-            raise ValueError(f"--het-tp-granularity {unit_size} does not divide "
-                             f"--ffn-hidden-size {ffn}")
+            raise ValueError(
+                f"--het-tp-granularity {unit_size} does not divide --ffn-hidden-size {ffn}"
+            )
         num_units = ffn // unit_size
         units = _even_units(num_units)
         parts = 2 if config.gated_linear_unit else 1

@@ -45,73 +45,113 @@ class EventLog:
     def repartition(self, iteration, migration) -> None:
         """One line per applied re-partition: what moved, how, and what it cost."""
         result = migration.result
-        predicted = ", ".join(f"{p} {t * 1e3:.2f}" for p, t in sorted(migration.predictions.items()))
-        self.info(f"> het-TP repartition at iteration {iteration}: {migration.after.summary()} | "
-                  f"moved {migration.units_moved} units, {result.payload_bytes} bytes "
-                  f"({result.wire_bytes} on the wire) via {result.primitive} in "
-                  f"{result.seconds * 1e3:.1f} ms (predicted ms: {predicted})")
+        predicted = ", ".join(
+            f"{p} {t * 1e3:.2f}" for p, t in sorted(migration.predictions.items())
+        )
+        self.info(
+            f"> het-TP repartition at iteration {iteration}: {migration.after.summary()} | "
+            f"moved {migration.units_moved} units, {result.payload_bytes} bytes "
+            f"({result.wire_bytes} on the wire) via {result.primitive} in "
+            f"{result.seconds * 1e3:.1f} ms (predicted ms: {predicted})"
+        )
         if self.metrics is not None:
-            self.metrics.write("repartition", iteration=iteration, plan=migration.after.to_json(),
-                               units_moved=migration.units_moved, bytes=result.payload_bytes,
-                               min_bytes=migration.minimum_bytes(),
-                               wire_bytes=result.wire_bytes, primitive=result.primitive,
-                               seconds=result.seconds, predicted_seconds=migration.predictions)
+            self.metrics.write(
+                "repartition",
+                iteration=iteration,
+                plan=migration.after.to_json(),
+                units_moved=migration.units_moved,
+                bytes=result.payload_bytes,
+                min_bytes=migration.minimum_bytes(),
+                wire_bytes=result.wire_bytes,
+                primitive=result.primitive,
+                seconds=result.seconds,
+                predicted_seconds=migration.predictions,
+            )
 
     def resize(self, iteration, resizer, why) -> None:
         """One line per resize decision: asked and realized skipped shares per rank."""
         realized = resizer.realized_shares()
         shares = ", ".join(f"{a:.0%}/{r:.1%}" for a, r in zip(resizer.shares, realized))
-        self.info(f"> het-TP resize at iteration {iteration} ({why}): skipped share per TP rank "
-                  f"(asked/realized) {shares} | priority {resizer.scorer}, refreshed every "
-                  f"{resizer.interval} iterations" + (f" | skipped gradients imputed with "
-                                                      f"{resizer.impute:g}" if resizer.impute
-                                                      is not None else ""))
+        self.info(
+            f"> het-TP resize at iteration {iteration} ({why}): skipped share per TP rank "
+            f"(asked/realized) {shares} | priority {resizer.scorer}, refreshed every "
+            f"{resizer.interval} iterations"
+            + (
+                f" | skipped gradients imputed with {resizer.impute:g}"
+                if resizer.impute is not None
+                else ""
+            )
+        )
         if self.metrics is not None:
-            self.metrics.write("resize", iteration=iteration, why=why, shares=list(resizer.shares),
-                               realized=realized, priority=resizer.scorer,
-                               impute=resizer.impute)
+            self.metrics.write(
+                "resize",
+                iteration=iteration,
+                why=why,
+                shares=list(resizer.shares),
+                realized=realized,
+                priority=resizer.scorer,
+                impute=resizer.impute,
+            )
 
     def priorities(self, iteration, resizer, swapped) -> None:
         """A priority refresh: how many units it swapped between skipped and active."""
         if resizer.resized_ranks:
-            self.info(f"> het-TP priorities refreshed at iteration {iteration} "
-                      f"({resizer.scorer}): {swapped} skipped units swapped in")
+            self.info(
+                f"> het-TP priorities refreshed at iteration {iteration} "
+                f"({resizer.scorer}): {swapped} skipped units swapped in"
+            )
         if self.metrics is not None:
-            self.metrics.write("priorities", iteration=iteration, priority=resizer.scorer,
-                               swapped=swapped)
+            self.metrics.write(
+                "priorities", iteration=iteration, priority=resizer.scorer, swapped=swapped
+            )
 
     def timing(self, report, verdict) -> None:
         """A timing report (JSONL only): per-rank compute per step, work, fitted slowdown
         factor, and the detector's smoothed slowdowns."""
         if self.metrics is not None:
             detection = verdict.detection
-            self.metrics.write("timing", iteration=report.iteration, compute_s=list(report.compute),
-                               work=list(report.work), factor=list(verdict.factors),
-                               step_s=report.step,
-                               slowdown=list(detection.slowdown) if detection else None)
+            self.metrics.write(
+                "timing",
+                iteration=report.iteration,
+                compute_s=list(report.compute),
+                work=list(report.work),
+                factor=list(verdict.factors),
+                step_s=report.step,
+                slowdown=list(detection.slowdown) if detection else None,
+            )
 
     def decision(self, iteration, decision, detection, migration) -> None:
         """One line per planner decision: what, why, predicted step time before and after."""
         shares = ", ".join(f"{s:.0%}" for s in decision.shares)
-        line = (f"> het-TP decision at iteration {iteration}: {decision.action} "
-                f"({decision.reason}) | resize shares {shares} | predicted step "
-                f"{decision.predicted_before * 1e3:.1f} ms -> {decision.predicted_after * 1e3:.1f} ms")
+        line = (
+            f"> het-TP decision at iteration {iteration}: {decision.action} "
+            f"({decision.reason}) | resize shares {shares} | predicted step "
+            f"{decision.predicted_before * 1e3:.1f} ms -> {decision.predicted_after * 1e3:.1f} ms"
+        )
         if decision.migrates:
             line += f" | plan {decision.plan.summary()}"
         if migration is not None:
-            line += (f" | moved {migration.units_moved} units, {migration.result.payload_bytes} "
-                     f"bytes in {migration.result.seconds * 1e3:.1f} ms")
+            line += (
+                f" | moved {migration.units_moved} units, {migration.result.payload_bytes} "
+                f"bytes in {migration.result.seconds * 1e3:.1f} ms"
+            )
         self.info(line)
         if self.metrics is not None:
             self.metrics.write(
-                "decision", iteration=iteration, action=decision.action, reason=decision.reason,
-                shares=list(decision.shares), plan=decision.plan.to_json(),
+                "decision",
+                iteration=iteration,
+                action=decision.action,
+                reason=decision.reason,
+                shares=list(decision.shares),
+                plan=decision.plan.to_json(),
                 predicted_before_s=decision.predicted_before,
-                predicted_after_s=decision.predicted_after, details=decision.details,
+                predicted_after_s=decision.predicted_after,
+                details=decision.details,
                 slowdown=list(detection.slowdown) if detection is not None else None,
                 units_moved=migration.units_moved if migration else 0,
                 bytes=migration.result.payload_bytes if migration else 0,
-                min_bytes=migration.minimum_bytes() if migration else 0)
+                min_bytes=migration.minimum_bytes() if migration else 0,
+            )
 
 
 class Logger:
@@ -144,20 +184,29 @@ class Logger:
         if torch.cuda.is_available():
             totals = totals.cuda()
         dist.all_reduce(totals)
-        self.info(f"> hettp {__version__} on megatron-core: world size {args.world_size}, "
-                  f"tensor-model-parallel size {args.tensor_model_parallel_size}, "
-                  f"data-parallel size {args.data_parallel_size}, "
-                  f"{'CUDA' if torch.cuda.is_available() else 'CPU'} / {args.distributed_backend}")
-        self.info(f"> number of parameters on rank 0: {params}; summed over ranks: "
-                  f"{totals.item()}; micro-batches per step: {args.num_microbatches}")
+        self.info(
+            f"> hettp {__version__} on megatron-core: world size {args.world_size}, "
+            f"tensor-model-parallel size {args.tensor_model_parallel_size}, "
+            f"data-parallel size {args.data_parallel_size}, "
+            f"{'CUDA' if torch.cuda.is_available() else 'CPU'} / {args.distributed_backend}"
+        )
+        self.info(
+            f"> number of parameters on rank 0: {params}; summed over ranks: "
+            f"{totals.item()}; micro-batches per step: {args.num_microbatches}"
+        )
         if loaded_from:
             self.info(f"> loaded checkpoint from {loaded_from} at iteration {iteration}")
         if self.metrics is not None:
             self.metrics.write(
-                "run", time=time.time(), version=__version__, world_size=args.world_size,
+                "run",
+                time=time.time(),
+                version=__version__,
+                world_size=args.world_size,
                 tensor_model_parallel_size=args.tensor_model_parallel_size,
-                data_parallel_size=args.data_parallel_size, start_iteration=iteration,
-                parameters_rank0=params, tokenizer_vocab_size=tokenizer.vocab_size,
+                data_parallel_size=args.data_parallel_size,
+                start_iteration=iteration,
+                parameters_rank0=params,
+                tokenizer_vocab_size=tokenizer.vocab_size,
                 device="cuda" if torch.cuda.is_available() else "cpu",
                 args={k: _jsonable(v) for k, v in sorted(vars(args).items())},
             )
@@ -167,9 +216,17 @@ class Logger:
         tokens_per_s = args.global_batch_size * args.seq_length / max(elapsed, 1e-12)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         if self.metrics is not None:
-            self.metrics.write("train", iteration=iteration, consumed_samples=consumed,
-                               lm_loss=loss, grad_norm=grad_norm, lr=lr, skipped=bool(skipped),
-                               elapsed_ms=elapsed * 1000.0, tokens_per_s=tokens_per_s)
+            self.metrics.write(
+                "train",
+                iteration=iteration,
+                consumed_samples=consumed,
+                lm_loss=loss,
+                grad_norm=grad_norm,
+                lr=lr,
+                skipped=bool(skipped),
+                elapsed_ms=elapsed * 1000.0,
+                tokens_per_s=tokens_per_s,
+            )
         if self.writer is not None:
             self.writer.add_scalar("lm loss", loss, iteration)
             self.writer.add_scalar("learning-rate", lr, iteration)
@@ -183,23 +240,28 @@ class Logger:
         n = len(self._window)
         mean_loss = sum(w[0] for w in self._window) / n
         mean_ms = 1000.0 * sum(w[2] for w in self._window) / n
-        line = (f" [{_stamp()}] iteration {iteration:8d}/{args.train_iters:8d} |"
-                f" consumed samples: {consumed:12d} |"
-                f" elapsed time per iteration (ms): {mean_ms:.1f} |"
-                f" tokens per second: {args.global_batch_size * args.seq_length * 1000.0 / mean_ms:.1f} |"
-                f" learning rate: {lr:.6E} |"
-                f" global batch size: {args.global_batch_size:5d} |"
-                f" lm loss: {mean_loss:.6E} |"
-                f" grad norm: {grad_norm:.3f} |"
-                f" number of skipped iterations: {self._skipped:3d} |"
-                f" number of nan iterations: {self._nan:3d} |")
+        tokens = args.global_batch_size * args.seq_length
+        line = (
+            f" [{_stamp()}] iteration {iteration:8d}/{args.train_iters:8d} |"
+            f" consumed samples: {consumed:12d} |"
+            f" elapsed time per iteration (ms): {mean_ms:.1f} |"
+            f" tokens per second: {tokens * 1000.0 / mean_ms:.1f} |"
+            f" learning rate: {lr:.6E} |"
+            f" global batch size: {args.global_batch_size:5d} |"
+            f" lm loss: {mean_loss:.6E} |"
+            f" grad norm: {grad_norm:.3f} |"
+            f" number of skipped iterations: {self._skipped:3d} |"
+            f" number of nan iterations: {self._nan:3d} |"
+        )
         self.info(line)
         self._window, self._skipped, self._nan = [], 0, 0
 
     def evaluation(self, iteration, loss) -> None:
         ppl = math.exp(min(20.0, loss))
-        text = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
-                f" lm loss PPL: {ppl:.6E} | ")
+        text = (
+            f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+            f" lm loss PPL: {ppl:.6E} | "
+        )
         rule = "-" * (len(text) + 1)
         self.info(f"{rule}\n{text}\n{rule}")
         if self.metrics is not None:

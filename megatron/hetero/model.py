@@ -61,8 +61,9 @@ def build_gpt_model(args, config: TransformerConfig, vocab_size: int, layer_spec
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
-        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
-                                     args.tensor_model_parallel_size),
+        vocab_size=padded_vocab_size(
+            vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        ),
         max_sequence_length=args.max_position_embeddings,
         pre_process=True,
         post_process=True,

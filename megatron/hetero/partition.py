@@ -37,8 +37,10 @@ def het_blocks(module) -> dict:
     for index, layer in enumerate(model.decoder.layers):
         for child in (layer.self_attention, layer.mlp):
             if not isinstance(child, UnitBlock):
-                raise TypeError(f"layer {index}: {type(child).__name__} is not a het-TP block; "
-                                "build the model with the het-TP layer spec")
+                raise TypeError(
+                    f"layer {index}: {type(child).__name__} is not a het-TP block; "
+                    "build the model with the het-TP layer spec"
+                )
             blocks[(index, child.block)] = child
     return blocks
 
@@ -59,23 +61,28 @@ class HetPartition:
     """The agreed plan of one TP group, and the operation that changes it."""
 
     def __init__(self, module, group=None, cost_model: CostModel | None = None):
-        self.group = group if group is not None else parallel_state.get_tensor_model_parallel_group()
+        self.group = (
+            group if group is not None else parallel_state.get_tensor_model_parallel_group()
+        )
         self.rank = dist.get_rank(self.group)
         self.plan = even_plan(module, dist.get_world_size(self.group))
         self.cost_model = cost_model or CostModel()
         blocks = het_blocks(module)
         # Parameters per unit of each block kind: the weight of a unit's share of the work.
-        self.unit_work = {name: sum(math.prod(layout.payload_shape(param.shape))
-                                    for _, _, param, layout in blocks[(0, name)].unit_tensors())
-                          for name in BLOCKS}
+        self.unit_work = {
+            name: sum(
+                math.prod(layout.payload_shape(param.shape))
+                for _, _, param, layout in blocks[(0, name)].unit_tensors()
+            )
+            for name in BLOCKS
+        }
 
     def unit_bytes(self, model, optimizer) -> dict[str, int]:
         """What moving one unit of each block carries now: its weights, and the fp32 masters
         and optimizer moments the optimizer holds for them."""
         blocks = het_blocks(model)
         keys = state_keys(OptimizerView(optimizer), blocks)
-        return {name: sum(s.nbytes for s in unit_specs(blocks[(0, name)], keys))
-                for name in BLOCKS}
+        return {name: sum(s.nbytes for s in unit_specs(blocks[(0, name)], keys)) for name in BLOCKS}
 
     def check(self, plan: PartitionPlan) -> None:
         """Raise PlanError if `plan` does not fit this model (before anything moves)."""
@@ -94,9 +101,9 @@ class HetPartition:
         `state` holds .model (DDP), .optimizer, .scheduler and .config; they are replaced in place.
         """
         self.check(plan)
-        migration, replaced = self._move(state.model, plan,
-                                         optimizer=OptimizerView(state.optimizer), step=step,
-                                         fault=fault)
+        migration, replaced = self._move(
+            state.model, plan, optimizer=OptimizerView(state.optimizer), step=step, fault=fault
+        )
         if migration.units_moved:
             # Every rank rebuilds, also one whose units did not change: building the optimizer
             # runs collectives.
@@ -110,9 +117,13 @@ class HetPartition:
         for index in range(plan.num_layers):
             for block in BLOCKS:
                 for rank in range(plan.tp_size):
-                    if set(plan.units(index, block, rank)) != set(self.plan.units(index, block, rank)):
-                        raise PlanError(f"reorder: layer {index} {block} rank {rank} would change "
-                                        "owners; that is a repartition")
+                    if set(plan.units(index, block, rank)) != set(
+                        self.plan.units(index, block, rank)
+                    ):
+                        raise PlanError(
+                            f"reorder: layer {index} {block} rank {rank} would change "
+                            "owners; that is a repartition"
+                        )
         optimizer = OptimizerView(state.optimizer)
         blocks = het_blocks(state.model)
         keys = state_keys(optimizer, blocks)
@@ -143,9 +154,16 @@ class HetPartition:
             return payload(pieces[key], len(positions[key]), positions[key][move.unit])
 
         with cpu_compat.suspended():  # pure torch from here; the CPU device mode only slows it
-            result = run_transfer(schedule, self.group, primitive, move_payload,
-                                  lambda move: specs[move.block], device=comm_device(), step=step,
-                                  fault=fault)
+            result = run_transfer(
+                schedule,
+                self.group,
+                primitive,
+                move_payload,
+                lambda move: specs[move.block],
+                device=comm_device(),
+                step=step,
+                fault=fault,
+            )
             replaced = self._commit(blocks, pieces, positions, plan, keys, result)
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
@@ -164,18 +182,28 @@ class HetPartition:
                 permute(mine, old_units, new_units)
                 block.reorder(new_units)
                 continue
-            columns = [payload(mine, len(old_units), kept[unit]) if unit in kept
-                       else incoming[(index, name, unit)] for unit in new_units]
-            rebuilt = [layout.assemble([col[i] for col in columns], tensor)
-                       for i, (tensor, layout) in enumerate(mine)]
+            columns = [
+                payload(mine, len(old_units), kept[unit])
+                if unit in kept
+                else incoming[(index, name, unit)]
+                for unit in new_units
+            ]
+            rebuilt = [
+                layout.assemble([col[i] for col in columns], tensor)
+                for i, (tensor, layout) in enumerate(mine)
+            ]
             per_param = len(state_keys) + 1
             old_params, new_shards, moments = [], {}, []
             for i, (linear, param_name, param, _) in enumerate(block.unit_tensors()):
                 old_params.append(param)
                 new_shards.setdefault(linear, {})[param_name] = rebuilt[i * per_param]
-                moments.append({k: rebuilt[i * per_param + 1 + j] for j, k in enumerate(state_keys)})
+                moments.append(
+                    {k: rebuilt[i * per_param + 1 + j] for j, k in enumerate(state_keys)}
+                )
             block.set_units(new_units, new_shards)
-            for old, (_, _, new, _), param_moments in zip(old_params, block.unit_tensors(), moments):
+            for old, (_, _, new, _), param_moments in zip(
+                old_params, block.unit_tensors(), moments
+            ):
                 replaced[old] = (new, param_moments)
         return replaced
 
@@ -197,8 +225,10 @@ def _rebuild(state, replaced):
     for old_param, param_state in old.state.items():
         new_param, moved = replaced.get(old_param, (old_param, {}))
         master = moved.get("master", old.master(old_param))
-        carried[new_param] = (master, {**param_state, **{k: v for k, v in moved.items()
-                                                         if k != "master"}})
+        carried[new_param] = (
+            master,
+            {**param_state, **{k: v for k, v in moved.items() if k != "master"}},
+        )
     for sub in new.subs:
         for param, main in new.main.items():
             if param not in carried or main not in _param_set(sub):

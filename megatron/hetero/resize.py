@@ -19,8 +19,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hettp.resize import (SCORERS, Priorities, check_shares, realized_share, skipped_count,
-                          swapped_units)
+from hettp.resize import (
+    SCORERS,
+    Priorities,
+    check_shares,
+    realized_share,
+    skipped_count,
+    swapped_units,
+)
 
 from . import cpu_compat
 from .partition import comm_device, het_blocks
@@ -30,16 +36,25 @@ from .unit_state import OptimizerView, state_keys, unit_tensors
 class Resizer:
     """Resize shares, priorities and frozen skipped units of one TP group (on every rank)."""
 
-    def __init__(self, partition, model, scorer: str = "dw", interval: int = 50,
-                 cap: float = 0.5, impute: float | None = None, scoring: bool = True,
-                 sample: int = 1):
+    def __init__(
+        self,
+        partition,
+        model,
+        scorer: str = "dw",
+        interval: int = 50,
+        cap: float = 0.5,
+        impute: float | None = None,
+        scoring: bool = True,
+        sample: int = 1,
+    ):
         if scorer not in SCORERS:
             raise ValueError(f"unknown priority scorer '{scorer}'; choose from {sorted(SCORERS)}")
         if interval < 1:
             raise ValueError(f"priority refresh interval must be >= 1, got {interval}")
         if not 1 <= sample <= interval:
-            raise ValueError(f"priority sample interval must be within [1, {interval}], "
-                             f"got {sample}")
+            raise ValueError(
+                f"priority sample interval must be within [1, {interval}], got {sample}"
+            )
         self.partition = partition
         self.unit_work = partition.unit_work
         self.scorer, self.interval, self.cap, self.impute = scorer, interval, cap, impute
@@ -100,15 +115,19 @@ class Resizer:
         if not scorer.per_step:  # known for every unit, skipped ones included
             for key, block in blocks.items():
                 sums, steps = evidence[key]
-                _add(sums, steps, block.units, _unit_scores(
-                    block, lambda p: scorer.evidence(p.detach(), _grad(p), None)))
+                _add(
+                    sums,
+                    steps,
+                    block.units,
+                    _unit_scores(block, lambda p: scorer.evidence(p.detach(), _grad(p), None)),
+                )
         keys = list(evidence)
         flat = torch.cat([t for key in keys for t in evidence[key]])
         dist.all_reduce(flat, group=self.partition.group)
         measured, offset = {}, 0
         for key in keys:
             n = evidence[key][0].numel()
-            sums, steps = flat[offset:offset + n], flat[offset + n:offset + 2 * n]
+            sums, steps = flat[offset : offset + n], flat[offset + n : offset + 2 * n]
             offset += 2 * n
             seen = torch.nonzero(steps > 0).flatten().tolist()
             measured[key] = dict(zip(seen, (sums[seen] / steps[seen]).tolist()))
@@ -123,19 +142,25 @@ class Resizer:
 
     def realized_shares(self) -> list[float]:
         """Per rank, the share of its unit parameters (~ its sharded GEMM work) skipped."""
-        return [realized_share(self.partition.plan, self.shares, rank, self.unit_work)
-                for rank in range(len(self.shares))]
+        return [
+            realized_share(self.partition.plan, self.shares, rank, self.unit_work)
+            for rank in range(len(self.shares))
+        ]
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (per TP rank): priorities and the evidence gathered since the
         last refresh, so a resumed run re-sorts exactly as the original would have."""
         evidence = None
         if self._evidence is not None:
-            evidence = {f"{i}.{b}": (sums.cpu(), steps.cpu())
-                        for (i, b), (sums, steps) in self._evidence.items()}
-        return {"scorer": self.scorer,
-                "scores": {f"{i}.{b}": list(v) for (i, b), v in self.priorities.scores.items()},
-                "evidence": evidence}
+            evidence = {
+                f"{i}.{b}": (sums.cpu(), steps.cpu())
+                for (i, b), (sums, steps) in self._evidence.items()
+            }
+        return {
+            "scorer": self.scorer,
+            "scores": {f"{i}.{b}": list(v) for (i, b), v in self.priorities.scores.items()},
+            "evidence": evidence,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Take saved priorities (only those of the same scorer; else start unmeasured)."""
@@ -145,6 +170,7 @@ class Resizer:
         def key(text):
             layer, block = text.split(".")
             return int(layer), block
+
         scores = {key(k): list(v) for k, v in state["scores"].items()}
         if set(scores) != set(self.priorities.scores):
             raise ValueError("saved het-TP priorities are for another model")
@@ -152,8 +178,10 @@ class Resizer:
         self._evidence = None
         if state["evidence"] is not None:
             device = comm_device()
-            self._evidence = {key(k): (sums.to(device), steps.to(device))
-                              for k, (sums, steps) in state["evidence"].items()}
+            self._evidence = {
+                key(k): (sums.to(device), steps.to(device))
+                for k, (sums, steps) in state["evidence"].items()
+            }
 
     # ---- every step ---------------------------------------------------------------------
 
@@ -173,8 +201,9 @@ class Resizer:
                             for view in layout.suffix(_grad(param), n, active):
                                 view.fill_(self.impute)
         if self._observing and SCORERS[self.scorer].needs_delta:
-            self._before = {p: p.detach().clone() for b in blocks.values()
-                            for _, _, p, _ in b.unit_tensors()}
+            self._before = {
+                p: p.detach().clone() for b in blocks.values() for _, _, p, _ in b.unit_tensors()
+            }
 
     def after_step(self, state) -> None:
         """After optimizer.step(): put skipped units back, score the update."""
@@ -186,8 +215,12 @@ class Resizer:
         scorer = SCORERS[self.scorer]
         if self._observing:
             before, self._before = self._before, None
-            self._observe(het_blocks(state.model), lambda p: scorer.evidence(
-                p.detach(), _grad(p), None if before is None else p.detach() - before[p]))
+            self._observe(
+                het_blocks(state.model),
+                lambda p: scorer.evidence(
+                    p.detach(), _grad(p), None if before is None else p.detach() - before[p]
+                ),
+            )
 
     def step_end(self, iteration: int, state) -> int | None:
         """At the step boundary: refresh priorities every `interval` iterations."""
@@ -235,17 +268,21 @@ class Resizer:
         with torch.no_grad():
             self._collect(blocks)
             for key, block in blocks.items():
-                updated = block.units if self.impute is not None else block.units[:block.active]
+                updated = block.units if self.impute is not None else block.units[: block.active]
                 if updated:
                     sums, steps = self._evidence[key]
-                    _add(sums, steps, updated, _unit_scores(block, evidence)[:len(updated)])
+                    _add(sums, steps, updated, _unit_scores(block, evidence)[: len(updated)])
 
     def _collect(self, blocks):
         if self._evidence is None:
             device = comm_device()
-            self._evidence = {key: (torch.zeros(b.num_units, dtype=torch.float64, device=device),
-                                    torch.zeros(b.num_units, dtype=torch.float64, device=device))
-                              for key, b in blocks.items()}
+            self._evidence = {
+                key: (
+                    torch.zeros(b.num_units, dtype=torch.float64, device=device),
+                    torch.zeros(b.num_units, dtype=torch.float64, device=device),
+                )
+                for key, b in blocks.items()
+            }
         return self._evidence
 
 
@@ -259,12 +296,12 @@ def _unit_scores(block, evidence) -> torch.Tensor:
     """Per local unit, the sum of `evidence(param)` over all of the block's unit tensors."""
     n = len(block.units)
     with cpu_compat.suspended():
-        return sum(layout.unit_sums(evidence(param), n) for _, _, param, layout in block.unit_tensors())
+        return sum(
+            layout.unit_sums(evidence(param), n) for _, _, param, layout in block.unit_tensors()
+        )
 
 
 def _add(sums, steps, units, scores) -> None:
     index = torch.tensor(list(units), dtype=torch.long, device=sums.device)
     sums.index_add_(0, index, scores.to(sums.device, torch.float64))
     steps.index_add_(0, index, torch.ones(len(units), dtype=torch.float64, device=sums.device))
-
-

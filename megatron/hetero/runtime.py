@@ -10,7 +10,7 @@ glue (upstream.py) drive the same way:
     runtime.attach(TrainState(...), iteration, events)
     each step: runtime.begin_step(i); forward/backward;
                runtime.before_optimizer_step(); optimizer.step(); runtime.after_optimizer_step()
-               end = runtime.end_step(i, seconds)  # end.model / end.optimizer: rebuilt on a migration
+               end = runtime.end_step(i, seconds)  # a migration rebuilds end.model, end.optimizer
     checkpoints: runtime.checkpoint_plan() (common) and runtime.state_dict() (per TP rank)
     runtime.close()
 
@@ -59,7 +59,7 @@ class SavedPlan:
         return {"plan": self.plan.to_json(), "shares": list(self.shares)}
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> "SavedPlan | None":
+    def from_dict(cls, data: dict | None) -> SavedPlan | None:
         if not data:
             return None
         return cls(PartitionPlan.from_json(data["plan"]), tuple(data["shares"]))
@@ -92,7 +92,7 @@ class HetTPRuntime:
         self._pending = None  # per-rank state loaded before attach()
 
     @classmethod
-    def from_args(cls, args, cuda_available: bool | None = None) -> "HetTPRuntime | None":
+    def from_args(cls, args, cuda_available: bool | None = None) -> HetTPRuntime | None:
         """The runtime for Megatron-LM style args, or None when het-TP has nothing to do.
         Raises ArgumentError naming the flag."""
         config = het_tp_config(args, cuda_available)
@@ -146,9 +146,15 @@ class HetTPRuntime:
         if config.resizes:
             from .resize import Resizer
 
-            self.resizer = Resizer(self.partition, state.model, config.priority,
-                                   config.priority_interval, config.max_resize,
-                                   config.policy_spec.impute, sample=config.sample_interval)
+            self.resizer = Resizer(
+                self.partition,
+                state.model,
+                config.priority,
+                config.priority_interval,
+                config.max_resize,
+                config.policy_spec.impute,
+                sample=config.sample_interval,
+            )
         if config.timed:
             from .control import Controller
 
@@ -204,10 +210,18 @@ class HetTPRuntime:
             plan = self.partition.plan if self.partition is not None else None
             shares = self.shares
             out = self.controller.end_step(
-                iteration, seconds,
-                work_of(plan, self.partition.unit_work if self.partition else None, shares,
-                        self.controller.tp_size),
-                plan, shares, lambda: self.partition.unit_bytes(state.model, state.optimizer))
+                iteration,
+                seconds,
+                work_of(
+                    plan,
+                    self.partition.unit_work if self.partition else None,
+                    shares,
+                    self.controller.tp_size,
+                ),
+                plan,
+                shares,
+                lambda: self.partition.unit_bytes(state.model, state.optimizer),
+            )
             if out is not None:
                 report, verdict = out
                 self.events.timing(report, verdict)
@@ -264,9 +278,10 @@ class HetTPRuntime:
     def state_dict(self) -> dict:
         """This TP rank's part: priorities and evidence since the last refresh, the detector,
         cost fit and planner, and the timings of the report interval in progress."""
-        return {"resizer": self.resizer.state_dict() if self.resizer is not None else None,
-                "controller": (self.controller.state_dict() if self.controller is not None
-                               else None)}
+        return {
+            "resizer": self.resizer.state_dict() if self.resizer is not None else None,
+            "controller": (self.controller.state_dict() if self.controller is not None else None),
+        }
 
     # ---- end --------------------------------------------------------------------------------
 

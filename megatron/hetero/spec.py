@@ -9,8 +9,13 @@ import logging
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .layers import (HetColumnParallelLinear, HetMLP, HetRowParallelLinear, HetSelfAttention,
-                     SDPACoreAttention)
+from .layers import (
+    HetColumnParallelLinear,
+    HetMLP,
+    HetRowParallelLinear,
+    HetSelfAttention,
+    SDPACoreAttention,
+)
 
 
 class _KnownMLPFilter(logging.Filter):

@@ -157,14 +157,17 @@ class ComputeTimer:
                 for name in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
                     linear = getattr(block, name, None)
                     if linear is not None:
-                        self._handles.append(linear.register_forward_pre_hook(
-                            self._enter, with_kwargs=True))
+                        self._handles.append(
+                            linear.register_forward_pre_hook(self._enter, with_kwargs=True)
+                        )
                         self._handles.append(linear.register_forward_hook(self._exit))
 
     def reset(self, factor: float = 1.0) -> None:
         if factor != 1.0 and self.cuda:
-            raise RuntimeError("emulated slowdowns are implemented for CPU runs; on GPUs create "
-                               "real contention (scripts/noisy_neighbor.py)")
+            raise RuntimeError(
+                "emulated slowdowns are implemented for CPU runs; on GPUs create "
+                "real contention (scripts/noisy_neighbor.py)"
+            )
         self.factor = factor
         self._seconds, self._events = 0.0, []
 

@@ -49,11 +49,14 @@ def initialize(args) -> None:
         _default_single_process_env()
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(args.distributed_backend,
-                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        dist.init_process_group(
+            args.distributed_backend, timeout=timedelta(minutes=args.distributed_timeout_minutes)
+        )
     if dist.get_world_size() != args.world_size:
-        raise RuntimeError(f"validated for world size {args.world_size}, "
-                           f"but the process group has {dist.get_world_size()} ranks")
+        raise RuntimeError(
+            f"validated for world size {args.world_size}, "
+            f"but the process group has {dist.get_world_size()} ranks"
+        )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -71,8 +74,9 @@ def _default_single_process_env() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def set_seed(seed: int) -> None:
@@ -90,23 +94,37 @@ def set_seed(seed: int) -> None:
 
 def optimizer_config(args) -> OptimizerConfig:
     return OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
-        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
-        params_dtype=args.params_dtype, loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale, use_distributed_optimizer=False,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=False,
     )
 
 
 def scheduler_kwargs(args) -> dict:
     """OptimizerParamScheduler's arguments, counted in iterations."""
     return dict(
-        init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters, wd_incr_style="constant",
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
     )
 
 
@@ -117,8 +135,9 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
     them to its starting plan, or `saved_plan`'s) before the optimizer exists.
     """
     config = transformer_config(args)
-    module = build_gpt_model(args, config, vocab_size,
-                             runtime.layer_spec() if runtime is not None else None)
+    module = build_gpt_model(
+        args, config, vocab_size, runtime.layer_spec() if runtime is not None else None
+    )
     if runtime is not None:
         runtime.install(module, saved_plan)
     if args.fp16 or args.bf16:
@@ -178,9 +197,13 @@ def train_step(args, state: TrainState, data_iterator, runtime=None):
     model.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=[model],
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
     )
     if runtime is not None:
         runtime.before_optimizer_step()
@@ -197,17 +220,26 @@ def evaluate(args, model, valid_dataset) -> float:
 
     The same batches every time, so evaluations are comparable across iterations and runs.
     """
-    loader = build_loader(valid_dataset, 0, args, parallel_state.get_data_parallel_rank(),
-                          parallel_state.get_data_parallel_world_size())
+    loader = build_loader(
+        valid_dataset,
+        0,
+        args,
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
     data_iterator = iter(loader)
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for _ in range(args.eval_iters):
             losses_reduced = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
-                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=True,
+                forward_step_func=forward_step,
+                data_iterator=data_iterator,
+                model=[model],
+                num_microbatches=args.num_microbatches,
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=True,
             )
             _add_reports(total, losses_reduced)
     model.train()
@@ -235,8 +267,9 @@ def pretrain(args, on_step_end=None) -> TrainResult:
 
     iteration, consumed = 0, 0
     if args.load:
-        restored = checkpointing.load_checkpoint(args.load, state.model, state.optimizer,
-                                                 state.scheduler, args, runtime)
+        restored = checkpointing.load_checkpoint(
+            args.load, state.model, state.optimizer, state.scheduler, args, runtime
+        )
         if restored is not None:
             iteration, consumed = restored
 
@@ -255,8 +288,16 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     train_iterator = iter(build_loader(train_ds, consumed, args, dp_rank, dp_size))
 
     def save(iteration):
-        path = checkpointing.save_checkpoint(args.save, iteration, consumed, state.model,
-                                             state.optimizer, state.scheduler, args, runtime)
+        path = checkpointing.save_checkpoint(
+            args.save,
+            iteration,
+            consumed,
+            state.model,
+            state.optimizer,
+            state.scheduler,
+            args,
+            runtime,
+        )
         logger.saved(iteration, path)
         return iteration
 
@@ -295,8 +336,9 @@ def pretrain(args, on_step_end=None) -> TrainResult:
         runtime.close()
     if metrics is not None:
         metrics.close()
-    return TrainResult(iteration, consumed, losses, eval_losses,
-                       metrics_file if rank == 0 else None)
+    return TrainResult(
+        iteration, consumed, losses, eval_losses, metrics_file if rank == 0 else None
+    )
 
 
 def shutdown() -> None:

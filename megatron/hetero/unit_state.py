@@ -10,7 +10,7 @@ and a block's units the same way, through this module.
 from __future__ import annotations
 
 import torch
-from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from hettp.exchange import TensorSpec
 
@@ -27,14 +27,17 @@ class OptimizerView:
             if isinstance(sub, FP32Optimizer):
                 self.main.update((p, p) for g in sub.optimizer.param_groups for p in g["params"])
             elif isinstance(sub, Float16OptimizerWithFloat16Params):
-                for model_group, main_group in zip(sub.float16_groups, sub.fp32_from_float16_groups):
+                for model_group, main_group in zip(
+                    sub.float16_groups, sub.fp32_from_float16_groups
+                ):
                     self.main.update(zip(model_group, main_group))
                 self.main.update((p, p) for g in sub.fp32_from_fp32_groups for p in g)
             else:
                 raise NotImplementedError(
                     f"het-TP migration supports megatron-core's FP32Optimizer and "
                     f"Float16OptimizerWithFloat16Params, not {type(sub).__name__} "
-                    "(e.g. the distributed optimizer)")
+                    "(e.g. the distributed optimizer)"
+                )
         states = {m: s for sub in self.subs for m, s in sub.optimizer.state.items()}
         self.state = {p: states.get(m, {}) for p, m in self.main.items()}
 
@@ -51,8 +54,11 @@ def state_keys(optimizer, blocks) -> list[str]:
         return []
     param = next(iter(blocks.values())).unit_tensors().__next__()[2]
     keys = ["master"] if optimizer.master(param) is not None else []
-    return keys + sorted(k for k, v in optimizer.state[param].items()
-                         if isinstance(v, torch.Tensor) and v.shape == param.shape)
+    return keys + sorted(
+        k
+        for k, v in optimizer.state[param].items()
+        if isinstance(v, torch.Tensor) and v.shape == param.shape
+    )
 
 
 def unit_tensors(block, optimizer, state_keys):

@@ -65,7 +65,7 @@ class StepHook:
         self._start = None
 
     @classmethod
-    def create(cls, model, optimizer, scheduler, config) -> "StepHook | None":
+    def create(cls, model, optimizer, scheduler, config) -> StepHook | None:
         """The hook of the runtime installed on `model` (None: vanilla upstream)."""
         runtime = runtime_of(model)
         if runtime is None:

@@ -9,8 +9,13 @@ import sys
 import pytest
 import torch
 
-from megatron.hetero.arguments import (ArgumentError, build_parser, padded_vocab_size,
-                                       parse_data_path, validate_args)
+from megatron.hetero.arguments import (
+    ArgumentError,
+    build_parser,
+    padded_vocab_size,
+    parse_data_path,
+    validate_args,
+)
 from tests.utils import BASE, ROOT
 
 
@@ -50,25 +55,61 @@ def test_gpu_defaults_and_precision():
     assert args.use_cpu_initialization is False
 
 
-@pytest.mark.parametrize("extra,world,message", [
-    ("--tensor-model-parallel-size 3", 4, "world size (4) is not divisible by --tensor-model-parallel-size (3)"),
-    ("--tensor-model-parallel-size 8", 8, "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (8)"),
-    ("--global-batch-size 6", 2, "--global-batch-size (6) is not a multiple of --micro-batch-size (2) x data-parallel size (2)"),
-    ("--group-query-attention --num-query-groups 3", 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
-    ("--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4", 4, "--num-query-groups (2) must be divisible"),
-    ("--fp16 --bf16", 1, "--fp16 and --bf16 are mutually exclusive"),
-    ("--fp16", 1, "--fp16 needs CUDA"),
-    ("--distributed-backend nccl", 1, "--distributed-backend nccl needs CUDA"),
-    ("--min-lr 1.0", 1, "--min-lr (1.0) must be between 0 and --lr"),
-    ("--lr-warmup-iters 10", 1, "--lr-warmup-iters (10) must be smaller than --lr-decay-iters (10)"),
-    ("--save-interval 5", 1, "--save-interval needs --save"),
-    ("--pipeline-model-parallel-size 2", 2, "pipeline parallelism is not supported yet"),
-    ("--max-position-embeddings 16", 1, "--seq-length (32) exceeds --max-position-embeddings (16)"),
-    ("--hidden-dropout 1.5", 1, "--hidden-dropout must be in [0, 1)"),
-    ("--tokenizer-type ByteLevelTokenizer", 1, "--vocab-size 255 contradicts --tokenizer-type ByteLevelTokenizer"),
-    ("--data-path some/prefix", 1, "give exactly one of --mock-data and --data-path"),
-    ("--train-iters 0", 1, "--train-iters must be positive, got 0"),
-])
+@pytest.mark.parametrize(
+    "extra,world,message",
+    [
+        (
+            "--tensor-model-parallel-size 3",
+            4,
+            "world size (4) is not divisible by --tensor-model-parallel-size (3)",
+        ),
+        (
+            "--tensor-model-parallel-size 8",
+            8,
+            "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (8)",
+        ),
+        (
+            "--global-batch-size 6",
+            2,
+            "--global-batch-size (6) is not a multiple of --micro-batch-size (2) x data-parallel "
+            "size (2)",
+        ),
+        (
+            "--group-query-attention --num-query-groups 3",
+            1,
+            "--num-attention-heads (4) must be divisible by --num-query-groups (3)",
+        ),
+        (
+            "--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4",
+            4,
+            "--num-query-groups (2) must be divisible",
+        ),
+        ("--fp16 --bf16", 1, "--fp16 and --bf16 are mutually exclusive"),
+        ("--fp16", 1, "--fp16 needs CUDA"),
+        ("--distributed-backend nccl", 1, "--distributed-backend nccl needs CUDA"),
+        ("--min-lr 1.0", 1, "--min-lr (1.0) must be between 0 and --lr"),
+        (
+            "--lr-warmup-iters 10",
+            1,
+            "--lr-warmup-iters (10) must be smaller than --lr-decay-iters (10)",
+        ),
+        ("--save-interval 5", 1, "--save-interval needs --save"),
+        ("--pipeline-model-parallel-size 2", 2, "pipeline parallelism is not supported yet"),
+        (
+            "--max-position-embeddings 16",
+            1,
+            "--seq-length (32) exceeds --max-position-embeddings (16)",
+        ),
+        ("--hidden-dropout 1.5", 1, "--hidden-dropout must be in [0, 1)"),
+        (
+            "--tokenizer-type ByteLevelTokenizer",
+            1,
+            "--vocab-size 255 contradicts --tokenizer-type ByteLevelTokenizer",
+        ),
+        ("--data-path some/prefix", 1, "give exactly one of --mock-data and --data-path"),
+        ("--train-iters 0", 1, "--train-iters must be positive, got 0"),
+    ],
+)
 def test_contradictions_name_the_flag(extra, world, message):
     with pytest.raises(ArgumentError) as err:
         _args(extra, world_size=world)
@@ -84,66 +125,142 @@ def _het_tp(extra="", world_size=1, cuda=False):
 
 
 def test_het_tp_flags():
-    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-plan attn=3,1;mlp=200,56",
-                     world_size=2)
+    config = _het_tp(
+        "--tensor-model-parallel-size 2 --het-tp-plan attn=3,1;mlp=200,56", world_size=2
+    )
     assert config.het_tp and config.partition_plan.counts(1, "mlp") == (200, 56)
-    config = _het_tp("--het-tp --het-tp-granularity 4 --tensor-model-parallel-size 2",
-                     world_size=2)
+    config = _het_tp("--het-tp --het-tp-granularity 4 --tensor-model-parallel-size 2", world_size=2)
     assert config.het_tp and config.partition_plan is None and config.granularity == 4
     assert not _het_tp().het_tp and not _het_tp().active
-    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-resize 0,0.75 "
-                     "--het-tp-max-resize 0.8", world_size=2)
+    config = _het_tp(
+        "--tensor-model-parallel-size 2 --het-tp-resize 0,0.75 --het-tp-max-resize 0.8",
+        world_size=2,
+    )
     assert config.het_tp and config.resize_shares == (0.0, 0.75)
     assert config.priority == "dw" and config.policy == "static"
     assert config.sample_interval == 8  # one step in 8 of each 50-step refresh
-    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-resize 0,0.5 "
-                     "--het-tp-priority-interval 4", world_size=2)
+    config = _het_tp(
+        "--tensor-model-parallel-size 2 --het-tp-resize 0,0.5 --het-tp-priority-interval 4",
+        world_size=2,
+    )
     assert config.sample_interval == 4  # at least one observed step per refresh
-    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-policy hybrid --het-tp-emulate "
-                     "persistent:rank=1,factor=2,start=20", world_size=2)
+    config = _het_tp(
+        "--tensor-model-parallel-size 2 --het-tp-policy hybrid --het-tp-emulate "
+        "persistent:rank=1,factor=2,start=20",
+        world_size=2,
+    )
     assert config.het_tp and config.interval == 10 and config.resize_shares is None
-    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-policy none --het-tp-emulate "
-                     "rotating:factor=2,period=5", world_size=2)
+    config = _het_tp(
+        "--tensor-model-parallel-size 2 --het-tp-policy none --het-tp-emulate "
+        "rotating:factor=2,period=5",
+        world_size=2,
+    )
     assert not config.het_tp and config.timed
     with pytest.raises(ArgumentError, match="--het-tp-emulate is implemented for CPU runs"):
         _het_tp("--het-tp-policy migrate --het-tp-emulate none", cuda=True)
-    config = _het_tp("--tensor-model-parallel-size 2 --het-tp-policy migrate "
-                     "--het-tp-emulate-dilation 3", world_size=2)
+    config = _het_tp(
+        "--tensor-model-parallel-size 2 --het-tp-policy migrate --het-tp-emulate-dilation 3",
+        world_size=2,
+    )
     assert config.emulate_dilation == 3.0 and config.timer == "cpu"
-    with pytest.raises(ArgumentError, match="--het-tp-emulate-dilation emulates a device per "
-                                            "rank on CPU"):
+    with pytest.raises(
+        ArgumentError, match="--het-tp-emulate-dilation emulates a device per rank on CPU"
+    ):
         _het_tp("--het-tp-policy none --het-tp-emulate-dilation 2", cuda=True)
 
 
-@pytest.mark.parametrize("extra,message", [
-    ("--het-tp-plan attn=3,3;mlp=128,128", "--het-tp-plan: plan attn: counts [3, 3] sum to 6, the model has 4 units"),
-    ("--het-tp-plan attn=4;mlp=256", "--het-tp-plan: plan attn: 1 counts for 2 ranks"),
-    ("--het-tp --het-tp-granularity 3", "--het-tp-granularity 3 does not divide --ffn-hidden-size 256"),
-    ("--het-tp --het-tp-granularity 256", "= 1 MLP units must split evenly over --tensor-model-parallel-size 2"),
-    ("--het-tp-granularity 0", "--het-tp-granularity must be positive"),
-    ("--het-tp-plan missing.json", "--het-tp-plan: plan file missing.json: No such file or directory"),
-    ("--het-tp-resize 0,0.6", "--het-tp-resize: rank 1 would skip 60% of its units, more than --het-tp-max-resize 0.5 allows"),
-    ("--het-tp-resize 0,0.6 --het-tp-max-resize 0.5", "more than --het-tp-max-resize 0.5 allows"),
-    ("--het-tp-resize 0.5", "--het-tp-resize '0.5': 1 shares given, the TP size is 2"),
-    ("--het-tp-resize 0,half", "--het-tp-resize '0,half': expected one share per TP rank"),
-    ("--het-tp-resize 0,-0.1", "--het-tp-resize: rank 1 share -0.1 is not within [0, 1]"),
-    ("--het-tp-max-resize 1.5", "--het-tp-max-resize must be within [0, 1], got 1.5"),
-    ("--het-tp-priority-interval 0", "--het-tp-priority-interval must be positive"),
-    ("--het-tp-priority-sample-interval 0", "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval 50], got 0"),
-    ("--het-tp-priority-interval 10 --het-tp-priority-sample-interval 11", "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval 10], got 11"),
-    ("--het-tp-policy none --het-tp-plan attn=3,1;mlp=200,56", "--het-tp-policy none runs vanilla megatron-core layers; drop --het-tp-plan"),
-    ("--het-tp-policy hybrid --het-tp-resize 0,0.5", "--het-tp-resize sets fixed shares; --het-tp-policy hybrid decides them itself"),
-    ("--het-tp-policy migrate --het-tp-interval 0", "--het-tp-interval must be positive, got 0"),
-    ("--het-tp-policy migrate --het-tp-end 1.5", "--het-tp-end (1.5) must be >= 1 and below --het-tp-onset (1.3)"),
-    ("--het-tp-policy migrate --het-tp-onset-at-once 1.2", "--het-tp-onset-at-once (1.2) must be >= --het-tp-onset (1.3)"),
-    ("--het-tp-policy resize --het-tp-emulate persistent:rank=2,factor=2", "--het-tp-emulate 'persistent:rank=2,factor=2': rank 2 is not a TP rank (TP size 2)"),
-    ("--het-tp-policy resize --het-tp-emulate slow", "unknown scenario 'slow'"),
-    ("--het-tp-policy none --het-tp-emulate-dilation 0.5", "--het-tp-emulate-dilation must be a finite number >= 1, got 0.5"),
-    ("--het-tp-policy none --het-tp-emulate-dilation inf", "--het-tp-emulate-dilation must be a finite number >= 1, got inf"),
-    ("--het-tp-policy none --het-tp-emulate-dilation 3 --het-tp-timer wall", "it needs --het-tp-timer cpu, got wall"),
-    ("--het-tp-policy zero --het-tp-resize 0,0.25", "cuts a fixed 50%: --het-tp-resize shares must be 0 or 0.5"),
-    ("--het-tp-policy zero --het-tp-resize 0,0.5 --het-tp-priority wg", "--het-tp-policy zero ranks units by --het-tp-priority dw; drop --het-tp-priority wg"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            "--het-tp-plan attn=3,3;mlp=128,128",
+            "--het-tp-plan: plan attn: counts [3, 3] sum to 6, the model has 4 units",
+        ),
+        ("--het-tp-plan attn=4;mlp=256", "--het-tp-plan: plan attn: 1 counts for 2 ranks"),
+        (
+            "--het-tp --het-tp-granularity 3",
+            "--het-tp-granularity 3 does not divide --ffn-hidden-size 256",
+        ),
+        (
+            "--het-tp --het-tp-granularity 256",
+            "= 1 MLP units must split evenly over --tensor-model-parallel-size 2",
+        ),
+        ("--het-tp-granularity 0", "--het-tp-granularity must be positive"),
+        (
+            "--het-tp-plan missing.json",
+            "--het-tp-plan: plan file missing.json: No such file or directory",
+        ),
+        (
+            "--het-tp-resize 0,0.6",
+            "--het-tp-resize: rank 1 would skip 60% of its units, more than --het-tp-max-resize "
+            "0.5 allows",
+        ),
+        (
+            "--het-tp-resize 0,0.6 --het-tp-max-resize 0.5",
+            "more than --het-tp-max-resize 0.5 allows",
+        ),
+        ("--het-tp-resize 0.5", "--het-tp-resize '0.5': 1 shares given, the TP size is 2"),
+        ("--het-tp-resize 0,half", "--het-tp-resize '0,half': expected one share per TP rank"),
+        ("--het-tp-resize 0,-0.1", "--het-tp-resize: rank 1 share -0.1 is not within [0, 1]"),
+        ("--het-tp-max-resize 1.5", "--het-tp-max-resize must be within [0, 1], got 1.5"),
+        ("--het-tp-priority-interval 0", "--het-tp-priority-interval must be positive"),
+        (
+            "--het-tp-priority-sample-interval 0",
+            "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval 50], "
+            "got 0",
+        ),
+        (
+            "--het-tp-priority-interval 10 --het-tp-priority-sample-interval 11",
+            "--het-tp-priority-sample-interval must be within [1, --het-tp-priority-interval 10], "
+            "got 11",
+        ),
+        (
+            "--het-tp-policy none --het-tp-plan attn=3,1;mlp=200,56",
+            "--het-tp-policy none runs vanilla megatron-core layers; drop --het-tp-plan",
+        ),
+        (
+            "--het-tp-policy hybrid --het-tp-resize 0,0.5",
+            "--het-tp-resize sets fixed shares; --het-tp-policy hybrid decides them itself",
+        ),
+        (
+            "--het-tp-policy migrate --het-tp-interval 0",
+            "--het-tp-interval must be positive, got 0",
+        ),
+        (
+            "--het-tp-policy migrate --het-tp-end 1.5",
+            "--het-tp-end (1.5) must be >= 1 and below --het-tp-onset (1.3)",
+        ),
+        (
+            "--het-tp-policy migrate --het-tp-onset-at-once 1.2",
+            "--het-tp-onset-at-once (1.2) must be >= --het-tp-onset (1.3)",
+        ),
+        (
+            "--het-tp-policy resize --het-tp-emulate persistent:rank=2,factor=2",
+            "--het-tp-emulate 'persistent:rank=2,factor=2': rank 2 is not a TP rank (TP size 2)",
+        ),
+        ("--het-tp-policy resize --het-tp-emulate slow", "unknown scenario 'slow'"),
+        (
+            "--het-tp-policy none --het-tp-emulate-dilation 0.5",
+            "--het-tp-emulate-dilation must be a finite number >= 1, got 0.5",
+        ),
+        (
+            "--het-tp-policy none --het-tp-emulate-dilation inf",
+            "--het-tp-emulate-dilation must be a finite number >= 1, got inf",
+        ),
+        (
+            "--het-tp-policy none --het-tp-emulate-dilation 3 --het-tp-timer wall",
+            "it needs --het-tp-timer cpu, got wall",
+        ),
+        (
+            "--het-tp-policy zero --het-tp-resize 0,0.25",
+            "cuts a fixed 50%: --het-tp-resize shares must be 0 or 0.5",
+        ),
+        (
+            "--het-tp-policy zero --het-tp-resize 0,0.5 --het-tp-priority wg",
+            "--het-tp-policy zero ranks units by --het-tp-priority dw; drop --het-tp-priority wg",
+        ),
+    ],
+)
 def test_het_tp_flag_errors(extra, message):
     with pytest.raises(ArgumentError) as err:
         _args("--tensor-model-parallel-size 2 " + extra, world_size=2)
@@ -152,14 +269,18 @@ def test_het_tp_flag_errors(extra, message):
 
 def test_hidden_not_divisible_by_heads():
     args = build_parser().parse_args(BASE.replace("--hidden-size 64", "--hidden-size 66").split())
-    with pytest.raises(ArgumentError, match=r"--hidden-size \(66\) must be divisible by --num-attention-heads \(4\)"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"--hidden-size \(66\) must be divisible by --num-attention-heads \(4\)",
+    ):
         validate_args(args, 1, cuda_available=False)
 
 
 def test_data_path_must_exist(tmp_path):
     (tmp_path / "d.bin").write_bytes(b"")
     args = build_parser().parse_args(
-        BASE.replace("--mock-data --vocab-size 255", f"--data-path {tmp_path}/d").split())
+        BASE.replace("--mock-data --vocab-size 255", f"--data-path {tmp_path}/d").split()
+    )
     with pytest.raises(ArgumentError, match=rf"--data-path {tmp_path}/d: no {tmp_path}/d.idx"):
         validate_args(args, 1, cuda_available=False)
     (tmp_path / "d.idx").write_bytes(b"")
@@ -184,20 +305,39 @@ def test_padded_vocab_size():
 def _run_cli(args, world_size=1):
     env = dict(os.environ, WORLD_SIZE=str(world_size))
     env.pop("RANK", None)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("argv,world,message", [
-    (BASE + " --no-such-flag 3", 1, "unrecognized arguments: --no-such-flag 3"),
-    (BASE.replace("--num-attention-heads 4", "--num-attention-heads 3"), 1,
-     "--hidden-size (64) must be divisible by --num-attention-heads (3)"),
-    (BASE.replace("--num-attention-heads 4", "--num-attention-heads 3")
-     + " --tensor-model-parallel-size 2", 2,
-     "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)"),
-    (BASE + " --global-batch-size 5", 2,
-     "--global-batch-size (5) is not a multiple of --micro-batch-size (2) x data-parallel size (2)"),
-], ids=["unknown-flag", "heads-vs-hidden", "heads-vs-tp", "global-batch"])
+@pytest.mark.parametrize(
+    "argv,world,message",
+    [
+        (BASE + " --no-such-flag 3", 1, "unrecognized arguments: --no-such-flag 3"),
+        (
+            BASE.replace("--num-attention-heads 4", "--num-attention-heads 3"),
+            1,
+            "--hidden-size (64) must be divisible by --num-attention-heads (3)",
+        ),
+        (
+            BASE.replace("--num-attention-heads 4", "--num-attention-heads 3")
+            + " --tensor-model-parallel-size 2",
+            2,
+            "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)",
+        ),
+        (
+            BASE + " --global-batch-size 5",
+            2,
+            "--global-batch-size (5) is not a multiple of --micro-batch-size (2) x data-parallel "
+            "size (2)",
+        ),
+    ],
+    ids=["unknown-flag", "heads-vs-hidden", "heads-vs-tp", "global-batch"],
+)
 def test_bad_flags_exit_2_without_traceback(argv, world, message):
     proc = _run_cli(argv.split(), world_size=world)
     assert proc.returncode == 2, proc.stderr

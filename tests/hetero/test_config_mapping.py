@@ -7,12 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
-from megatron.hetero.data import dataset_config, build_tokenizer
+from megatron.hetero.data import build_tokenizer, dataset_config
 from megatron.hetero.model import transformer_config
 from megatron.hetero.training import optimizer_config, scheduler_kwargs
 
-BASE = ("--num-layers 3 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-        "--micro-batch-size 2 --train-iters 100 --lr 1e-3 --mock-data --vocab-size 255")
+BASE = (
+    "--num-layers 3 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --train-iters 100 --lr 1e-3 --mock-data --vocab-size 255"
+)
 
 
 def _args(extra="", cuda=False, world_size=1):
@@ -22,10 +24,13 @@ def _args(extra="", cuda=False, world_size=1):
 
 
 def test_model_flags_reach_transformer_config():
-    args = _args("--swiglu --disable-bias-linear --normalization RMSNorm --norm-epsilon 1e-6 "
-                 "--group-query-attention --num-query-groups 2 --kv-channels 32 "
-                 "--init-method-std 0.01 --hidden-dropout 0.2 --attention-dropout 0.3 "
-                 "--ffn-hidden-size 96 --tensor-model-parallel-size 2", world_size=2)
+    args = _args(
+        "--swiglu --disable-bias-linear --normalization RMSNorm --norm-epsilon 1e-6 "
+        "--group-query-attention --num-query-groups 2 --kv-channels 32 "
+        "--init-method-std 0.01 --hidden-dropout 0.2 --attention-dropout 0.3 "
+        "--ffn-hidden-size 96 --tensor-model-parallel-size 2",
+        world_size=2,
+    )
     c = transformer_config(args)
     assert (c.num_layers, c.hidden_size, c.num_attention_heads) == (3, 64, 4)
     assert c.num_query_groups == 2 and c.kv_channels == 32 and c.ffn_hidden_size == 96
@@ -48,8 +53,12 @@ def test_precision_flags_on_gpu():
 
 
 def test_optimizer_flags_reach_optimizer_config():
-    o = optimizer_config(_args("--weight-decay 0.1 --adam-beta1 0.8 --adam-beta2 0.95 "
-                               "--adam-eps 1e-6 --clip-grad 0.5 --min-lr 1e-5"))
+    o = optimizer_config(
+        _args(
+            "--weight-decay 0.1 --adam-beta1 0.8 --adam-beta2 0.95 "
+            "--adam-eps 1e-6 --clip-grad 0.5 --min-lr 1e-5"
+        )
+    )
     assert o.optimizer == "adam" and o.lr == 1e-3 and o.min_lr == 1e-5
     assert (o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_eps) == (0.1, 0.8, 0.95, 1e-6)
     assert o.clip_grad == 0.5 and not o.use_distributed_optimizer
@@ -61,8 +70,10 @@ def test_optimizer_flags_reach_optimizer_config():
 def test_lr_schedule_matches_megatron_scheduler(style):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    args = _args(f"--lr-decay-style {style} --lr-warmup-iters 10 --lr-warmup-init 1e-4 "
-                 "--min-lr 1e-5 --lr-decay-iters 50")
+    args = _args(
+        f"--lr-decay-style {style} --lr-warmup-iters 10 --lr-warmup-init 1e-4 "
+        "--min-lr 1e-5 --lr-decay-iters 50"
+    )
     kw = scheduler_kwargs(args)
     assert kw["lr_warmup_steps"] == 10 and kw["lr_decay_steps"] == 50
     assert kw["init_lr"] == 1e-4 and kw["lr_decay_style"] == style
@@ -94,8 +105,11 @@ def test_data_flags_reach_dataset_config(tmp_path):
     assert cfg.eod_mask_loss and cfg.path_to_cache == str(tmp_path) and cfg.random_seed == 7
     assert cfg.sequence_length == 32 and cfg.mock
     args = build_parser().parse_args(
-        (BASE.replace("--mock-data --vocab-size 255", "") +
-         f" --data-path 0.3 {tmp_path}/a/x 0.7 {tmp_path}/b/y --split 90,10,0").split())
+        (
+            BASE.replace("--mock-data --vocab-size 255", "")
+            + f" --data-path 0.3 {tmp_path}/a/x 0.7 {tmp_path}/b/y --split 90,10,0"
+        ).split()
+    )
     validate_args(args, 1, cuda_available=False)
     cfg = dataset_config(args, build_tokenizer(args.tokenizer_type, args.vocab_size))
     assert cfg.blend == ([f"{tmp_path}/a/x", f"{tmp_path}/b/y"], [0.3, 0.7])
@@ -107,7 +121,10 @@ def test_tensorboard_dir_needs_tensorboard(monkeypatch, tmp_path):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
     with pytest.raises(ArgumentError, match="--tensorboard-dir needs the tensorboard package"):
         _args(f"--tensorboard-dir {tmp_path}")

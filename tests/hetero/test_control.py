@@ -11,10 +11,13 @@ from tests.utils import MHA, ROOT, run_ranks, train_with_control
 
 # Timing wants the sharded GEMMs to dominate their linears' per-call costs: hidden 256 and
 # 512 tokens per micro-batch.
-TRAIN = (MHA.replace("--train-iters 1", "--train-iters 40")
-         .replace("--hidden-size 64", "--hidden-size 256").replace("--seq-length 32", "--seq-length 128")
-         .replace("--micro-batch-size 2", "--micro-batch-size 4") +
-         " --global-batch-size 4 --tensor-model-parallel-size 2 --het-tp-interval 5").split()
+TRAIN = (
+    MHA.replace("--train-iters 1", "--train-iters 40")
+    .replace("--hidden-size 64", "--hidden-size 256")
+    .replace("--seq-length 32", "--seq-length 128")
+    .replace("--micro-batch-size 2", "--micro-batch-size 4")
+    + " --global-batch-size 4 --tensor-model-parallel-size 2 --het-tp-interval 5"
+).split()
 STRAGGLER = ["--het-tp-emulate", "persistent:rank=1,factor=2,start=20"]
 
 
@@ -33,8 +36,9 @@ def steady(tmp_path_factory):
 def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, steady, clock):
     """With the wall clock, the fast rank waits for the slow one inside its row-parallel
     all-reduces: unless those waits are left out it looks just as slow and nothing happens."""
-    ranks, records = _run(tmp_path, "migrate", ["--het-tp-policy", "migrate", *STRAGGLER,
-                                                "--het-tp-timer", clock])
+    ranks, records = _run(
+        tmp_path, "migrate", ["--het-tp-policy", "migrate", *STRAGGLER, "--het-tp-timer", clock]
+    )
     decisions = [r for r in records if r["kind"] == "decision"]
     assert len(decisions) == 1, decisions
     first = decisions[0]
@@ -46,8 +50,11 @@ def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, stea
     assert all(c % 8 == 0 for c in plan.counts(0, "mlp"))  # GEMM-friendly widths
     # every rank applied the same decision at the same step boundary
     assert ranks[0]["seen"] == ranks[1]["seen"]
-    changed = [i for i in sorted(ranks[0]["seen"]) if i > 1 and
-               ranks[0]["seen"][i][0] != ranks[0]["seen"][i - 1][0]]
+    changed = [
+        i
+        for i in sorted(ranks[0]["seen"])
+        if i > 1 and ranks[0]["seen"][i][0] != ranks[0]["seen"][i - 1][0]
+    ]
     assert changed == [first["iteration"]]
     assert "het-TP decision at iteration" in ranks[0]["stdout"]
     # lossless: the loss sequence of the run without a straggler
@@ -84,14 +91,30 @@ def test_noisy_neighbour_pins_itself_and_the_given_process(tmp_path):
     core = max(os.sched_getaffinity(0))
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "noisy_neighbor.py"),
-                              "--cpu", str(core), "--pin", str(victim.pid), "--duration", "0.3"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "scripts", "noisy_neighbor.py"),
+                "--cpu",
+                str(core),
+                "--pin",
+                str(victim.pid),
+                "--duration",
+                "0.3",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert os.sched_getaffinity(victim.pid) == {core}
         assert f"noisy neighbour on core {core}, pinned [{victim.pid}] there" in out.stdout
-        bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "noisy_neighbor.py"),
-                              "--cpu", "4096"], capture_output=True, text=True, timeout=60)
+        bad = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "scripts", "noisy_neighbor.py"), "--cpu", "4096"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert bad.returncode == 2 and "--cpu 4096: this process may run on cores" in bad.stderr
     finally:
         victim.kill()
@@ -100,8 +123,10 @@ def test_noisy_neighbour_pins_itself_and_the_given_process(tmp_path):
 def test_policy_none_is_vanilla_megatron_core_timed(tmp_path):
     from tests.utils import train
 
-    argv = (MHA.replace("--train-iters 1", "--train-iters 10") + " --global-batch-size 4 "
-            "--tensor-model-parallel-size 2 --het-tp-interval 5").split()
+    argv = (
+        MHA.replace("--train-iters 1", "--train-iters 10") + " --global-batch-size 4 "
+        "--tensor-model-parallel-size 2 --het-tp-interval 5"
+    ).split()
     plain = run_ranks(train, 2, argv)[0]["losses"]
     metrics = str(tmp_path / "none.jsonl")
     timed = run_ranks(train, 2, argv + ["--het-tp-policy", "none", "--metrics-file", metrics])[0]
@@ -113,8 +138,9 @@ def test_policy_none_is_vanilla_megatron_core_timed(tmp_path):
     # sleeping, and counted so; the numbers do not change. Dilation alone (the default static
     # policy, even plan) is enough to time the ranks.
     dilated = str(tmp_path / "dilated.jsonl")
-    stretched = run_ranks(train, 2, argv + ["--metrics-file", dilated,
-                                             "--het-tp-emulate-dilation", "4"])[0]
+    stretched = run_ranks(
+        train, 2, argv + ["--metrics-file", dilated, "--het-tp-emulate-dilation", "4"]
+    )[0]
     assert stretched["losses"] == plain
     dilated = [r for r in read_metrics(dilated) if r["kind"] == "timing"]
     assert [r["iteration"] for r in dilated] == [5, 10]

@@ -21,7 +21,9 @@ def test_every_covered_upstream_symbol_exists():
 
 
 def test_a_missing_symbol_raises_compat_error(monkeypatch):
-    bogus = cpu_compat.Shim("bogus", ("megatron.core.tensor_parallel.random:NoSuchTracker",), "test")
+    bogus = cpu_compat.Shim(
+        "bogus", ("megatron.core.tensor_parallel.random:NoSuchTracker",), "test"
+    )
     monkeypatch.setattr(cpu_compat, "SHIMS", cpu_compat.SHIMS + (bogus,))
     with pytest.raises(cpu_compat.CompatError, match="NoSuchTracker for shim 'bogus'"):
         cpu_compat._check_symbols()
@@ -34,7 +36,11 @@ def test_shimmed_upstream_paths_run_on_cpu(tmp_path):
     assert report["current_device"] == "cpu"
     tracker_class, fork_advances = report["rng_tracker"]
     assert tracker_class == "CpuRNGStatesTracker" and fork_advances
-    assert report["type_names"] == ("torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor", torch.int64)
+    assert report["type_names"] == (
+        "torch.cuda.BFloat16Tensor",
+        "torch.cuda.FloatTensor",
+        torch.int64,
+    )
     loss, grad_norm, skipped, clipped = report["step"]
     assert math.isfinite(loss) and not skipped
     assert grad_norm > 1e-3  # so clipping to --clip-grad 1e-3 really happened

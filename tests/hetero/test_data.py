@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import importlib.util
 import sys
 
 import numpy as np
@@ -12,7 +12,6 @@ import pytest
 
 from megatron.hetero.data import PretrainingSampler, build_tokenizer
 from tests.utils import ROOT
-
 
 
 def test_dp_ranks_split_each_global_batch_like_megatron():
@@ -35,7 +34,8 @@ def test_sampler_resumes_at_consumed_samples():
 
 def _load_script():
     spec = importlib.util.spec_from_file_location(
-        "preprocess_data", os.path.join(ROOT, "scripts", "preprocess_data.py"))
+        "preprocess_data", os.path.join(ROOT, "scripts", "preprocess_data.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -63,8 +63,9 @@ def test_preprocess_jsonl_roundtrip(tmp_path, capsys):
     docs = ["héllo wörld", "second document\nwith two lines", "x"]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
-    status, out, err = _preprocess(capsys, "--input", str(src), "--output-prefix",
-                                   str(tmp_path / "out"), "--append-eod")
+    status, out, err = _preprocess(
+        capsys, "--input", str(src), "--output-prefix", str(tmp_path / "out"), "--append-eod"
+    )
     assert status == 0, err
     assert "3 documents" in out
     dataset = IndexedDataset(str(tmp_path / "out_text_document"))
@@ -84,8 +85,17 @@ def test_preprocess_text_folder_is_deterministic_and_bounded(tmp_path, capsys):
     (folder / "a.txt").write_text("aaaa")
     (folder / "sub" / "c.txt").write_text("cccc")
     (folder / "skip.md").write_text("not matched")
-    status, _, err = _preprocess(capsys, "--input", str(folder), "--glob", "*.txt",
-                                 "--max-bytes", "10", "--output-prefix", str(tmp_path / "out"))
+    status, _, err = _preprocess(
+        capsys,
+        "--input",
+        str(folder),
+        "--glob",
+        "*.txt",
+        "--max-bytes",
+        "10",
+        "--output-prefix",
+        str(tmp_path / "out"),
+    )
     assert status == 0, err
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -95,10 +105,13 @@ def test_preprocess_text_folder_is_deterministic_and_bounded(tmp_path, capsys):
 
 
 def test_preprocess_errors_are_clear(tmp_path, capsys):
-    status, _, err = _preprocess(capsys, "--input", str(tmp_path / "missing.jsonl"),
-                                 "--output-prefix", str(tmp_path / "o"))
+    status, _, err = _preprocess(
+        capsys, "--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "o")
+    )
     assert status == 2 and "--input" in err and "no such file" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "x"}\n')
-    status, _, err = _preprocess(capsys, "--input", str(bad), "--output-prefix", str(tmp_path / "o"))
+    status, _, err = _preprocess(
+        capsys, "--input", str(bad), "--output-prefix", str(tmp_path / "o")
+    )
     assert status == 1 and "bad.jsonl:1: no key 'text' (--json-keys)" in err

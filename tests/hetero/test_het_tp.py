@@ -12,8 +12,12 @@ from tests.utils import GQA, MHA, close, het_numerics, run_ranks, train, train_w
 
 CASES = {
     "tp2-mha": (MHA, 2, 2, [None, "attn=3,1;mlp=200,56", "attn=4,0;mlp=0,256"]),
-    "tp4-gqa-swiglu": (GQA, 4, 4, [None, "attn=2,1,1,0;mlp=30,2,0,32",
-                                   "attn=0,0,4,0;mlp=1,1,1,61"]),
+    "tp4-gqa-swiglu": (
+        GQA,
+        4,
+        4,
+        [None, "attn=2,1,1,0;mlp=30,2,0,32", "attn=0,0,4,0;mlp=1,1,1,61"],
+    ),
     "dp2xtp2-mha": (MHA, 4, 2, ["attn=1,3;mlp=0,256"]),
 }
 
@@ -40,30 +44,44 @@ def test_forward_and_gradients_match_dense_reference(references, case):
 def test_even_plan_reproduces_vanilla_training(tmp_path):
     """Same seed, same data: het-TP layers with Megatron's even partition give vanilla's losses
     (to float rounding: the SDPA core attention sums in another order than megatron-core's)."""
-    argv = (MHA.replace("--train-iters 1", "--train-iters 10") + " --global-batch-size 8"
-            " --tensor-model-parallel-size 2 --eval-iters 0 --log-interval 5").split()
+    argv = (
+        MHA.replace("--train-iters 1", "--train-iters 10") + " --global-batch-size 8"
+        " --tensor-model-parallel-size 2 --eval-iters 0 --log-interval 5"
+    ).split()
     vanilla = run_ranks(train, 2, argv + ["--metrics-file", str(tmp_path / "v.jsonl")])[0]
     het = run_ranks(train, 2, argv + ["--het-tp", "--metrics-file", str(tmp_path / "h.jsonl")])[0]
     for step in range(1, 11):
         want, got = vanilla["losses"][step], het["losses"][step]
         assert abs(got - want) <= 1e-6 * abs(want), f"step {step}: {got} vs {want}"
-    assert "het-TP plan at iteration 0 (initial): TP=2 layers 0-1: attn 2/2 mlp 128/128" in het["stdout"]
+    assert (
+        "het-TP plan at iteration 0 (initial): TP=2 layers 0-1: attn 2/2 mlp 128/128"
+        in het["stdout"]
+    )
 
 
 def _migrate_argv(tp=2, iters=30):
     """AdamW with weight decay; MLP units of 4 neurons (64 per layer)."""
-    return (MHA.replace("--train-iters 1", f"--train-iters {iters}") + " --global-batch-size 8"
-            f" --weight-decay 0.1 --het-tp --het-tp-granularity 4 --tensor-model-parallel-size {tp}"
-            " --eval-iters 0 --log-interval 10").split()
+    return (
+        MHA.replace("--train-iters 1", f"--train-iters {iters}") + " --global-batch-size 8"
+        f" --weight-decay 0.1 --het-tp --het-tp-granularity 4 --tensor-model-parallel-size {tp}"
+        " --eval-iters 0 --log-interval 10"
+    ).split()
 
 
 MIGRATE = _migrate_argv()  # TP=2 x DP=2 on 4 ranks, 30 steps
-SHUFFLED = json.dumps({"version": 1, "tp_size": 2, "attn_units": 4, "mlp_units": 64,
-                       "mlp_unit_size": 4, "layers": [
-                           {"attn": [[3, 0], [1, 2]],
-                            "mlp": [list(range(1, 64, 2)), list(range(0, 64, 2))]},
-                           {"attn": [[0, 1], [2, 3]],
-                            "mlp": [list(range(0, 32)), list(range(32, 64))]}]})
+SHUFFLED = json.dumps(
+    {
+        "version": 1,
+        "tp_size": 2,
+        "attn_units": 4,
+        "mlp_units": 64,
+        "mlp_unit_size": 4,
+        "layers": [
+            {"attn": [[3, 0], [1, 2]], "mlp": [list(range(1, 64, 2)), list(range(0, 64, 2))]},
+            {"attn": [[0, 1], [2, 3]], "mlp": [list(range(0, 32)), list(range(32, 64))]},
+        ],
+    }
+)
 PLANS = {7: "attn=4,0;mlp=64,0", 15: "attn=1,3;mlp=10,54", 22: SHUFFLED}
 # One unit's payload: its parameters plus Adam's two moments, fp32 (computed from the shapes,
 # independently of the implementation). attention: QKV rows 3 x 16 of 64 + their bias + 16
@@ -80,8 +98,11 @@ def _owners(spec_or_json):
     from hettp.plan import PartitionPlan
 
     plan = PartitionPlan.parse(spec_or_json, 2, 2, 4, 64, 4)
-    return {(layer, block): plan.owner_map(layer, block)
-            for layer in range(2) for block in ("attn", "mlp")}
+    return {
+        (layer, block): plan.owner_map(layer, block)
+        for layer in range(2)
+        for block in ("attn", "mlp")
+    }
 
 
 def test_migration_is_lossless_and_moves_the_minimum(unmigrated):
@@ -96,11 +117,17 @@ def test_migration_is_lossless_and_moves_the_minimum(unmigrated):
     previous = _owners("attn=2,2;mlp=32,32")
     for event in events:
         owners = _owners(PLANS[event["iteration"]])
-        changed = [(layer, block, unit) for (layer, block), owner in owners.items()
-                   for unit, rank in owner.items() if previous[(layer, block)][unit] != rank]
+        changed = [
+            (layer, block, unit)
+            for (layer, block), owner in owners.items()
+            for unit, rank in owner.items()
+            if previous[(layer, block)][unit] != rank
+        ]
         assert sorted(m[:3] for m in event["moves"]) == sorted(changed)
-        assert all(src == previous[(l, b)][u] and dst == owners[(l, b)][u]
-                   for l, b, u, src, dst in event["moves"])  # straight from old to new owner
+        assert all(
+            src == previous[(layer, b)][u] and dst == owners[(layer, b)][u]
+            for layer, b, u, src, dst in event["moves"]
+        )  # straight from old to new owner
         assert event["bytes"] == sum(UNIT_BYTES[block] for _, block, _ in changed)
         previous = owners
     # rank 1 gave everything away at step 7, then got units back at 15
@@ -109,7 +136,7 @@ def test_migration_is_lossless_and_moves_the_minimum(unmigrated):
     assert rank1[1]["local_units"]["0.attn"] == [1, 2, 3]
     assert rank1[2]["local_units"]["0.attn"] == [1, 2]
     assert migrated[0]["events"][2]["local_units"]["0.mlp"] == list(range(1, 64, 2))
-    lines = [l for l in migrated[0]["stdout"].splitlines() if "het-TP repartition" in l]
+    lines = [x for x in migrated[0]["stdout"].splitlines() if "het-TP repartition" in x]
     assert len(lines) == 3 and "via p2p" in lines[0] and f"{events[0]['bytes']} bytes" in lines[0]
 
 
@@ -117,7 +144,10 @@ def test_migration_where_some_ranks_keep_their_units():
     """TP=4: the first change moves units between ranks 0 and 3 only; ranks 1 and 2 must still
     rebuild their optimizer with the others (it runs collectives)."""
     argv = _migrate_argv(tp=4, iters=12)
-    plans = {4: "rebalance:attn=2,1,1,0;mlp=20,16,16,12", 8: "rebalance:attn=1,1,1,1;mlp=16,16,16,16"}
+    plans = {
+        4: "rebalance:attn=2,1,1,0;mlp=20,16,16,12",
+        8: "rebalance:attn=1,1,1,1;mlp=16,16,16,16",
+    }
     plain = run_ranks(train_with_repartitions, 4, argv, {})[0]
     moved = run_ranks(train_with_repartitions, 4, argv, plans)
     assert [e["units_moved"] for e in moved[0]["events"]] == [2 * (1 + 4), 2 * (1 + 4)]
@@ -128,9 +158,11 @@ def test_migration_where_some_ranks_keep_their_units():
 
 
 def test_failed_transfer_leaves_every_rank_intact(unmigrated):
-    faults = ({"iteration": 7, "rank": 1, "stage": "pack"},
-              {"iteration": 15, "rank": 0, "stage": "verify"},
-              {"iteration": 22, "rank": 1, "stage": "exchange"})
+    faults = (
+        {"iteration": 7, "rank": 1, "stage": "pack"},
+        {"iteration": 15, "rank": 0, "stage": "verify"},
+        {"iteration": 22, "rank": 1, "stage": "exchange"},
+    )
     plans = {7: PLANS[7], 15: PLANS[15], 22: PLANS[22], 26: PLANS[7]}
     results = run_ranks(train_with_repartitions, 4, MIGRATE, plans, faults)
     for rank, result in enumerate(results):
@@ -138,7 +170,10 @@ def test_failed_transfer_leaves_every_rank_intact(unmigrated):
         assert [e["iteration"] for e in failed] == [7, 15, 22]
         for event, culprit in zip(failed, (1, 0, 1)):
             assert event["unchanged"] and event["plan_kept"], event
-            assert f"at iteration {event['iteration']} aborted: TP rank(s) [{culprit}] failed" in event["error"]
+            assert (
+                f"at iteration {event['iteration']} aborted: TP rank(s) [{culprit}] failed"
+                in event["error"]
+            )
         # training went on, then a later re-partition still worked
         assert [e["iteration"] for e in result["events"] if "error" not in e] == [26]
         for step in range(1, 31):
@@ -147,23 +182,34 @@ def test_failed_transfer_leaves_every_rank_intact(unmigrated):
 
 
 # GQA + SwiGLU + biases: exercises the gate/up halves and per-group QKV rows in checkpoints
-CKPT = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
-        "--num-query-groups 2 --swiglu --ffn-hidden-size 128 --seq-length 32 --micro-batch-size 2 "
-        "--global-batch-size 8 --mock-data --vocab-size 255 --make-vocab-size-divisible-by 64 "
-        "--hidden-dropout 0 --attention-dropout 0 --lr 1e-3 --weight-decay 0.1 --train-iters 10 "
-        "--eval-iters 0 --log-interval 5").split()
+CKPT = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+    "--num-query-groups 2 --swiglu --ffn-hidden-size 128 --seq-length 32 --micro-batch-size 2 "
+    "--global-batch-size 8 --mock-data --vocab-size 255 --make-vocab-size-divisible-by 64 "
+    "--hidden-dropout 0 --attention-dropout 0 --lr 1e-3 --weight-decay 0.1 --train-iters 10 "
+    "--eval-iters 0 --log-interval 5"
+).split()
 
 
-@pytest.mark.parametrize("world,flags", [
-    (2, "--tensor-model-parallel-size 2 --het-tp-plan attn=0,2;mlp=100,28"),
-    (1, "--het-tp"),
-    (1, ""),
-    (2, "--tensor-model-parallel-size 2"),
-], ids=["other-plan", "het-tp1", "vanilla-tp1", "vanilla-tp2"])
+@pytest.mark.parametrize(
+    "world,flags",
+    [
+        (2, "--tensor-model-parallel-size 2 --het-tp-plan attn=0,2;mlp=100,28"),
+        (1, "--het-tp"),
+        (1, ""),
+        (2, "--tensor-model-parallel-size 2"),
+    ],
+    ids=["other-plan", "het-tp1", "vanilla-tp1", "vanilla-tp2"],
+)
 def test_checkpoint_loads_under_another_plan_tp_size_and_vanilla(tmp_path_factory, world, flags):
     saved = _saved_under_plan_a(tmp_path_factory)
-    resumed = run_ranks(train, world, CKPT + flags.split() + ["--load", saved["dir"],
-                                                             "--metrics-file", str(tmp_path_factory.mktemp("m") / "m.jsonl")])[0]
+    resumed = run_ranks(
+        train,
+        world,
+        CKPT
+        + flags.split()
+        + ["--load", saved["dir"], "--metrics-file", str(tmp_path_factory.mktemp("m") / "m.jsonl")],
+    )[0]
     assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
     for step in range(6, 11):
         got, want = resumed["losses"][step], saved["losses"][step]
@@ -177,9 +223,21 @@ def _saved_under_plan_a(tmp_path_factory):
     """Plan A: TP=2, rank 0 holds both query groups and most MLP units; saved at step 5."""
     if not _SAVED:
         root = tmp_path_factory.mktemp("plan_a")
-        result = run_ranks(train, 2, CKPT + ["--tensor-model-parallel-size", "2",
-                                             "--het-tp-plan", "attn=2,0;mlp=120,8",
-                                             "--save", str(root / "ckpt"), "--save-interval", "5"])[0]
+        result = run_ranks(
+            train,
+            2,
+            CKPT
+            + [
+                "--tensor-model-parallel-size",
+                "2",
+                "--het-tp-plan",
+                "attn=2,0;mlp=120,8",
+                "--save",
+                str(root / "ckpt"),
+                "--save-interval",
+                "5",
+            ],
+        )[0]
         only5 = root / "only5"
         only5.mkdir()
         (only5 / "iter_0000005").symlink_to(root / "ckpt" / "iter_0000005")
@@ -195,9 +253,12 @@ def test_bf16_migration_carries_fp32_master_weights():
     argv = _migrate_argv(iters=10) + ["--bf16"]
     uneven = "attn=3,1;mlp=50,14"
     plain = run_ranks(train_with_repartitions, 4, argv, {})[0]
-    there_and_back = run_ranks(train_with_repartitions, 4, argv,
-                               {3: [uneven, "attn=2,2;mlp=32,32"], 6: ["attn=4,0;mlp=64,0",
-                                                                       "attn=2,2;mlp=32,32"]})
+    there_and_back = run_ranks(
+        train_with_repartitions,
+        4,
+        argv,
+        {3: [uneven, "attn=2,2;mlp=32,32"], 6: ["attn=4,0;mlp=64,0", "attn=2,2;mlp=32,32"]},
+    )
     stays = run_ranks(train_with_repartitions, 4, argv, {3: uneven})[0]
     assert [e["iteration"] for e in there_and_back[0]["events"]] == [3, 3, 6, 6]
     for result in there_and_back:
@@ -211,15 +272,40 @@ def test_bf16_migration_carries_fp32_master_weights():
 def test_bf16_checkpoint_resumes_exactly_and_loads_into_vanilla(tmp_path):
     """Mixed precision: the fp32 masters and moments go through the same per-unit pieces."""
     argv = CKPT + ["--bf16"]
-    full = run_ranks(train, 2, argv + ["--tensor-model-parallel-size", "2",
-                                       "--het-tp-plan", "attn=2,0;mlp=120,8",
-                                       "--save", str(tmp_path / "ckpt"), "--exit-interval", "5"])[0]
+    full = run_ranks(
+        train,
+        2,
+        argv
+        + [
+            "--tensor-model-parallel-size",
+            "2",
+            "--het-tp-plan",
+            "attn=2,0;mlp=120,8",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--exit-interval",
+            "5",
+        ],
+    )[0]
     assert sorted(full["losses"]) == [1, 2, 3, 4, 5]
-    straight = run_ranks(train, 2, argv + ["--tensor-model-parallel-size", "2",
-                                           "--het-tp-plan", "attn=2,0;mlp=120,8"])[0]
-    same_plan = run_ranks(train, 2, argv + ["--tensor-model-parallel-size", "2",
-                                            "--het-tp-plan", "attn=2,0;mlp=120,8",
-                                            "--load", str(tmp_path / "ckpt")])[0]
+    straight = run_ranks(
+        train,
+        2,
+        argv + ["--tensor-model-parallel-size", "2", "--het-tp-plan", "attn=2,0;mlp=120,8"],
+    )[0]
+    same_plan = run_ranks(
+        train,
+        2,
+        argv
+        + [
+            "--tensor-model-parallel-size",
+            "2",
+            "--het-tp-plan",
+            "attn=2,0;mlp=120,8",
+            "--load",
+            str(tmp_path / "ckpt"),
+        ],
+    )[0]
     vanilla = run_ranks(train, 1, argv + ["--load", str(tmp_path / "ckpt")])[0]
     for step in range(6, 11):
         want = straight["losses"][step]

@@ -30,14 +30,24 @@ def test_resized_forward_equals_dense_reference_with_skipped_units_zeroed(case):
     argv = model.split() + ["--het-tp"]
     groups = 4
     mlp_units = (128 // 2) if "--swiglu" in model else 256
-    plan = (PartitionPlan.parse(spec, tp, 2, groups, mlp_units) if spec
-            else PartitionPlan.even(tp, 2, groups, mlp_units))
+    plan = (
+        PartitionPlan.parse(spec, tp, 2, groups, mlp_units)
+        if spec
+        else PartitionPlan.even(tp, 2, groups, mlp_units)
+    )
     zeroed = {}
     for (layer, block, _), units in skipped_units(plan, shares).items():
         zeroed.setdefault((layer, block), []).extend(sorted(units))
     assert any(zeroed.values())
-    resized = run_ranks(het_numerics, tp, argv + ["--tensor-model-parallel-size", str(tp)],
-                        [spec], shares, None, zeroed)[0][0]
+    resized = run_ranks(
+        het_numerics,
+        tp,
+        argv + ["--tensor-model-parallel-size", str(tp)],
+        [spec],
+        shares,
+        None,
+        zeroed,
+    )[0][0]
     reference = run_ranks(het_numerics, 1, argv, [None], None, zeroed, zeroed)[0][0]
     assert resized.pop("skipped_grads_zero") is True  # skipped units get no gradient
     reference.pop("skipped_grads_zero")
@@ -48,12 +58,14 @@ def test_resized_forward_equals_dense_reference_with_skipped_units_zeroed(case):
 
 # ---- training on real groups ------------------------------------------------------------
 
-TRAIN = (MHA.replace("--train-iters 1", "--train-iters 14") +
-         " --global-batch-size 4 --weight-decay 0.1 --tensor-model-parallel-size 2").split()
+TRAIN = (
+    MHA.replace("--train-iters 1", "--train-iters 14")
+    + " --global-batch-size 4 --weight-decay 0.1 --tensor-model-parallel-size 2"
+).split()
 
 
 def _skipped(record):
-    return {key: set(b["units"][b["active"]:]) for key, b in record["blocks"].items()}
+    return {key: set(b["units"][b["active"] :]) for key, b in record["blocks"].items()}
 
 
 def _same(a, b):
@@ -65,11 +77,17 @@ def resized_run():
     """Rank 1 skips half its units from the start; restored at 6; rank 0 resized at 8;
     units migrate to rank 0 at 10 (priorities refreshed every 4 iterations). Under --bf16, so
     the fp32 master weights are frozen too."""
-    actions = {6: [("resize", (0.0, 0.0))], 8: [("resize", (0.5, 0.0))],
-               10: [("migrate", "rebalance:attn=3,1;mlp=160,96")]}
-    return run_ranks(train_with_resizes, 2,
-                     TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "4",
-                              "--bf16"], actions)
+    actions = {
+        6: [("resize", (0.0, 0.0))],
+        8: [("resize", (0.5, 0.0))],
+        10: [("migrate", "rebalance:attn=3,1;mlp=160,96")],
+    }
+    return run_ranks(
+        train_with_resizes,
+        2,
+        TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "4", "--bf16"],
+        actions,
+    )
 
 
 def test_skipped_units_stay_frozen_and_resume_when_restored(resized_run):
@@ -95,8 +113,10 @@ def test_skipped_units_stay_frozen_and_resume_when_restored(resized_run):
     assert all(not s for s in _skipped(records[6]).values())
     for key, units in skipped_until_6.items():
         for unit in units:
-            assert not _same(records[6]["blocks"][key]["values"][unit][:1],
-                             records[8]["blocks"][key]["values"][unit][:1])
+            assert not _same(
+                records[6]["blocks"][key]["values"][unit][:1],
+                records[8]["blocks"][key]["values"][unit][:1],
+            )
 
 
 def test_priority_order_survives_a_migration(resized_run):
@@ -113,33 +133,59 @@ def test_priority_order_survives_a_migration(resized_run):
 
 def test_resizer_with_no_share_is_bit_identical_to_plain_het_tp(tmp_path):
     plain = run_ranks(train, 2, TRAIN + ["--het-tp"])[0]["losses"]
-    idle = run_ranks(train, 2, TRAIN + ["--het-tp-resize", "0,0", "--het-tp-priority", "wg",
-                                        "--het-tp-priority-interval", "2"])[0]["losses"]
+    idle = run_ranks(
+        train,
+        2,
+        TRAIN
+        + ["--het-tp-resize", "0,0", "--het-tp-priority", "wg", "--het-tp-priority-interval", "2"],
+    )[0]["losses"]
     assert plain == idle
 
 
 def test_scorer_observes_only_sampled_iterations():
     """dw copies the sharded weights on the steps it observes (about 10% of a CPU step when it
     observes every step), so it observes iterations divisible by the sample interval."""
-    argv = TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "8",
-                    "--het-tp-priority-sample-interval", "3", "--train-iters", "7"]
+    argv = TRAIN + [
+        "--het-tp-resize",
+        "0,0.5",
+        "--het-tp-priority-interval",
+        "8",
+        "--het-tp-priority-sample-interval",
+        "3",
+        "--train-iters",
+        "7",
+    ]
     records = run_ranks(train_with_resizes, 2, argv, {})[1]["records"]
     once = records[3]["observed"]  # unit-steps observed at iteration 3
     assert once > 0
     assert [records[it]["observed"] for it in range(1, 8)] == [
-        None, None, once, once, once, 2 * once, 2 * once]
+        None,
+        None,
+        once,
+        once,
+        once,
+        2 * once,
+        2 * once,
+    ]
 
 
 def test_paper_baseline_updates_skipped_units_with_imputed_gradients():
-    result = run_ranks(train_with_resizes, 2, TRAIN + ["--het-tp-policy", "zero",
-                                                       "--het-tp-resize", "0,0.5",
-                                                       "--train-iters", "4"], {})
+    result = run_ranks(
+        train_with_resizes,
+        2,
+        TRAIN + ["--het-tp-policy", "zero", "--het-tp-resize", "0,0.5", "--train-iters", "4"],
+        {},
+    )
     records = result[1]["records"]
     assert "skipped gradients imputed with 1e-08" in result[0]["stdout"]
-    moved = sum(not _same(records[2]["blocks"][key]["values"][u][:1],
-                          records[3]["blocks"][key]["values"][u][:1])
-                for key, units in _skipped(records[2]).items() for u in units
-                if u in _skipped(records[3])[key])
+    moved = sum(
+        not _same(
+            records[2]["blocks"][key]["values"][u][:1], records[3]["blocks"][key]["values"][u][:1]
+        )
+        for key, units in _skipped(records[2]).items()
+        for u in units
+        if u in _skipped(records[3])[key]
+    )
     assert moved > 0  # not frozen: the optimizer steps them (weight decay, imputed gradient)
 
 
@@ -147,13 +193,20 @@ def test_resize_state_survives_a_checkpoint(tmp_path):
     """Stop at 5 and resume: the same losses as one straight run, through a priority refresh at
     4 and 8 and a restore at 6 (the resumed run must bring back the saved skipped units and
     the saved priorities, not the initial ones)."""
-    argv = TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "4",
-                    "--train-iters", "10"]
+    argv = TRAIN + [
+        "--het-tp-resize",
+        "0,0.5",
+        "--het-tp-priority-interval",
+        "4",
+        "--train-iters",
+        "10",
+    ]
     actions = {6: [("resize", (0.0, 0.0))]}
     straight = run_ranks(train_with_resizes, 2, argv, actions)[0]["losses"]
     ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "5"]
     run_ranks(train_with_resizes, 2, argv + ckpt + ["--exit-interval", "5"], actions)
-    resumed = run_ranks(train_with_resizes, 2, argv + ckpt + ["--load", str(tmp_path / "ckpt")],
-                        actions)[0]["losses"]
+    resumed = run_ranks(
+        train_with_resizes, 2, argv + ckpt + ["--load", str(tmp_path / "ckpt")], actions
+    )[0]["losses"]
     assert sorted(resumed) == list(range(6, 11))
     assert [resumed[i] for i in range(6, 11)] == [straight[i] for i in range(6, 11)]

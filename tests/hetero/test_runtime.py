@@ -9,12 +9,14 @@ from hettp.metrics import read_metrics
 from hettp.plan import PartitionPlan
 from tests.utils import run_ranks, train
 
-MODEL = ("--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
-         "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
-         "--global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 "
-         "--attention-dropout 0 --log-interval 100 --eval-iters 0 --lr-decay-iters 12 "
-         "--het-tp-interval 3 "
-         "--het-tp-emulate persistent:rank=1,factor=3").split()
+MODEL = (
+    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+    "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
+    "--global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 "
+    "--attention-dropout 0 --log-interval 100 --eval-iters 0 --lr-decay-iters 12 "
+    "--het-tp-interval 3 "
+    "--het-tp-emulate persistent:rank=1,factor=3"
+).split()
 
 
 def _records(result, kind):
@@ -22,9 +24,20 @@ def _records(result, kind):
 
 
 def _run(tmp_path, name, policy, iters, *extra):
-    return run_ranks(train, 2, MODEL + ["--het-tp-policy", policy, "--train-iters", str(iters),
-                                        "--metrics-file", str(tmp_path / f"{name}.jsonl"),
-                                        *extra])[0]
+    return run_ranks(
+        train,
+        2,
+        MODEL
+        + [
+            "--het-tp-policy",
+            policy,
+            "--train-iters",
+            str(iters),
+            "--metrics-file",
+            str(tmp_path / f"{name}.jsonl"),
+            *extra,
+        ],
+    )[0]
 
 
 def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
@@ -59,7 +72,8 @@ def test_a_resized_run_resumes_with_its_shares_and_priorities(tmp_path):
     assert shares and shares[0][1] > 0  # the straggler was resized at the first report
     resizes = _records(resumed, "resize")
     assert [(r["iteration"], r["why"], r["shares"]) for r in resizes] == [
-        (5, "resumed from the checkpoint", shares[0])]
+        (5, "resumed from the checkpoint", shares[0])
+    ]
     assert _records(resumed, "decision") == []
     # lossy, but the same skipped units from the same priorities: the same trajectory
     for step in range(6, 11):

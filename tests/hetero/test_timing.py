@@ -30,8 +30,9 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
-    fake = types.SimpleNamespace(thread_time=lambda: clock.cpu, perf_counter=lambda: clock.wall,
-                                 sleep=clock.sleep)
+    fake = types.SimpleNamespace(
+        thread_time=lambda: clock.cpu, perf_counter=lambda: clock.wall, sleep=clock.sleep
+    )
     monkeypatch.setattr(timing, "time", fake)
     # a timer a test leaves registered does not outlive it: no patch, all_reduce as it was
     monkeypatch.setattr(timing, "_PATCH", None)

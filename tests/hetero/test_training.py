@@ -14,14 +14,15 @@ import pytest
 from hettp.metrics import read_metrics
 from tests.utils import ROOT, run_ranks, train, train_with_failing_save
 
-
 # Vocabulary 255 + EOD = 256 entries, padded to 256 at TP 1, 2 and 4 (divisible-by 64 x TP),
 # so every TP size builds the same full model from the same seed. No dropout: its masks in
 # TP regions come from per-rank generators and legitimately differ between TP sizes.
-MODEL_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-               "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-warmup-iters 2 "
-               "--mock-data --vocab-size 255 --make-vocab-size-divisible-by 64 "
-               "--eval-iters 0 --log-interval 1")
+MODEL_FLAGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-warmup-iters 2 "
+    "--mock-data --vocab-size 255 --make-vocab-size-divisible-by 64 "
+    "--eval-iters 0 --log-interval 1"
+)
 MODEL = (MODEL_FLAGS + " --hidden-dropout 0 --attention-dropout 0").split()
 
 
@@ -38,8 +39,14 @@ def tp1_run(tmp_path_factory):
 
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "dp2xtp2"])
 def test_parallel_layouts_match_tp1(tp1_run, tmp_path, world, tp):
-    argv = MODEL + ["--train-iters", "10", "--tensor-model-parallel-size", str(tp),
-                    "--metrics-file", str(tmp_path / "m.jsonl")]
+    argv = MODEL + [
+        "--train-iters",
+        "10",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--metrics-file",
+        str(tmp_path / "m.jsonl"),
+    ]
     results = run_ranks(train, world, argv)
     reference = _losses(tp1_run)
     assert len(reference) == 10
@@ -48,20 +55,23 @@ def test_parallel_layouts_match_tp1(tp1_run, tmp_path, world, tp):
         assert len(losses) == 10
         for step, (got, want) in enumerate(zip(losses, reference), 1):
             assert abs(got - want) <= 1e-5 * abs(want), (
-                f"TP={tp} DP={world // tp} rank {rank} step {step}: {got} vs TP=1 {want}")
+                f"TP={tp} DP={world // tp} rank {rank} step {step}: {got} vs TP=1 {want}"
+            )
     # the loss must actually move, or equality would prove nothing
     assert reference[-1] < reference[0] - 0.05
 
 
 def test_log_lines_and_metrics_file(tp1_run):
     stdout = tp1_run["stdout"]
-    lines = [l for l in stdout.splitlines() if " iteration " in l and "lm loss:" in l]
+    lines = [x for x in stdout.splitlines() if " iteration " in x and "lm loss:" in x]
     assert len(lines) == 10
     pattern = re.compile(
         r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +10 \| consumed samples: +(\d+) \|"
         r" elapsed time per iteration \(ms\): [\d.]+ \| tokens per second: [\d.]+ \|"
         r" learning rate: [\d.E+-]+ \| global batch size: +8 \| lm loss: ([\d.E+-]+) \|"
-        r" grad norm: [\d.]+ \| number of skipped iterations: +0 \| number of nan iterations: +0 \|$")
+        r" grad norm: [\d.]+ \| number of skipped iterations: +0 \|"
+        r" number of nan iterations: +0 \|$"
+    )
     records = list(read_metrics(tp1_run["metrics_file"], "train"))
     assert [r["iteration"] for r in records] == list(range(1, 11))
     for line, record in zip(lines, records):
@@ -83,14 +93,19 @@ def test_resume_reproduces_the_run_exactly(tmp_path):
     """A job stopped by --exit-interval at step 5 saves; a new job with --load continues, and
     steps 6-10 match an uninterrupted run bit for bit, dropout included (so the RNG state is
     part of the checkpoint)."""
-    argv = (MODEL_FLAGS + " --hidden-dropout 0.1 --attention-dropout 0.1"
-            " --tensor-model-parallel-size 2 --train-iters 10").split()
+    argv = (
+        MODEL_FLAGS + " --hidden-dropout 0.1 --attention-dropout 0.1"
+        " --tensor-model-parallel-size 2 --train-iters 10"
+    ).split()
     full = run_ranks(train, 2, argv + ["--metrics-file", str(tmp_path / "full.jsonl")])[0]
     ckpt = tmp_path / "ckpt"
     stopped = run_ranks(train, 2, argv + ["--save", str(ckpt), "--exit-interval", "5"])[0]
     assert sorted(stopped["losses"]) == [1, 2, 3, 4, 5] and stopped["iteration"] == 5
-    assert sorted(os.listdir(ckpt)) == ["iter_0000005", "latest_checkpointed_iteration.txt",
-                                        "metrics.jsonl"]
+    assert sorted(os.listdir(ckpt)) == [
+        "iter_0000005",
+        "latest_checkpointed_iteration.txt",
+        "metrics.jsonl",
+    ]
     resumed = run_ranks(train, 2, argv + ["--load", str(ckpt), "--save", str(ckpt)])[0]
     assert "loaded checkpoint" in resumed["stdout"]
     assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
@@ -105,13 +120,18 @@ def test_resume_reproduces_the_run_exactly(tmp_path):
 
 def test_llama_style_model_matches_tp1(tmp_path):
     """RoPE, SwiGLU, RMSNorm, grouped-query attention, no biases, untied output layer."""
-    argv = (MODEL_FLAGS + " --hidden-dropout 0 --attention-dropout 0 --train-iters 5"
-            " --position-embedding-type rope --rotary-percent 0.5 --swiglu --normalization RMSNorm"
-            " --group-query-attention --num-query-groups 2 --disable-bias-linear"
-            " --untie-embeddings-and-output-weights").split()
+    argv = (
+        MODEL_FLAGS + " --hidden-dropout 0 --attention-dropout 0 --train-iters 5"
+        " --position-embedding-type rope --rotary-percent 0.5 --swiglu --normalization RMSNorm"
+        " --group-query-attention --num-query-groups 2 --disable-bias-linear"
+        " --untie-embeddings-and-output-weights"
+    ).split()
     tp1 = run_ranks(train, 1, argv + ["--metrics-file", str(tmp_path / "a.jsonl")])[0]
-    tp2 = run_ranks(train, 2, argv + ["--tensor-model-parallel-size", "2",
-                                      "--metrics-file", str(tmp_path / "b.jsonl")])[0]
+    tp2 = run_ranks(
+        train,
+        2,
+        argv + ["--tensor-model-parallel-size", "2", "--metrics-file", str(tmp_path / "b.jsonl")],
+    )[0]
     for step in range(1, 6):
         want, got = tp1["losses"][step], tp2["losses"][step]
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
@@ -121,20 +141,41 @@ def test_llama_style_model_matches_tp1(tmp_path):
 @pytest.fixture(scope="module")
 def stdlib_corpus(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("corpus") / "stdlib"
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "preprocess_data.py"),
-                    "--stdlib", "--output-prefix", str(prefix), "--max-bytes", "1500000"],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "preprocess_data.py"),
+            "--stdlib",
+            "--output-prefix",
+            str(prefix),
+            "--max-bytes",
+            "1500000",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return f"{prefix}_text_document"
 
 
 def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
-    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-            "--micro-batch-size 8 --global-batch-size 16 --train-iters 40 --lr 3e-3 "
-            "--lr-warmup-iters 4 --tokenizer-type ByteLevelTokenizer --split 95,5,0 "
-            "--eval-interval 20 --eval-iters 4 --log-interval 10 "
-            "--tensor-model-parallel-size 2 --num-workers 1").split()
-    argv += ["--data-path", stdlib_corpus, "--data-cache-path", str(tmp_path / "cache"),
-             "--metrics-file", str(tmp_path / "m.jsonl"), "--tensorboard-dir", str(tmp_path / "tb")]
+    argv = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+        "--micro-batch-size 8 --global-batch-size 16 --train-iters 40 --lr 3e-3 "
+        "--lr-warmup-iters 4 --tokenizer-type ByteLevelTokenizer --split 95,5,0 "
+        "--eval-interval 20 --eval-iters 4 --log-interval 10 "
+        "--tensor-model-parallel-size 2 --num-workers 1"
+    ).split()
+    argv += [
+        "--data-path",
+        stdlib_corpus,
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        "--metrics-file",
+        str(tmp_path / "m.jsonl"),
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+    ]
     result = run_ranks(train, 2, argv)[0]
     losses = _losses(result)
     uniform = math.log(256)

@@ -16,10 +16,12 @@ from tests.utils import ROOT, run_ranks, train_like_upstream
 
 PATCH = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1.patch")
 PATCHED = ("pretrain_gpt.py", "gpt_builders.py", "megatron/training/training.py")
-MODEL = ("--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
-         "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
-         "--global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 "
-         "--attention-dropout 0 --train-iters 12 --log-interval 100").split()
+MODEL = (
+    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+    "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
+    "--global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 "
+    "--attention-dropout 0 --train-iters 12 --log-interval 100"
+).split()
 
 
 def test_extra_args_provider_adds_the_group_after_upstreams():
@@ -30,11 +32,13 @@ def test_extra_args_provider_adds_the_group_after_upstreams():
         return parser
 
     parser = upstream.extra_args_provider(theirs)(argparse.ArgumentParser())
-    args = parser.parse_args(["--their-flag", "3", "--het-tp-policy", "hybrid",
-                              "--het-tp-interval", "7"])
+    args = parser.parse_args(
+        ["--their-flag", "3", "--het-tp-policy", "hybrid", "--het-tp-interval", "7"]
+    )
     assert (args.their_flag, args.het_tp_policy, args.het_tp_interval) == (3, "hybrid", 7)
-    assert upstream.extra_args_provider(None)(argparse.ArgumentParser()).parse_args([]).het_tp \
-        is False
+    assert (
+        upstream.extra_args_provider(None)(argparse.ArgumentParser()).parse_args([]).het_tp is False
+    )
 
 
 def _upstream_args(argv=(), **overrides):
@@ -44,24 +48,42 @@ def _upstream_args(argv=(), **overrides):
     from megatron.hetero import upstream
 
     args = upstream.extra_args_provider(None)(argparse.ArgumentParser()).parse_args(list(argv))
-    model = dict(tensor_model_parallel_size=2, num_layers=2, num_attention_heads=4,
-                 num_query_groups=1, group_query_attention=False, ffn_hidden_size=256,
-                 normalization="LayerNorm", num_experts=None, mtp_num_layers=None,
-                 multi_latent_attention=False, use_distributed_optimizer=False,
-                 virtual_pipeline_model_parallel_size=None)
+    model = dict(
+        tensor_model_parallel_size=2,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=1,
+        group_query_attention=False,
+        ffn_hidden_size=256,
+        normalization="LayerNorm",
+        num_experts=None,
+        mtp_num_layers=None,
+        multi_latent_attention=False,
+        use_distributed_optimizer=False,
+        virtual_pipeline_model_parallel_size=None,
+    )
     for name, value in {**model, **overrides}.items():
         setattr(args, name, value)
     return args
 
 
-@pytest.mark.parametrize("argv, overrides, message", [
-    (["--het-tp-policy", "migrate", "--het-tp-interval", "0"], {},
-     "--het-tp-interval must be positive"),
-    (["--het-tp-policy", "migrate"], {"num_experts": 8},
-     "no mixture of experts layers: drop --num-experts"),
-    (["--het-tp"], {"use_distributed_optimizer": True}, "drop --use-distributed-optimizer"),
-    (["--het-tp-plan", "attn=4,1;mlp=128,128"], {}, "--het-tp-plan"),
-])
+@pytest.mark.parametrize(
+    "argv, overrides, message",
+    [
+        (
+            ["--het-tp-policy", "migrate", "--het-tp-interval", "0"],
+            {},
+            "--het-tp-interval must be positive",
+        ),
+        (
+            ["--het-tp-policy", "migrate"],
+            {"num_experts": 8},
+            "no mixture of experts layers: drop --num-experts",
+        ),
+        (["--het-tp"], {"use_distributed_optimizer": True}, "drop --use-distributed-optimizer"),
+        (["--het-tp-plan", "attn=4,1;mlp=128,128"], {}, "--het-tp-plan"),
+    ],
+)
 def test_create_runtime_checks_the_flags_on_upstream_args(argv, overrides, message):
     from megatron.hetero import upstream
 
@@ -95,9 +117,19 @@ def test_create_runtime_counts_query_groups_as_upstream_does():
 
 
 def test_hook_migrates_losslessly_in_upstreams_loop():
-    straggler = run_ranks(train_like_upstream, 2, MODEL + [
-        "--het-tp-policy", "migrate", "--het-tp-interval", "3",
-        "--het-tp-emulate", "persistent:rank=1,factor=3"])
+    straggler = run_ranks(
+        train_like_upstream,
+        2,
+        MODEL
+        + [
+            "--het-tp-policy",
+            "migrate",
+            "--het-tp-interval",
+            "3",
+            "--het-tp-emulate",
+            "persistent:rank=1,factor=3",
+        ],
+    )
     steady = run_ranks(train_like_upstream, 2, MODEL + ["--het-tp", "--het-tp-policy", "static"])
     first = straggler[0]
     assert first["hook"] and "het-TP decision at iteration 3: migrate" in first["stdout"]
@@ -115,9 +147,16 @@ def test_the_patch_calls_what_the_glue_defines():
     added = "\n".join(line for line in text.splitlines() if line.startswith("+"))
     calls = set(re.findall(r"het_tp\.(\w+(?:\.\w+)?)\(", added))
     calls |= {f"het_tp_hook.{m}" for m in re.findall(r"het_tp_hook\.(\w+)\(", added)}
-    assert calls == {"extra_args_provider", "create_runtime", "layer_spec", "StepHook.create",
-                     "before_optimizer_step", "after_optimizer_step", "het_tp_hook.begin_step",
-                     "het_tp_hook.end_step"}
+    assert calls == {
+        "extra_args_provider",
+        "create_runtime",
+        "layer_spec",
+        "StepHook.create",
+        "before_optimizer_step",
+        "after_optimizer_step",
+        "het_tp_hook.begin_step",
+        "het_tp_hook.end_step",
+    }
     assert "het_tp_runtime.install(model)" in added
     for name in calls:
         owner, _, attr = name.rpartition(".")
@@ -127,17 +166,23 @@ def test_the_patch_calls_what_the_glue_defines():
         assert f"diff --git a/{path} b/{path}" in text
 
 
-@pytest.mark.skipif(not os.environ.get("HETTP_MEGATRON_LM"),
-                    reason="set HETTP_MEGATRON_LM to a Megatron-LM checkout at core_v0.16.1 "
-                           "(CI extracts ../shared/upstream's)")
+@pytest.mark.skipif(
+    not os.environ.get("HETTP_MEGATRON_LM"),
+    reason="set HETTP_MEGATRON_LM to a Megatron-LM checkout at core_v0.16.1 "
+    "(CI extracts ../shared/upstream's)",
+)
 def test_the_patch_applies_to_a_fresh_copy_of_megatron_lm(tmp_path):
     """On a copy of the given tree (it may be patched already, or shared): apply, byte-compile
     the patched files, and find the glue's calls where the patch puts them."""
     tree = tmp_path / "Megatron-LM"
     shutil.copytree(os.environ["HETTP_MEGATRON_LM"], tree, symlinks=True)
     # as extracted, whether or not the given tree was patched already
-    if subprocess.run(["git", "apply", "-R", "--check", PATCH], cwd=tree,
-                      capture_output=True).returncode == 0:
+    if (
+        subprocess.run(
+            ["git", "apply", "-R", "--check", PATCH], cwd=tree, capture_output=True
+        ).returncode
+        == 0
+    ):
         subprocess.run(["git", "apply", "-R", PATCH], cwd=tree, check=True)
     apply = os.path.join(ROOT, "patches", "apply.sh")
     out = subprocess.run(["bash", apply, "--check", str(tree)], capture_output=True, text=True)

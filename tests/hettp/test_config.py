@@ -41,8 +41,16 @@ def test_every_field_is_a_flag_with_its_docstring_as_help():
 
 
 def test_validation_returns_the_config_and_leaves_args_alone():
-    _, args = _parse(["--het-tp-policy", "migrate", "--het-tp-plan", "attn=3,1;mlp=200,56",
-                      "--het-tp-emulate", "persistent:rank=1,factor=2"])
+    _, args = _parse(
+        [
+            "--het-tp-policy",
+            "migrate",
+            "--het-tp-plan",
+            "attn=3,1;mlp=200,56",
+            "--het-tp-emulate",
+            "persistent:rank=1,factor=2",
+        ]
+    )
     before = dict(vars(args))
     config = HetTPConfig.from_args(args).validated(SHAPE)
     assert vars(args) == before  # nothing written back
@@ -55,25 +63,33 @@ def test_validation_returns_the_config_and_leaves_args_alone():
 
 
 def test_from_args_reads_what_another_parser_left_and_keeps_defaults_for_the_rest():
-    config = HetTPConfig.from_args(argparse.Namespace(het_tp_policy="hybrid", het_tp_interval=7,
-                                                      unrelated=1))
+    config = HetTPConfig.from_args(
+        argparse.Namespace(het_tp_policy="hybrid", het_tp_interval=7, unrelated=1)
+    )
     assert (config.policy, config.interval, config.onset) == ("hybrid", 7, 1.3)
 
 
-@pytest.mark.parametrize("policy, resize, decides, timed, resizes, het_tp", [
-    ("none", None, False, True, False, False),
-    ("static", None, False, False, False, False),
-    ("static", "0,0.25", False, False, True, True),
-    ("resize", None, True, True, True, True),
-    ("migrate", None, True, True, False, True),
-    ("hybrid", None, True, True, True, True),
-    ("zero", None, True, True, True, True),
-    ("zero", "0,0.5", False, False, True, True),  # fixed shares replace the planner
-])
+@pytest.mark.parametrize(
+    "policy, resize, decides, timed, resizes, het_tp",
+    [
+        ("none", None, False, True, False, False),
+        ("static", None, False, False, False, False),
+        ("static", "0,0.25", False, False, True, True),
+        ("resize", None, True, True, True, True),
+        ("migrate", None, True, True, False, True),
+        ("hybrid", None, True, True, True, True),
+        ("zero", None, True, True, True, True),
+        ("zero", "0,0.5", False, False, True, True),  # fixed shares replace the planner
+    ],
+)
 def test_what_each_policy_needs(policy, resize, decides, timed, resizes, het_tp):
     config = HetTPConfig(policy=policy, resize=resize).validated(SHAPE)
     assert (config.decides, config.timed, config.resizes, config.het_tp) == (
-        decides, timed, resizes, het_tp)
+        decides,
+        timed,
+        resizes,
+        het_tp,
+    )
     assert config.active == (het_tp or timed)
 
 
@@ -82,15 +98,22 @@ def test_emulation_alone_asks_for_timing():
     assert config.timed and not config.decides and not config.het_tp
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"policy": "none", "het_tp": True}, "--het-tp-policy none runs vanilla megatron-core "
-                                         "layers; drop --het-tp"),
-    ({"policy": "migrate", "resize": "0,0.5"}, "--het-tp-policy migrate decides them itself"),
-    ({"policy": "zero", "priority": "wg"}, "--het-tp-policy zero ranks units by "
-                                           "--het-tp-priority dw; drop --het-tp-priority wg"),
-    ({"emulate": "persistent:rank=1,factor=2"}, "--het-tp-emulate is implemented for CPU runs"),
-    ({"plan": "attn=4,4;mlp=128,128"}, "--het-tp-plan: plan attn: counts [4, 4] sum to 8"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"policy": "none", "het_tp": True},
+            "--het-tp-policy none runs vanilla megatron-core layers; drop --het-tp",
+        ),
+        ({"policy": "migrate", "resize": "0,0.5"}, "--het-tp-policy migrate decides them itself"),
+        (
+            {"policy": "zero", "priority": "wg"},
+            "--het-tp-policy zero ranks units by --het-tp-priority dw; drop --het-tp-priority wg",
+        ),
+        ({"emulate": "persistent:rank=1,factor=2"}, "--het-tp-emulate is implemented for CPU runs"),
+        ({"plan": "attn=4,4;mlp=128,128"}, "--het-tp-plan: plan attn: counts [4, 4] sum to 8"),
+    ],
+)
 def test_errors_name_the_flag(kwargs, message):
     cuda = "emulate" in kwargs
     with pytest.raises(ConfigError, match=None) as err:
@@ -100,8 +123,16 @@ def test_errors_name_the_flag(kwargs, message):
 
 def test_adding_a_policy_touches_the_table_and_the_planner(monkeypatch):
     """A new row in POLICIES is a flag choice, a compared policy, and a planner rule away."""
-    row = Policy("halve", "every straggler skips half its units", layers="het", times=False,
-                 decides=True, resizes=True, migrates=False, fixed_shares=False)
+    row = Policy(
+        "halve",
+        "every straggler skips half its units",
+        layers="het",
+        times=False,
+        decides=True,
+        resizes=True,
+        migrates=False,
+        fixed_shares=False,
+    )
     monkeypatch.setitem(POLICIES, "halve", row)
     with pytest.raises(ValueError, match="policy 'halve' decides, but the planner has no rule"):
         Planner("halve", {"attn": 1.0, "mlp": 1.0})

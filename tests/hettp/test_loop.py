@@ -36,8 +36,12 @@ def _drive(loop, plan, rows, interval=4, noise=0.0, seed=0):
     shares = (0.0,) * plan.tp_size
     decisions = []
     for n, factors in enumerate(rows, 1):
-        verdict = loop.observe(_report(n * interval, plan, shares, factors, noise=noise, rng=rng),
-                               plan, shares, decide=True)
+        verdict = loop.observe(
+            _report(n * interval, plan, shares, factors, noise=noise, rng=rng),
+            plan,
+            shares,
+            decide=True,
+        )
         if verdict.decision is not None:
             decisions.append(verdict.decision)
             plan, shares = verdict.decision.plan, verdict.decision.shares
@@ -74,15 +78,21 @@ def test_migrate_moves_work_off_a_persistent_straggler_and_back():
 
 
 def test_hybrid_resizes_then_migrates_when_the_move_pays():
-    decisions, plan, shares = _drive(_loop("hybrid"), PartitionPlan.even(2, 2, 4, 64),
-                                     [[1, 1]] + [[1, 3]] * 8)
+    decisions, plan, shares = _drive(
+        _loop("hybrid"), PartitionPlan.even(2, 2, 4, 64), [[1, 1]] + [[1, 3]] * 8
+    )
     assert [d.action for d in decisions] == ["hybrid-resize", "hybrid-migrate"]
     assert decisions[0].shares[1] > 0 and not any(shares)
 
 
 def test_a_steady_noisy_group_never_decides():
-    decisions, _, _ = _drive(_loop("hybrid", tp=4), PartitionPlan.even(4, 2, 8, 64),
-                             [[1, 1, 1, 1]] * 60, noise=0.08, seed=5)
+    decisions, _, _ = _drive(
+        _loop("hybrid", tp=4),
+        PartitionPlan.even(4, 2, 8, 64),
+        [[1, 1, 1, 1]] * 60,
+        noise=0.08,
+        seed=5,
+    )
     assert decisions == []
 
 
@@ -130,11 +140,17 @@ def test_migration_cost_uses_the_exact_unit_bytes():
     cost = MigrationCost(CostModel(), {"attn": 10_000, "mlp": 3_000})
     schedule = plan_transfer(old, new, {"attn": 10_000, "mlp": 3_000}.__getitem__)
     assert cost.seconds(old, new) == pytest.approx(
-        REBUILD_FACTOR * min(CostModel().predict(schedule).values()))
+        REBUILD_FACTOR * min(CostModel().predict(schedule).values())
+    )
     assert cost.seconds(old, old) == 0.0
     loop = _loop("migrate", cost=cost)
-    loop.observe(_report(4, old, (0.0, 0.0), [1, 1]), old, (0.0, 0.0), decide=True,
-                 unit_bytes={"attn": 1, "mlp": 2})
+    loop.observe(
+        _report(4, old, (0.0, 0.0), [1, 1]),
+        old,
+        (0.0, 0.0),
+        decide=True,
+        unit_bytes={"attn": 1, "mlp": 2},
+    )
     assert cost.unit_bytes == {"attn": 1, "mlp": 2}  # what the partition says it carries now
 
 

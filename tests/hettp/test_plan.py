@@ -43,14 +43,17 @@ def test_summary_merges_identical_layers():
     assert mixed.summary() == "TP=3 layers 0-2: attn 2/1/1 mlp 6/3/3; layer 3: attn 4/0/0 mlp 6/3/3"
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("attn=3,2;mlp=8,4", "attn: counts [3, 2] sum to 5, the model has 4 units"),
-    ("attn=2,2;mlp=13,-1", "mlp: negative unit count"),
-    ("attn=2,2,0;mlp=6,6", "attn: 3 counts for 2 ranks"),
-    ("attn=2,x;mlp=6,6", "attn counts must be integers"),
-    ("heads=2,2", "expected 'attn=<counts>;mlp=<counts>'"),
-    ("attn=2,2;attn=2,2", "'attn' given twice"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("attn=3,2;mlp=8,4", "attn: counts [3, 2] sum to 5, the model has 4 units"),
+        ("attn=2,2;mlp=13,-1", "mlp: negative unit count"),
+        ("attn=2,2,0;mlp=6,6", "attn: 3 counts for 2 ranks"),
+        ("attn=2,x;mlp=6,6", "attn counts must be integers"),
+        ("heads=2,2", "expected 'attn=<counts>;mlp=<counts>'"),
+        ("attn=2,2;attn=2,2", "'attn' given twice"),
+    ],
+)
 def test_inline_spec_errors(spec, message):
     with pytest.raises(PlanError) as err:
         PartitionPlan.parse(spec, 2, 2, 4, 12)
@@ -110,8 +113,9 @@ def test_schedule_moves_each_changed_unit_once_directly():
     schedule = plan_transfer(old, new, {"attn": 100, "mlp": 10}.get)
     moves = {(m.layer, m.block, m.unit): (m.src, m.dst) for m in schedule.moves}
     # attn units 2,3 move 1->0; mlp units 1,2 move 0->1; per layer
-    assert moves == {(l, "attn", u): (1, 0) for l in (0, 1) for u in (2, 3)} | {
-        (l, "mlp", u): (0, 1) for l in (0, 1) for u in (1, 2)}
+    assert moves == {(layer, "attn", u): (1, 0) for layer in (0, 1) for u in (2, 3)} | {
+        (layer, "mlp", u): (0, 1) for layer in (0, 1) for u in (1, 2)
+    }
     assert schedule.total_bytes == 2 * (2 * 100 + 2 * 10)
     assert set(schedule.bundles()) == {(1, 0), (0, 1)}
     assert schedule.bundle_bytes() == {(0, 1): 40, (1, 0): 400}
@@ -126,8 +130,12 @@ def _fanout(n, size, dsts=None):
 
 
 def test_cost_model_predictions_follow_the_formulas():
-    model = CostModel(p2p=PrimitiveCost(1.0, 0.1, 100.0), all_to_all=PrimitiveCost(2.0, 0.01, 50.0),
-                      scatter=PrimitiveCost(0.5, 0.2, 100.0), broadcast=PrimitiveCost(3.0, 0.5, 10.0))
+    model = CostModel(
+        p2p=PrimitiveCost(1.0, 0.1, 100.0),
+        all_to_all=PrimitiveCost(2.0, 0.01, 50.0),
+        scatter=PrimitiveCost(0.5, 0.2, 100.0),
+        broadcast=PrimitiveCost(3.0, 0.5, 10.0),
+    )
     s = _fanout(4, 100)  # rank 0 sends 100 bytes to each of 3 ranks
     p = model.predict(s)
     assert p["p2p"] == pytest.approx(1.0 + 3 * 0.1 + 300 / 100.0)
@@ -143,19 +151,43 @@ SLOW = PrimitiveCost(1e-4, 1e-2, 1e9)  # per-message latency dominates
 FAST = PrimitiveCost(1e-4, 1e-4, 1e9)
 
 
-@pytest.mark.parametrize("costs,schedule,expected", [
-    # equal constants, one big fan-out: batched p2p (scatter pads, broadcast resends)
-    (dict(p2p=FAST, all_to_all=FAST, scatter=FAST, broadcast=FAST), _fanout(4, 10_000_000), "p2p"),
-    # a single source with expensive p2p messages: scatter
-    (dict(p2p=SLOW, all_to_all=SLOW, scatter=FAST, broadcast=SLOW), _fanout(8, 1000), "scatter"),
-    # dense many-to-many with expensive p2p messages: all_to_all
-    (dict(p2p=SLOW, all_to_all=FAST, scatter=SLOW, broadcast=SLOW),
-     TransferSchedule(4, tuple(UnitMove(0, "mlp", 4 * s + d, s, d, 100)
-                               for s in range(4) for d in range(4) if s != d)), "all_to_all"),
-    # one tiny move on two ranks with a cheap broadcast call
-    (dict(p2p=FAST, all_to_all=FAST, scatter=FAST, broadcast=PrimitiveCost(1e-6, 1e-6, 1e9)),
-     _fanout(2, 8), "broadcast"),
-])
+@pytest.mark.parametrize(
+    "costs,schedule,expected",
+    [
+        # equal constants, one big fan-out: batched p2p (scatter pads, broadcast resends)
+        (
+            dict(p2p=FAST, all_to_all=FAST, scatter=FAST, broadcast=FAST),
+            _fanout(4, 10_000_000),
+            "p2p",
+        ),
+        # a single source with expensive p2p messages: scatter
+        (
+            dict(p2p=SLOW, all_to_all=SLOW, scatter=FAST, broadcast=SLOW),
+            _fanout(8, 1000),
+            "scatter",
+        ),
+        # dense many-to-many with expensive p2p messages: all_to_all
+        (
+            dict(p2p=SLOW, all_to_all=FAST, scatter=SLOW, broadcast=SLOW),
+            TransferSchedule(
+                4,
+                tuple(
+                    UnitMove(0, "mlp", 4 * s + d, s, d, 100)
+                    for s in range(4)
+                    for d in range(4)
+                    if s != d
+                ),
+            ),
+            "all_to_all",
+        ),
+        # one tiny move on two ranks with a cheap broadcast call
+        (
+            dict(p2p=FAST, all_to_all=FAST, scatter=FAST, broadcast=PrimitiveCost(1e-6, 1e-6, 1e9)),
+            _fanout(2, 8),
+            "broadcast",
+        ),
+    ],
+)
 def test_choice_is_the_cheapest_prediction(costs, schedule, expected):
     model = CostModel(**costs)
     choice, predictions = model.choose(schedule)

@@ -10,8 +10,14 @@ import pytest
 from hettp.detect import DetectError, StragglerDetector
 from hettp.loop import ControlLoop, TimingReport
 from hettp.plan import PartitionPlan
-from hettp.planner import (Planner, StepModel, balancing_shares, mlp_chunk, plan_work,
-                           proportional_plan)
+from hettp.planner import (
+    Planner,
+    StepModel,
+    balancing_shares,
+    mlp_chunk,
+    plan_work,
+    proportional_plan,
+)
 
 UNIT_WORK = {"attn": 4.0, "mlp": 1.0}
 
@@ -99,8 +105,9 @@ def test_replicas_plan_for_the_slowest():
     assert decisions[0] == decisions[1] and decisions[0].plan != plan
 
 
-@pytest.mark.parametrize("speeds", [(1, 0.5), (1, 1, 1, 0.5), (1, 0.125, 1, 0.25),
-                                    (0.5, 1, 1, 1), (1, 1, 1, 1)])
+@pytest.mark.parametrize(
+    "speeds", [(1, 0.5), (1, 1, 1, 0.5), (1, 0.125, 1, 0.25), (0.5, 1, 1, 1), (1, 1, 1, 1)]
+)
 def test_proportional_plan_within_one_unit_per_layer_and_fewest_moves(speeds):
     tp = len(speeds)
     even = PartitionPlan.even(tp, 6, 8, 96)
@@ -173,9 +180,11 @@ def test_mlp_chunk_falls_back_to_single_units():
     small = PartitionPlan.even(4, 2, 8, 16)
     assert mlp_chunk(small) == 1
     assert proportional_plan(small, (1, 1, 1, 1)) == small
-    assert proportional_plan(small, (1, 1, 1, 0.5)).counts(0, "mlp") in {(5, 5, 4, 2),
-                                                                          (4, 5, 5, 2),
-                                                                          (5, 4, 5, 2)}
+    assert proportional_plan(small, (1, 1, 1, 0.5)).counts(0, "mlp") in {
+        (5, 5, 4, 2),
+        (4, 5, 5, 2),
+        (5, 4, 5, 2),
+    }
 
 
 def test_step_model_balances_in_proportion_to_speed():
@@ -197,7 +206,10 @@ def test_plan_work_and_balancing_shares():
     model = StepModel(1.0, (1.0, 2.0), 1.0)
     shares = balancing_shares(plan, UNIT_WORK, model, {1}, cap=0.9)
     assert shares == (0.0, 0.5)  # rank 1 at half its units matches rank 0's time
-    assert balancing_shares(plan, UNIT_WORK, StepModel(1.0, (1.0, 8.0), 1.0), {1}, 0.5) == (0.0, 0.5)
+    assert balancing_shares(plan, UNIT_WORK, StepModel(1.0, (1.0, 8.0), 1.0), {1}, 0.5) == (
+        0.0,
+        0.5,
+    )
 
 
 def _simulate(policy, factors, noise=0.05, interval=5, cost=0.5, seed=0):
@@ -206,15 +218,22 @@ def _simulate(policy, factors, noise=0.05, interval=5, cost=0.5, seed=0):
     the applied plan and shares."""
     plan = PartitionPlan.even(4, 4, 8, 128)
     shares = (0.0,) * 4
-    loop = ControlLoop(4, Planner(policy, UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: cost),
-                       StragglerDetector(4))
+    loop = ControlLoop(
+        4,
+        Planner(policy, UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: cost),
+        StragglerDetector(4),
+    )
     rng = random.Random(seed)
     decisions = []
     for report, row in enumerate(factors):
         work = plan_work(plan, UNIT_WORK, shares)
         compute = tuple(0.001 * f * w * (1 + rng.uniform(-noise, noise)) for f, w in zip(row, work))
-        verdict = loop.observe(TimingReport(report * interval, compute, work, 0.05 + max(compute)),
-                               plan, shares, decide=True)
+        verdict = loop.observe(
+            TimingReport(report * interval, compute, work, 0.05 + max(compute)),
+            plan,
+            shares,
+            decide=True,
+        )
         if verdict.decision is not None:
             decisions.append((report, verdict.decision))
             plan, shares = verdict.decision.plan, verdict.decision.shares
@@ -228,12 +247,17 @@ TRANSIENT = [[1, 1, 1, 1]] * 4 + [[1, 2, 1, 1]] * 3 + [[1, 1, 1, 1]] * 20
 
 def test_policies_on_a_persistent_straggler():
     resize, plan, shares = _simulate("resize", PERSISTENT)
-    assert [d.action for _, d in resize] == ["resize"] and shares[1] > 0.3 and plan == \
-        PartitionPlan.even(4, 4, 8, 128)
+    assert (
+        [d.action for _, d in resize] == ["resize"]
+        and shares[1] > 0.3
+        and plan == PartitionPlan.even(4, 4, 8, 128)
+    )
     migrate, plan, shares = _simulate("migrate", PERSISTENT)
     assert [d.action for _, d in migrate] == ["migrate"] and not any(shares)
-    assert plan.counts(0, "mlp")[1] < 32 and migrate[0][1].predicted_after < \
-        migrate[0][1].predicted_before
+    assert (
+        plan.counts(0, "mlp")[1] < 32
+        and migrate[0][1].predicted_after < migrate[0][1].predicted_before
+    )
     hybrid, plan, shares = _simulate("hybrid", PERSISTENT)
     actions = [d.action for _, d in hybrid]
     assert actions == ["hybrid-resize", "hybrid-migrate"], actions
@@ -285,17 +309,20 @@ def test_scenarios():
     assert Scenario.parse("none", 2).speeds(7) == (1.0, 1.0)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("slow", "unknown scenario 'slow'"),
-    ("persistent:rank=1", "persistent needs factor"),
-    ("persistent:rank=2,factor=2", "rank 2 is not a TP rank (TP size 2)"),
-    ("persistent:rank=1,factor=0.5", "factors must be >= 1"),
-    ("persistent:rank=1,speed=2", "'speed=2' is not one of"),
-    ("rotating:factor=2,period=0", "period must be >= 1"),
-    ("transient:rank=0,factor=2,start=0,length=5,period=3", "length exceeds period"),
-    ("multi:factors=8/6/4", "3 factors for 2 TP ranks"),
-    ("persistent:rank=one,factor=2", "bad value for rank: 'one'"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("slow", "unknown scenario 'slow'"),
+        ("persistent:rank=1", "persistent needs factor"),
+        ("persistent:rank=2,factor=2", "rank 2 is not a TP rank (TP size 2)"),
+        ("persistent:rank=1,factor=0.5", "factors must be >= 1"),
+        ("persistent:rank=1,speed=2", "'speed=2' is not one of"),
+        ("rotating:factor=2,period=0", "period must be >= 1"),
+        ("transient:rank=0,factor=2,start=0,length=5,period=3", "length exceeds period"),
+        ("multi:factors=8/6/4", "3 factors for 2 TP ranks"),
+        ("persistent:rank=one,factor=2", "bad value for rank: 'one'"),
+    ],
+)
 def test_bad_scenarios_name_the_flag(text, message):
     with pytest.raises(ScenarioError, match="--het-tp-emulate") as err:
         Scenario.parse(text, 2)

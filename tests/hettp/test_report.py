@@ -21,21 +21,34 @@ def _records(steps, losses=None, compute=None, decisions=(), interval=5, tokens=
         loss = losses[i - 1] if losses else 5.0 - 0.01 * i
         out.append({"kind": "train", "iteration": i, "elapsed_ms": t * 1e3, "lm_loss": loss})
         if compute is not None and i % interval == 0:
-            out.append({"kind": "timing", "iteration": i,
-                        "compute_s": compute(i) if callable(compute) else compute})
+            out.append(
+                {
+                    "kind": "timing",
+                    "iteration": i,
+                    "compute_s": compute(i) if callable(compute) else compute,
+                }
+            )
     out.extend({"kind": "decision", **d} for d in decisions)
     return out
 
 
 def _run(scenario, policy, steps, repeat=0, **kw):
-    return Run.from_records(_records(steps, **kw), scenario, policy, repeat,
-                            f"{scenario}.{policy}.{repeat}")
+    return Run.from_records(
+        _records(steps, **kw), scenario, policy, repeat, f"{scenario}.{policy}.{repeat}"
+    )
 
 
 def test_builtin_scenarios_scale_with_the_run_and_parse():
     specs = builtin(4, 60)
-    assert set(specs) >= {"none", "persistent-2x", "persistent-4x", "transient", "rotating",
-                          "multi", "noisy"}
+    assert set(specs) >= {
+        "none",
+        "persistent-2x",
+        "persistent-4x",
+        "transient",
+        "rotating",
+        "multi",
+        "noisy",
+    }
     assert specs["multi"].emulate == "multi:factors=8/6"  # half of 4 ranks
     assert specs["persistent-2x"].factors(4, 3)[0] == (1.0, 2.0, 1.0, 1.0)
     assert not specs["persistent-2x"].varying(4, 60)
@@ -47,8 +60,14 @@ def test_builtin_scenarios_scale_with_the_run_and_parse():
 
 def test_scenario_files_and_errors(tmp_path):
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps([{"name": "slow0", "emulate": "persistent:rank=0,factor=3"},
-                                {"name": "busy1", "noisy_neighbor": {"rank": 1}}]))
+    path.write_text(
+        json.dumps(
+            [
+                {"name": "slow0", "emulate": "persistent:rank=0,factor=3"},
+                {"name": "busy1", "noisy_neighbor": {"rank": 1}},
+            ]
+        )
+    )
     specs = resolve(f"none,{path}", 2, 20)
     assert [s.name for s in specs] == ["none", "slow0", "busy1"]
     assert specs[1].factors(2, 1) == [(3.0, 1.0)] and specs[2].neighbor_rank == 1
@@ -58,12 +77,13 @@ def test_scenario_files_and_errors(tmp_path):
         resolve("none,none", 2, 20)
     bad = tmp_path / "bad.json"
     for content, message in (
-            ([{"name": "x", "emulate": "persistent:rank=5,factor=2"}], "rank 5 is not a TP"),
-            ([{"name": "x", "noisy_neighbor": {"rank": 2}}], "rank 2 is not a TP rank"),
-            ([{"name": "x", "slow": 1}], "unknown keys \\['slow'\\]"),
-            ([{"emulate": "none"}], "needs a \"name\""),
-            ([{"name": "x", "emulate": {"rank": 1}}], "emulate must be a --het-tp-emulate"),
-            ({"name": "x"}, "JSON list")):
+        ([{"name": "x", "emulate": "persistent:rank=5,factor=2"}], "rank 5 is not a TP"),
+        ([{"name": "x", "noisy_neighbor": {"rank": 2}}], "rank 2 is not a TP rank"),
+        ([{"name": "x", "slow": 1}], "unknown keys \\['slow'\\]"),
+        ([{"emulate": "none"}], 'needs a "name"'),
+        ([{"name": "x", "emulate": {"rank": 1}}], "emulate must be a --het-tp-emulate"),
+        ({"name": "x"}, "JSON list"),
+    ):
         bad.write_text(json.dumps(content))
         with pytest.raises(ScenarioError, match=message):
             resolve(str(bad), 2, 20)
@@ -93,13 +113,19 @@ def test_compare_metrics_follow_the_design_definitions():
     n = 20
     compute = [0.8, 0.78]
     fast = [1.0] * n
-    runs = [_run("none", "none", fast, compute=compute),
-            _run("none", "hybrid", [1.02] * n, compute=compute),
-            _run("slow", "none", [1.8] * n, compute=[0.8, 1.6]),
-            _run("slow", "migrate", [1.6] * 10 + [1.1] * 10, compute=compute,
-                 decisions=[{"action": "migrate", "iteration": 5, "bytes": 300,
-                             "min_bytes": 300}],
-                 losses=[5.0 - 0.01 * i + 1e-7 for i in range(1, n + 1)])]
+    runs = [
+        _run("none", "none", fast, compute=compute),
+        _run("none", "hybrid", [1.02] * n, compute=compute),
+        _run("slow", "none", [1.8] * n, compute=[0.8, 1.6]),
+        _run(
+            "slow",
+            "migrate",
+            [1.6] * 10 + [1.1] * 10,
+            compute=compute,
+            decisions=[{"action": "migrate", "iteration": 5, "bytes": 300, "min_bytes": 300}],
+            losses=[5.0 - 0.01 * i + 1e-7 for i in range(1, n + 1)],
+        ),
+    ]
     factors = {"none": [(1.0, 1.0)] * n, "slow": [(1.0, 2.0)] * n}
     result = compare(runs, factors, {"none": False, "slow": False})
     b = result["baseline"]
@@ -131,10 +157,10 @@ def test_medians_over_repeats_and_varying_scenarios():
     factors = [(4.0, 1.0) if i in (3, 4, 9, 10) else (1.0, 1.0) for i in range(1, n + 1)]
     steps = [9.0] + [2.0 if i in (3, 4, 9, 10) else 1.0 for i in range(2, n + 1)]
     for k, scale in enumerate((1.0, 1.1, 0.9)):
-        runs.append(_run("burst", "none", [s * scale for s in steps], repeat=k,
-                         compute=[0.5, 0.5]))
-    result = compare(runs, {"none": [(1.0, 1.0)] * n, "burst": factors},
-                     {"none": False, "burst": True})
+        runs.append(_run("burst", "none", [s * scale for s in steps], repeat=k, compute=[0.5, 0.5]))
+    result = compare(
+        runs, {"none": [(1.0, 1.0)] * n, "burst": factors}, {"none": False, "burst": True}
+    )
     row = [r for r in result["rows"] if r["scenario"] == "burst"][0]
     mean = (4 * 2.0 + 7 * 1.0) / 11
     assert row["step_s"] == pytest.approx(mean)  # median of the three rounds
@@ -146,11 +172,17 @@ def test_medians_over_repeats_and_varying_scenarios():
 
 def test_real_contention_speeds_are_measured_from_vanilla():
     n = 10
-    runs = [_run("none", "none", [1.0] * n, compute=[0.4, 0.4]),
-            _run("busy", "none", [1.4] * n, compute=[0.4, 0.8]),
-            _run("busy", "migrate", [1.2] * n, compute=[0.5, 0.5])]
-    result = compare(runs, {"none": [(1.0, 1.0)] * n, "busy": [(1.0, 1.0)] * n},
-                     {"none": False, "busy": False}, real={"busy"})
+    runs = [
+        _run("none", "none", [1.0] * n, compute=[0.4, 0.4]),
+        _run("busy", "none", [1.4] * n, compute=[0.4, 0.8]),
+        _run("busy", "migrate", [1.2] * n, compute=[0.5, 0.5]),
+    ]
+    result = compare(
+        runs,
+        {"none": [(1.0, 1.0)] * n, "busy": [(1.0, 1.0)] * n},
+        {"none": False, "busy": False},
+        real={"busy"},
+    )
     assert result["speeds"]["busy"][0] == pytest.approx((1.0, 0.5))
     row = [r for r in result["rows"] if r["policy"] == "migrate"][0]
     assert row["t_ideal_s"] == pytest.approx(0.6 + 0.4 * 2 / 1.5)
@@ -158,5 +190,8 @@ def test_real_contention_speeds_are_measured_from_vanilla():
 
 def test_compare_needs_the_vanilla_baseline():
     with pytest.raises(ValueError, match="no-straggler vanilla"):
-        compare([_run("slow", "none", [1.0] * 4, compute=[0.1, 0.1])],
-                {"slow": [(2.0, 1.0)] * 4}, {"slow": False})
+        compare(
+            [_run("slow", "none", [1.0] * 4, compute=[0.1, 0.1])],
+            {"slow": [(2.0, 1.0)] * 4},
+            {"slow": False},
+        )

@@ -9,18 +9,39 @@ import pytest
 import torch
 
 from hettp.plan import PartitionPlan
-from hettp.resize import (SCORERS, Priorities, ResizeError, Scorer, active_counts, check_shares,
-                          parse_shares, realized_share, register_scorer, skipped_count,
-                          skipped_units, swapped_units)
+from hettp.resize import (
+    SCORERS,
+    Priorities,
+    ResizeError,
+    Scorer,
+    active_counts,
+    check_shares,
+    parse_shares,
+    realized_share,
+    register_scorer,
+    skipped_count,
+    skipped_units,
+    swapped_units,
+)
 from hettp.units import UnitLayout
 from tests.utils import BASE
 
 # ---- pure -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("units,share,skipped", [(4, 0.5, 2), (2, 0.25, 0), (4, 0.25, 1),
-                                                 (10, 0.1, 1), (3, 0.5, 1), (0, 0.5, 0),
-                                                 (7, 1.0, 7), (5, 0.0, 0)])
+@pytest.mark.parametrize(
+    "units,share,skipped",
+    [
+        (4, 0.5, 2),
+        (2, 0.25, 0),
+        (4, 0.25, 1),
+        (10, 0.1, 1),
+        (3, 0.5, 1),
+        (0, 0.5, 0),
+        (7, 1.0, 7),
+        (5, 0.0, 0),
+    ],
+)
 def test_skipped_count_never_exceeds_the_share(units, share, skipped):
     assert skipped_count(units, share) == skipped
     assert skipped <= units * share + 1e-9
@@ -39,9 +60,16 @@ def test_shares_are_checked_against_the_cap():
 
 def _plan():
     # 2 layers, TP=3; rank 2 owns no attention unit in layer 0
-    return PartitionPlan(3, 4, 6, 1, (
-        {"attn": ((0, 1), (2, 3), ()), "mlp": ((0, 1, 2), (3,), (4, 5))},
-        {"attn": ((3,), (0, 1, 2), ()), "mlp": ((5, 4), (0, 1), (2, 3))}))
+    return PartitionPlan(
+        3,
+        4,
+        6,
+        1,
+        (
+            {"attn": ((0, 1), (2, 3), ()), "mlp": ((0, 1, 2), (3,), (4, 5))},
+            {"attn": ((3,), (0, 1, 2), ()), "mlp": ((5, 4), (0, 1), (2, 3))},
+        ),
+    )
 
 
 def test_priorities_order_measured_units_and_try_unmeasured_first():
@@ -71,14 +99,18 @@ def test_active_counts_skipped_units_and_swaps():
     skipped = skipped_units(plan, shares)
     assert skipped[(0, "mlp", 0)] == {2} and skipped[(0, "mlp", 2)] == {5}
     assert skipped[(0, "attn", 2)] == frozenset()
-    resorted = Priorities.unmeasured(plan).updated({(0, "mlp"): {2: 5.0, 0: 1.0, 1: 2.0}}) \
+    resorted = (
+        Priorities.unmeasured(plan)
+        .updated({(0, "mlp"): {2: 5.0, 0: 1.0, 1: 2.0}})
         .ordered_plan(plan, ranks=[0, 2])
+    )
     assert resorted.units(0, "mlp", 0) == (2, 1, 0)
     assert swapped_units(plan, resorted, shares) == 1  # unit 2 back in, unit 0 out
     # realized share of rank 0: attn 1 of 2 and 1 of 1 units -> skip 1 + 0; mlp 1 of 3, 1 of 2
     assert realized_share(plan, shares, 0) == pytest.approx((1 + 0 + 1 + 1) / (2 + 1 + 3 + 2))
     assert realized_share(plan, shares, 0, {"attn": 3.0, "mlp": 1.0}) == pytest.approx(
-        (3 + 0 + 1 + 1) / (6 + 3 + 3 + 2))
+        (3 + 0 + 1 + 1) / (6 + 3 + 3 + 2)
+    )
 
 
 def test_unit_views_sums_and_permutation():

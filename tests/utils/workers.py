@@ -25,9 +25,13 @@ def _pretrain(argv: list[str], hook=None):
 def train(argv: list[str]) -> dict:
     """pretrain_gpt.py's main on this rank; returns its losses and what it printed."""
     result, stdout = _pretrain(argv)
-    return {"losses": result.losses, "eval_losses": result.eval_losses,
-            "iteration": result.iteration, "stdout": stdout,
-            "metrics_file": result.metrics_file}
+    return {
+        "losses": result.losses,
+        "eval_losses": result.eval_losses,
+        "iteration": result.iteration,
+        "stdout": stdout,
+        "metrics_file": result.metrics_file,
+    }
 
 
 def compat_paths(tmp_dir: str) -> dict:
@@ -39,9 +43,13 @@ def compat_paths(tmp_dir: str) -> dict:
     from megatron.hetero.arguments import parse_args
 
     report = {"activated": cpu_compat.activate()}
-    args = parse_args(("--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
-                       "--micro-batch-size 2 --train-iters 1 --lr 1e-2 --mock-data "
-                       "--vocab-size 63 --clip-grad 1e-3").split())
+    args = parse_args(
+        (
+            "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+            "--micro-batch-size 2 --train-iters 1 --lr 1e-2 --mock-data "
+            "--vocab-size 63 --clip-grad 1e-3"
+        ).split()
+    )
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core.utils import GlobalMemoryBuffer
 
@@ -61,28 +69,38 @@ def compat_paths(tmp_dir: str) -> dict:
             second = torch.rand(4)
         report["rng_tracker"] = (type(tracker).__name__, not torch.equal(first, second))
         # cuda_literals: megatron's optimizers check CUDA type names
-        report["type_names"] = (torch.zeros(1, dtype=torch.bfloat16).type(),
-                                torch.zeros(1).type(), torch.zeros(1).type(torch.int64).dtype)
+        report["type_names"] = (
+            torch.zeros(1, dtype=torch.bfloat16).type(),
+            torch.zeros(1).type(),
+            torch.zeros(1).type(torch.int64).dtype,
+        )
         # cuda_literals + clip_grads: a step through the schedule and FP32Optimizer with clipping
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
         state = setup_model_and_optimizer(args, tokenizer.vocab_size)
         model = state.model
         train_ds, _, _ = build_datasets(args, tokenizer)
-        loss, grad_norm, skipped = train_step(args, state, iter(build_loader(train_ds, 0, args, 0, 1)))
-        clipped = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()
-                                 if p.grad is not None)).item()
+        loss, grad_norm, skipped = train_step(
+            args, state, iter(build_loader(train_ds, 0, args, 0, 1))
+        )
+        clipped = torch.sqrt(
+            sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)
+        ).item()
         report["step"] = (loss, float(grad_norm), skipped, clipped)
         # synchronize: dist_checkpointing's writer, then a load that restores the weights
         state = model.module.sharded_state_dict()
         dist_checkpointing.save(state, tmp_dir)
-        before = {k: v.detach().clone() for k, v in model.module.state_dict().items()
-                  if isinstance(v, torch.Tensor)}
+        before = {
+            k: v.detach().clone()
+            for k, v in model.module.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
         for p in model.parameters():
             p.data.add_(1.0)
         loaded = dist_checkpointing.load(model.module.sharded_state_dict(), tmp_dir)
         model.module.load_state_dict(loaded)
         report["checkpoint_roundtrip"] = all(
-            torch.equal(before[k], v) for k, v in model.module.state_dict().items() if k in before)
+            torch.equal(before[k], v) for k, v in model.module.state_dict().items() if k in before
+        )
         report["world"] = dist.get_world_size()
     finally:
         shutdown()
@@ -134,8 +152,13 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
         for name, param in state.model.module.named_parameters():
             if view.master(param) is not None:
                 extra[(name, "master")] = view.master(param).detach().clone()
-            extra.update({(name, k): v.clone() for k, v in view.state[param].items()
-                          if isinstance(v, torch.Tensor)})
+            extra.update(
+                {
+                    (name, k): v.clone()
+                    for k, v in view.state[param].items()
+                    if isinstance(v, torch.Tensor)
+                }
+            )
         return params, extra
 
     def hook(iteration, state, runtime):
@@ -147,16 +170,28 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
         partition = runtime.partition
         current = partition.plan
         if spec.startswith("rebalance:"):  # new counts, fewest moves from the current plan
-            counts = dict(part.split("=") for part in spec[len("rebalance:"):].split(";"))
-            plan = current.rebalanced(*([int(c) for c in counts[b].split(",")] for b in ("attn", "mlp")))
+            counts = dict(part.split("=") for part in spec[len("rebalance:") :].split(";"))
+            plan = current.rebalanced(
+                *([int(c) for c in counts[b].split(",")] for b in ("attn", "mlp"))
+            )
         else:
-            plan = PartitionPlan.parse(spec, current.tp_size, current.num_layers,
-                                       current.attn_units, current.mlp_units, current.mlp_unit_size)
+            plan = PartitionPlan.parse(
+                spec,
+                current.tp_size,
+                current.num_layers,
+                current.attn_units,
+                current.mlp_units,
+                current.mlp_unit_size,
+            )
         tp_rank = dist.get_rank(partition.group)
 
         def inject(stage):
             for fault in faults:
-                if (fault["iteration"], fault["stage"], fault["rank"]) == (iteration, stage, tp_rank):
+                if (fault["iteration"], fault["stage"], fault["rank"]) == (
+                    iteration,
+                    stage,
+                    tp_rank,
+                ):
                     raise RuntimeError(f"injected failure at {stage}")
 
         before = snapshot(state)
@@ -164,19 +199,35 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
             migration = runtime.repartition(plan, iteration, fault=inject)
         except TransferError as err:
             after = snapshot(state)
-            same = (before[0].keys() == after[0].keys() and before[1].keys() == after[1].keys()
-                    and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
-                    and all(torch.equal(before[1][k], after[1][k]) for k in before[1]))
-            events.append({"iteration": iteration, "error": str(err), "unchanged": same,
-                           "plan_kept": partition.plan == current})
+            same = (
+                before[0].keys() == after[0].keys()
+                and before[1].keys() == after[1].keys()
+                and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+                and all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+            )
+            events.append(
+                {
+                    "iteration": iteration,
+                    "error": str(err),
+                    "unchanged": same,
+                    "plan_kept": partition.plan == current,
+                }
+            )
             return
         schedule, result = migration.schedule, migration.result
-        events.append({"iteration": iteration, "units_moved": len(schedule.moves),
-                       "bytes": result.payload_bytes, "primitive": result.primitive,
-                       "moves": [(m.layer, m.block, m.unit, m.src, m.dst) for m in schedule.moves],
-                       "plan": partition.plan.to_json(),
-                       "local_units": {f"{k[0]}.{k[1]}": list(b.units)
-                                       for k, b in het_blocks(state.model).items()}})
+        events.append(
+            {
+                "iteration": iteration,
+                "units_moved": len(schedule.moves),
+                "bytes": result.payload_bytes,
+                "primitive": result.primitive,
+                "moves": [(m.layer, m.block, m.unit, m.src, m.dst) for m in schedule.moves],
+                "plan": partition.plan.to_json(),
+                "local_units": {
+                    f"{k[0]}.{k[1]}": list(b.units) for k, b in het_blocks(state.model).items()
+                },
+            }
+        )
 
     from megatron.hetero.partition import het_blocks
 
@@ -204,7 +255,10 @@ def _gather_full(module, group, dp_group=None) -> dict:
                 continue
             if id(param) in unit_owned:
                 m, layout = unit_owned[id(param)]
-                mine = {u: layout.payload(tensor, len(m.units), i).clone() for i, u in enumerate(m.units)}
+                mine = {
+                    u: layout.payload(tensor, len(m.units), i).clone()
+                    for i, u in enumerate(m.units)
+                }
                 gathered = [None] * tp
                 dist.all_gather_object(gathered, mine, group=group)
                 payloads = {u: t for part in gathered for u, t in part.items()}
@@ -220,14 +274,17 @@ def _gather_full(module, group, dp_group=None) -> dict:
 
 
 def _unit_slices(full_name, module, units_by_block):
-    """Views of the canonical full tensor `full_name`'s slices for units_by_block[(layer, block)]."""
+    """Views of the canonical full tensor `full_name`'s slices for the units of
+    units_by_block[(layer, block)]."""
     from megatron.hetero.partition import het_blocks
 
     for (index, block_name), block in het_blocks(module).items():
         units = units_by_block.get((index, block_name), ())
         for linear, param_name, _, layout in block.unit_tensors():
-            if f"decoder.layers.{index}.{'self_attention' if block_name == 'attn' else 'mlp'}." \
-                    f"{linear}.{param_name}" == full_name:
+            if (
+                f"decoder.layers.{index}.{'self_attention' if block_name == 'attn' else 'mlp'}."
+                f"{linear}.{param_name}" == full_name
+            ):
                 return [(layout, u) for u in units]
     return []
 
@@ -288,9 +345,11 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
         if args.het_tp:
             partition = HetPartition(module)
         batch, seq = 4, args.seq_length
-        tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(7))
+        tokens = torch.randint(
+            0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(7)
+        )
         dp, dp_rank = args.data_parallel_size, parallel_state.get_data_parallel_rank()
-        mine = tokens[dp_rank * batch // dp:(dp_rank + 1) * batch // dp]
+        mine = tokens[dp_rank * batch // dp : (dp_rank + 1) * batch // dp]
         labels = torch.roll(mine, -1, dims=1)
         position = torch.arange(seq).expand_as(mine)
         mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
@@ -300,8 +359,17 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
         for spec_text in plans:
             if spec_text is not None:
                 p = partition.plan
-                partition.install(module, PartitionPlan.parse(spec_text, p.tp_size, p.num_layers,
-                                                              p.attn_units, p.mlp_units, p.mlp_unit_size))
+                partition.install(
+                    module,
+                    PartitionPlan.parse(
+                        spec_text,
+                        p.tp_size,
+                        p.num_layers,
+                        p.attn_units,
+                        p.mlp_units,
+                        p.mlp_unit_size,
+                    ),
+                )
             if shares is not None:
                 from hettp.resize import skipped_count
                 from megatron.hetero.partition import het_blocks
@@ -317,8 +385,11 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
                         for _, _, param, layout in block.unit_tensors():
                             for unit in zeroed.get(key, ()):
                                 for part in range(layout.parts):
-                                    param.data.narrow(layout.axis, (part * len(block.units) + unit)
-                                                      * layout.width, layout.width).zero_()
+                                    param.data.narrow(
+                                        layout.axis,
+                                        (part * len(block.units) + unit) * layout.width,
+                                        layout.width,
+                                    ).zero_()
             module.zero_grad(set_to_none=True)
             losses = module(mine, position, mask, labels=labels)
             losses.mean().backward()
@@ -361,12 +432,18 @@ def exchange_primitives(world_cases: list) -> dict:
         result = run_transfer(schedule, None, primitive, payload, lambda m: specs)
         got[primitive] = {
             (m.layer, m.unit, m.src, m.dst): [t.clone() for t in tensors]
-            for m, tensors in result.received.items()}
+            for m, tensors in result.received.items()
+        }
         assert result.payload_bytes == schedule.total_bytes
     model = measure_costs(None, sizes=(4096, 1 << 16), repeats=2)
     dist.destroy_process_group()
-    return {"rank": rank, "got": got, "model": {p: vars(getattr(model, p)) for p in
-                                                ("p2p", "all_to_all", "scatter", "broadcast")}}
+    return {
+        "rank": rank,
+        "got": got,
+        "model": {
+            p: vars(getattr(model, p)) for p in ("p2p", "all_to_all", "scatter", "broadcast")
+        },
+    }
 
 
 def train_with_resizes(argv: list[str], actions: dict) -> dict:
@@ -387,9 +464,10 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
             if kind == "resize":
                 runtime.resize(arg, iteration, "test")
             else:
-                counts = dict(part.split("=") for part in arg[len("rebalance:"):].split(";"))
+                counts = dict(part.split("=") for part in arg[len("rebalance:") :].split(";"))
                 plan = runtime.partition.plan.rebalanced(
-                    *([int(c) for c in counts[b].split(",")] for b in ("attn", "mlp")))
+                    *([int(c) for c in counts[b].split(",")] for b in ("attn", "mlp"))
+                )
                 runtime.repartition(plan, iteration)
         optimizer = OptimizerView(state.optimizer)
         blocks = het_blocks(state.model)
@@ -399,16 +477,23 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
             tensors = unit_tensors(block, optimizer, keys)
             n = len(block.units)
             record[key] = {
-                "units": block.units, "active": block.active,
-                "values": {u: [layout.payload(t, n, i).clone() for t, layout in tensors]
-                           for i, u in enumerate(block.units)},
+                "units": block.units,
+                "active": block.active,
+                "values": {
+                    u: [layout.payload(t, n, i).clone() for t, layout in tensors]
+                    for i, u in enumerate(block.units)
+                },
                 "order_ok": resizer.priorities.order(key, block.units) == block.units,
             }
         evidence = resizer._evidence  # per block: (score sums, observed steps) per unit
-        records[iteration] = {"blocks": record, "state_keys": keys,
-                              "shares": resizer.shares,
-                              "observed": None if evidence is None else
-                              sum(steps.sum().item() for _, steps in evidence.values())}
+        records[iteration] = {
+            "blocks": record,
+            "state_keys": keys,
+            "shares": resizer.shares,
+            "observed": None
+            if evidence is None
+            else sum(steps.sum().item() for _, steps in evidence.values()),
+        }
 
     result, stdout = _pretrain(argv, hook)
     return {"losses": result.losses, "records": records, "stdout": stdout}
@@ -422,12 +507,18 @@ def train_with_control(argv: list[str]) -> dict:
     def hook(iteration, state, runtime):
         partition = runtime.partition if runtime else None
         resizer = runtime.resizer if runtime else None
-        seen[iteration] = (partition.plan.to_json() if partition else None,
-                           resizer.shares if resizer else None)
+        seen[iteration] = (
+            partition.plan.to_json() if partition else None,
+            resizer.shares if resizer else None,
+        )
 
     result, stdout = _pretrain(argv, hook)
-    return {"losses": result.losses, "seen": seen, "stdout": stdout,
-            "metrics_file": result.metrics_file}
+    return {
+        "losses": result.losses,
+        "seen": seen,
+        "stdout": stdout,
+        "metrics_file": result.metrics_file,
+    }
 
 
 def train_like_upstream(argv: list[str]) -> dict:
@@ -437,7 +528,6 @@ def train_like_upstream(argv: list[str]) -> dict:
     --num-query-groups at 1 without --group-query-attention and leaves the het-TP defaults as
     argparse gives them; the args here are made to look the same. Returns losses, output, and
     whether the model and optimizer objects were replaced."""
-    import torch
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -450,8 +540,14 @@ def train_like_upstream(argv: list[str]) -> dict:
     from megatron.hetero.data import build_datasets, build_loader, build_tokenizer
     from megatron.hetero.model import build_gpt_model, transformer_config
     from megatron.hetero.runtime import runtime_of
-    from megatron.hetero.training import (forward_step, initialize, optimizer_config,
-                                          scheduler_kwargs, shutdown, token_mean_loss)
+    from megatron.hetero.training import (
+        forward_step,
+        initialize,
+        optimizer_config,
+        scheduler_kwargs,
+        shutdown,
+        token_mean_loss,
+    )
 
     args = build_parser().parse_args(argv)  # the same --het-tp group extra_args_provider adds
     validate_args(args, int(os.environ["WORLD_SIZE"]))  # the Megatron part, as upstream's does
@@ -476,8 +572,15 @@ def train_like_upstream(argv: list[str]) -> dict:
             first = (model[0], optimizer)
             hook = upstream.StepHook.create(model, optimizer, scheduler, config)
             train_ds, _, _ = build_datasets(args, tokenizer)
-            data = iter(build_loader(train_ds, 0, args, parallel_state.get_data_parallel_rank(),
-                                     parallel_state.get_data_parallel_world_size()))
+            data = iter(
+                build_loader(
+                    train_ds,
+                    0,
+                    args,
+                    parallel_state.get_data_parallel_rank(),
+                    parallel_state.get_data_parallel_world_size(),
+                )
+            )
             losses = {}
             for iteration in range(args.train_iters):
                 if hook is not None:
@@ -485,9 +588,14 @@ def train_like_upstream(argv: list[str]) -> dict:
                 model[0].zero_grad_buffer()
                 optimizer.zero_grad()
                 reports = get_forward_backward_func()(
-                    forward_step_func=forward_step, data_iterator=data, model=model,
-                    num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                    micro_batch_size=args.micro_batch_size, forward_only=False)
+                    forward_step_func=forward_step,
+                    data_iterator=data,
+                    model=model,
+                    num_microbatches=args.num_microbatches,
+                    seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size,
+                    forward_only=False,
+                )
                 upstream.before_optimizer_step(model)
                 ok, _, _ = optimizer.step()
                 upstream.after_optimizer_step(model)
@@ -503,8 +611,13 @@ def train_like_upstream(argv: list[str]) -> dict:
                 found.close()
     finally:
         shutdown()
-    return {"losses": losses, "stdout": out.getvalue(), "replaced": replaced, "plan": plan,
-            "hook": hook is not None}
+    return {
+        "losses": losses,
+        "stdout": out.getvalue(),
+        "replaced": replaced,
+        "plan": plan,
+        "hook": hook is not None,
+    }
 
 
 def preloaded(names: list[str]) -> dict:
