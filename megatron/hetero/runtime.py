@@ -123,7 +123,7 @@ class HetTPRuntime:
         self.partition = HetPartition(module)
         plan, self._plan_why = self.partition.plan, "initial"
         given = self.config.partition_plan
-        static_plan = given is not None and not self.config.policy_spec.decides
+        static_plan = given is not None and not self.config.decides  # the run's one plan
         if saved is not None and not static_plan and self._fits(saved.plan):
             plan, self._plan_why = saved.plan, "resumed from the checkpoint"
             self._saved_shares = saved.shares

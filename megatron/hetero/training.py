@@ -192,19 +192,24 @@ def token_mean_loss(losses_reduced) -> float:
     return _token_mean(_add_reports(torch.zeros(2, dtype=torch.float64), losses_reduced))
 
 
-def train_step(args, state: TrainState, data_iterator, runtime=None):
-    model, optimizer = state.model, state.optimizer
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses_reduced = get_forward_backward_func()(
+def _schedule(args, model, data_iterator, forward_only: bool):
+    """One global batch through megatron-core's forward-backward schedule: its loss reports."""
+    return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterator,
         model=[model],
         num_microbatches=args.num_microbatches,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
-        forward_only=False,
+        forward_only=forward_only,
     )
+
+
+def train_step(args, state: TrainState, data_iterator, runtime=None):
+    model, optimizer = state.model, state.optimizer
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = _schedule(args, model, data_iterator, forward_only=False)
     if runtime is not None:
         runtime.before_optimizer_step()
     update_successful, grad_norm, _ = optimizer.step()
@@ -232,16 +237,7 @@ def evaluate(args, model, valid_dataset) -> float:
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            losses_reduced = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=data_iterator,
-                model=[model],
-                num_microbatches=args.num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                forward_only=True,
-            )
-            _add_reports(total, losses_reduced)
+            _add_reports(total, _schedule(args, model, data_iterator, forward_only=True))
     model.train()
     return _token_mean(total)
 
@@ -304,38 +300,42 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     losses, eval_losses = {}, {}
     saved_at = None
     state.model.train()
-    while iteration < args.train_iters:
-        lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
-        if runtime is not None:
-            runtime.begin_step(iteration + 1)
-        start = time.perf_counter()
-        loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime)
-        elapsed = time.perf_counter() - start
-        iteration += 1
-        consumed += args.global_batch_size
-        losses[iteration] = loss
-        logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
+    try:
+        while iteration < args.train_iters:
+            lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
+            if runtime is not None:
+                runtime.begin_step(iteration + 1)
+            start = time.perf_counter()
+            loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime)
+            elapsed = time.perf_counter() - start
+            iteration += 1
+            consumed += args.global_batch_size
+            losses[iteration] = loss
+            logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
+            # The step boundary: decisions first, so that a checkpoint taken here holds them
+            # (as in upstream's train(), where the hook runs right after the step).
+            if runtime is not None:
+                runtime.end_step(iteration, elapsed)  # a migration replaces state.model/optimizer
+            if on_step_end is not None:
+                on_step_end(iteration, state, runtime)
 
-        if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
-            eval_losses[iteration] = evaluate(args, state.model, valid_ds)
-            logger.evaluation(iteration, eval_losses[iteration])
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            saved_at = save(iteration)
-        if runtime is not None:
-            runtime.end_step(iteration, elapsed)  # a migration replaces state.model/optimizer
-        if on_step_end is not None:
-            on_step_end(iteration, state, runtime)
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
-            break
+            if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
+                eval_losses[iteration] = evaluate(args, state.model, valid_ds)
+                logger.evaluation(iteration, eval_losses[iteration])
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                saved_at = save(iteration)
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
+                break
 
-    if args.save and saved_at != iteration and iteration > 0:
-        save(iteration)
-    logger.run_end(iteration)
-    if runtime is not None:
-        runtime.close()
-    if metrics is not None:
-        metrics.close()
+        if args.save and saved_at != iteration and iteration > 0:
+            save(iteration)
+        logger.run_end(iteration)
+    finally:
+        if runtime is not None:
+            runtime.close()
+        if metrics is not None:
+            metrics.close()
     return TrainResult(
         iteration, consumed, losses, eval_losses, metrics_file if rank == 0 else None
     )
