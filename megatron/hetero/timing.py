@@ -147,6 +147,7 @@ class ComputeTimer:
         if (clock == "wall" or dilation > 1.0) and not self.cuda:
             _register(self)
         self._seconds = 0.0
+        self._overslept = 0.0  # seconds the last sleeps ran past what they were asked for
         self._events = []
         self._t0 = None
         self._w0 = 0.0
@@ -215,11 +216,23 @@ class ComputeTimer:
             seconds = elapsed * self.factor * self.dilation
             if self.dilation > 1.0:
                 if seconds > wall:
-                    time.sleep(seconds - wall)
+                    self._sleep(seconds - wall)
             elif self.factor > 1.0:
-                time.sleep((self.factor - 1.0) * elapsed)
+                self._sleep((self.factor - 1.0) * elapsed)
             self._seconds += seconds
         self._t0 = None
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep `seconds` on average: time.sleep overshoots by tens of microseconds a call,
+        which over the many short regions of a step would make an emulated factor F read as
+        more than F, so what it overslept is taken off the next sleep."""
+        want = seconds - self._overslept
+        if want <= 0.0:
+            self._overslept = -want
+            return
+        start = time.perf_counter()
+        time.sleep(want)
+        self._overslept = time.perf_counter() - start - want
 
     def _enter(self, module, args, kwargs):
         if not (module.training and torch.is_grad_enabled()):

@@ -17,6 +17,7 @@ class Clock:
     def __init__(self):
         self.cpu = self.wall = 0.0
         self.slept = []
+        self.overshoot = 0.0  # what every sleep runs past its request, as time.sleep does
 
     def work(self, cpu: float, wall: float) -> None:
         self.cpu += cpu
@@ -24,7 +25,7 @@ class Clock:
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(round(seconds, 9))
-        self.wall += seconds
+        self.wall += seconds + self.overshoot
 
 
 @pytest.fixture
@@ -84,6 +85,24 @@ def test_emulated_slowdown_sleeps_in_proportion_to_the_work(clock):
     _region(timer, clock, cpu=0.010, wall=0.025)  # time-shared: wall > CPU time
     assert clock.slept == [0.010]  # (f - 1) x the CPU time, whatever the wall clock did
     assert timer.read() == pytest.approx(0.020)
+
+
+def test_sleep_overshoot_is_taken_off_the_next_sleep(clock):
+    """Many short regions: a 0.5 ms overshoot per sleep would add 50% to a 3x straggler's
+    2 ms delays; carried over, the delay stays within one overshoot of (f - 1) x the work."""
+    clock.overshoot = 0.0005
+    timer = _timer()
+    timer.reset(factor=3.0)
+    for _ in range(20):
+        _region(timer, clock, cpu=0.001, wall=0.001)
+    assert clock.wall == pytest.approx(0.020 + 0.040, abs=0.0006)  # the last one stays
+    assert timer.read() == pytest.approx(0.060)  # the counted compute is the nominal one
+    dilated = _timer(dilation=2.0)
+    dilated.reset()
+    start = clock.wall
+    for _ in range(20):
+        _region(dilated, clock, cpu=0.001, wall=0.001)
+    assert clock.wall - start == pytest.approx(0.040, abs=0.0006)
 
 
 def test_dilation_stretches_each_region_to_d_times_its_cpu_time(clock):
