@@ -94,6 +94,33 @@ def builtin(tp_size: int, iterations: int) -> dict[str, ScenarioSpec]:
         ScenarioSpec(
             "noisy", neighbor_rank=1, about="real contention: a busy process shares rank 1's core"
         ),
+        # Shaped on production studies (ByteDance, OSDI'25: most slowed jobs see mild,
+        # persistent slowdowns; a few single workers are ~3x slow; episodes come and go).
+        ScenarioSpec(
+            "mild",
+            "persistent:rank=1,factor=1.3",
+            about="rank 1 1.3x slower from the start (the common case)",
+        ),
+        ScenarioSpec(
+            "rare-3x",
+            f"persistent:rank={tp_size - 1},factor=3",
+            about=f"one worker (rank {tp_size - 1}) 3x slower from the start",
+        ),
+        ScenarioSpec(
+            "episode",
+            f"persistent:rank=1,factor=2.5,start={n // 3},stop={2 * n // 3}",
+            about=f"rank 1 2.5x slower from iteration {n // 3} to {2 * n // 3}, then well",
+        ),
+        ScenarioSpec(
+            "slow-rank-0",
+            "persistent:rank=0,factor=2",
+            about="rank 0 (the rank that decides) 2x slower from the start",
+        ),
+        ScenarioSpec(
+            "several",
+            "multi:factors=2/1.5",
+            about="ranks 0 and 1 slow at once, 2x and 1.5x",
+        ),
     ]
     return {s.name: s for s in specs}
 

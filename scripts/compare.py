@@ -13,7 +13,8 @@ runs give T_fast and C, measured here, never taken from a constant. Writes repor
 report.json, step_time.png and loss.png under --out, and each run's JSONL under --out/runs.
 
 Scenarios are built-in names (none, persistent-2x, persistent-4x, transient, rotating, multi,
-noisy, or all) or JSON files (hettp/scenarios.py). `noisy` is real contention: a busy process
+noisy, mild, rare-3x, episode, slow-rank-0, several, or all) or JSON files (hettp/scenarios.py).
+`noisy` is real contention: a busy process
 (scripts/noisy_neighbor.py) on rank 1's core; it needs a core per rank. Every rank is pinned to
 a core (rank % cores); with more ranks than cores every run gets --het-tp-emulate-dilation
 (--dilation), so each rank's sharded GEMMs take the time of a device of its own. The compute

@@ -44,8 +44,18 @@ def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     straight = _run(tmp_path, "straight", "migrate", 12)
     # saved by --save-interval at the boundary where the first report decides (iteration 3)
-    first = _run(tmp_path, "first", "migrate", 12, "--save", ckpt, "--save-interval", "3",
-                 "--exit-interval", "3")
+    first = _run(
+        tmp_path,
+        "first",
+        "migrate",
+        12,
+        "--save",
+        ckpt,
+        "--save-interval",
+        "3",
+        "--exit-interval",
+        "3",
+    )
     resumed = _run(tmp_path, "resumed", "migrate", 12, "--load", ckpt)
 
     # every migration the controller decided wrote its repartition record, at the minimum bytes

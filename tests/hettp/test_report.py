@@ -48,7 +48,17 @@ def test_builtin_scenarios_scale_with_the_run_and_parse():
         "rotating",
         "multi",
         "noisy",
+        "mild",
+        "rare-3x",
+        "episode",
+        "slow-rank-0",
+        "several",
     }
+    assert specs["rare-3x"].factors(4, 1)[0] == (1.0, 1.0, 1.0, 3.0)  # the last rank
+    assert specs["episode"].factors(4, 60)[19][1] == 2.5 and specs["episode"].varying(4, 60)
+    assert specs["episode"].factors(4, 60)[40][1] == 1.0  # over after two thirds of the run
+    assert specs["slow-rank-0"].factors(2, 1)[0] == (2.0, 1.0)
+    assert specs["several"].factors(2, 1)[0] == (2.0, 1.5)
     assert specs["multi"].emulate == "multi:factors=8/6"  # half of 4 ranks
     assert specs["persistent-2x"].factors(4, 3)[0] == (1.0, 2.0, 1.0, 1.0)
     assert not specs["persistent-2x"].varying(4, 60)
