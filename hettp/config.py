@@ -180,6 +180,17 @@ class HetTPConfig:
         return p.decides and not (p.fixed_shares and self.resize_shares is not None)
 
     @property
+    def migrates(self) -> bool:
+        """The planner may move units (their cost is predicted from the bytes they carry)."""
+        return self.decides and self.policy_spec.migrates
+
+    @property
+    def keeps_given_plan(self) -> bool:
+        """--het-tp-plan is the plan of the whole run (nothing decides), so it also wins over
+        a checkpoint's plan; otherwise it is where a fresh run starts."""
+        return self.partition_plan is not None and not self.decides
+
+    @property
     def emulated(self) -> bool:
         return self.scenario is not None or self.emulate_dilation > 1.0
 

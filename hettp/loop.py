@@ -67,18 +67,18 @@ def step_model(
 
 
 class ControlLoop:
-    """The decisions of one TP group. Every rank keeps the cost fit (so factors agree
-    everywhere); only the deciding rank detects and plans (`decide=True`)."""
+    """The decisions of one TP group. Only the deciding rank detects and plans (`observe` with
+    `decide=True`); every rank then `learn`s from the report with the verdict it was sent, so
+    the cost fit, and the factors read from it, are the same everywhere. `report` does both in
+    one process (tests, a simulator)."""
 
     def __init__(
         self,
-        tp_size: int,
         planner: Planner | None,
         detector: StragglerDetector,
         migration_cost: MigrationCost | None = None,
         fit: ComputeFit | None = None,
     ):
-        self.tp_size = tp_size
         self.planner, self.detector = planner, detector
         self.migration_cost = migration_cost
         self.fit = fit or ComputeFit()
@@ -91,8 +91,9 @@ class ControlLoop:
         decide: bool,
         unit_bytes: Mapping[str, int] | None = None,
     ) -> Verdict:
-        """Learn from `report`; where this rank decides, detect and plan (`unit_bytes`: what
-        one unit of each block carries now, for the migration's predicted cost)."""
+        """Where this rank decides, detect and plan from `report` (`unit_bytes`: what one unit
+        of each block carries now, for the migration's predicted cost); elsewhere, only the
+        factors. Call `learn` next, with the verdict the deciding rank sent."""
         factors = tuple(self.fit.factors(report.work, report.compute))
         detection = model = decision = None
         if decide and self.planner is not None:
@@ -106,11 +107,27 @@ class ControlLoop:
             if self.migration_cost is not None and unit_bytes is not None:
                 self.migration_cost.unit_bytes = dict(unit_bytes)
             decision = self.planner.decide(report.iteration, detection, model, plan, tuple(shares))
-        slow = {r for r, f in enumerate(factors) if f is not None and f >= self.detector.onset}
-        self.fit.add(
-            report.work, report.compute, slow | (detection.stragglers if detection else set())
-        )
         return Verdict(factors, detection, model, decision)
+
+    def learn(self, report: TimingReport, verdict: Verdict) -> None:
+        """Add the report's ranks that are neither slow nor detected stragglers to the fit."""
+        slow = {
+            r for r, f in enumerate(verdict.factors) if f is not None and f >= self.detector.onset
+        }
+        stragglers = verdict.detection.stragglers if verdict.detection else set()
+        self.fit.add(report.work, report.compute, slow | stragglers)
+
+    def report(
+        self,
+        report: TimingReport,
+        plan: PartitionPlan | None,
+        shares: Sequence[float],
+        unit_bytes: Mapping[str, int] | None = None,
+    ) -> Verdict:
+        """`observe` as the deciding rank, then `learn`: one process's whole report."""
+        verdict = self.observe(report, plan, shares, True, unit_bytes)
+        self.learn(report, verdict)
+        return verdict
 
     def applied(self) -> None:
         """A decision changed the work split: re-base the detector's reference."""

@@ -160,7 +160,7 @@ class Planner:
         min_gain: float = 0.03,
     ):
         self.policy = get_policy(policy)
-        if self.policy.decides and self.policy.name not in self._RULES:
+        if self.policy.decides and self.policy.name not in self.RULES:
             raise ValueError(f"policy '{policy}' decides, but the planner has no rule for it")
         self.unit_work, self.cap = dict(unit_work), cap
         self.migration_seconds = migration_seconds or (lambda old, new: 0.0)
@@ -185,9 +185,7 @@ class Planner:
             return None
         shares = tuple(shares)
         before = model.step_time(plan_work(plan, self.unit_work, shares))
-        return self._RULES[self.policy.name](
-            self, iteration, detection, model, plan, shares, before
-        )
+        return self.RULES[self.policy.name](self, iteration, detection, model, plan, shares, before)
 
     # ---- policies: one rule per deciding policy of hettp.policy.POLICIES -------------------
 
@@ -314,7 +312,7 @@ class Planner:
         )
 
     # The decision rule of each policy that decides (hettp.policy.POLICIES).
-    _RULES = {"resize": _resize_rule, "migrate": _migrate_rule, "hybrid": _hybrid, "zero": _zero}
+    RULES = {"resize": _resize_rule, "migrate": _migrate_rule, "hybrid": _hybrid, "zero": _zero}
 
 
 def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:

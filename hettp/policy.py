@@ -105,7 +105,7 @@ POLICIES: dict[str, Policy] = {
 }
 
 # The policy that runs megatron-core's own layers: a comparison's baseline.
-VANILLA = "none"
+VANILLA = next(name for name, p in POLICIES.items() if p.vanilla)
 
 
 def policy(name: str) -> Policy:

@@ -41,7 +41,7 @@ class Controller:
         self.scenario = config.scenario
         self.timer = ComputeTimer(model, config.timer, config.emulate_dilation)
         planner = None  # without a decision to take, the ranks are only timed
-        migration_cost = MigrationCost(cost_model) if config.policy_spec.migrates else None
+        migration_cost = MigrationCost(cost_model) if config.migrates else None
         if config.decides and unit_work is not None:
             planner = Planner(
                 config.policy,
@@ -52,7 +52,6 @@ class Controller:
         self.decides = planner is not None
         self.migrates = self.decides and migration_cost is not None
         self.loop = ControlLoop(
-            self.tp_size,
             planner,
             StragglerDetector(
                 self.tp_size,
@@ -100,6 +99,7 @@ class Controller:
                 box, src=dist.get_global_rank(self.group, 0), group=self.group
             )
             verdict = Verdict(verdict.factors, box[0], verdict.model, box[1])
+        self.loop.learn(report, verdict)
         return report, verdict
 
     def applied(self) -> None:

@@ -44,7 +44,6 @@ class Resizer:
         interval: int = 50,
         cap: float = 0.5,
         impute: float | None = None,
-        scoring: bool = True,
         sample: int = 1,
     ):
         if scorer not in SCORERS:
@@ -58,11 +57,10 @@ class Resizer:
         self.partition = partition
         self.unit_work = partition.unit_work
         self.scorer, self.interval, self.cap, self.impute = scorer, interval, cap, impute
-        self.scoring = scoring  # False when no policy will ever resize (priorities unused)
         # Per-step scorers observe iterations divisible by `sample`: keyed on the iteration,
         # so a resumed run observes the same steps as a straight one.
         self.sample = sample
-        self._scores_steps = scoring and SCORERS[scorer].per_step
+        self._scores_steps = SCORERS[scorer].per_step
         self._observing = self._scores_steps
         self.shares = (0.0,) * partition.plan.tp_size
         self.priorities = Priorities.unmeasured(partition.plan)
@@ -224,7 +222,7 @@ class Resizer:
 
     def step_end(self, iteration: int, state) -> int | None:
         """At the step boundary: refresh priorities every `interval` iterations."""
-        if self.scoring and iteration % self.interval == 0:
+        if iteration % self.interval == 0:
             return self.refresh(state)
         return None
 

@@ -28,10 +28,14 @@ from hettp.exchange import Migration, TransferError
 from hettp.loop import work_of
 from hettp.plan import PartitionPlan, PlanError
 from hettp.planner import Decision
+from hettp.resize import ResizeError, check_shares
 
 from .arguments import het_tp_config
 from .log import EventLog
 from .model import unwrap_model
+
+# Why a resumed run starts in its checkpoint's plan (the `plan` record's `why`).
+RESUMED = "resumed from the checkpoint"
 
 # The attribute of the GPTModel that points back to its runtime: upstream's train() finds the
 # runtime through the model chunks it already holds, so the glue needs no module globals.
@@ -72,7 +76,6 @@ class StepEnd:
     model: object
     optimizer: object
     rebuilt: bool  # a migration replaced both
-    decision: Decision | None
 
 
 class HetTPRuntime:
@@ -123,9 +126,8 @@ class HetTPRuntime:
         self.partition = HetPartition(module)
         plan, self._plan_why = self.partition.plan, "initial"
         given = self.config.partition_plan
-        static_plan = given is not None and not self.config.decides  # the run's one plan
-        if saved is not None and not static_plan and self._fits(saved.plan):
-            plan, self._plan_why = saved.plan, "resumed from the checkpoint"
+        if saved is not None and not self.config.keeps_given_plan and self._fits(saved.plan):
+            plan, self._plan_why = saved.plan, RESUMED
             self._saved_shares = saved.shares
         elif given is not None:
             plan = given
@@ -161,20 +163,58 @@ class HetTPRuntime:
             unit_work = self.partition.unit_work if self.partition is not None else None
             cost_model = self.partition.cost_model if self.partition is not None else None
             self.controller = Controller(config, state.model, unit_work, cost_model)
-        pending, self._pending = self._pending or {}, None
+        if self.partition is not None:
+            self.events.plan(iteration, self.partition.plan, self._plan_why)
+        self._resume(state, iteration)
+
+    def _resume(self, state: TrainState, iteration: int) -> None:
+        """Take up the checkpoint's state where it still describes this run: saved under the
+        same het-TP flags (policy, layers, granularity), in the plan this run starts in, with
+        shares this run may use. Otherwise priorities and detector start afresh (said once),
+        so a straggle the saved run had handled is detected and handled again."""
+        pending, self._pending = self._pending, None
+        config = self.config
+        if config.resize_shares is not None:  # fixed shares; after loading, they freeze units
+            self.resizer.resize(state, config.resize_shares)
+            self.events.resize(iteration, self.resizer, "initial")
+        if pending is None:
+            return
+        why = None
+        if pending.get("config") != self._fingerprint():
+            why = f"it was saved under other het-TP flags ({pending.get('config')})"
+        elif self.partition is not None and self._plan_why != RESUMED:
+            why = "this run does not start in the checkpoint's plan"
+        shares = self._saved_shares if self._saved_shares and any(self._saved_shares) else None
+        if why is None and shares is not None and config.resize_shares is None:
+            why = self._unusable_shares(shares)
+            if why is None:
+                self.resizer.resize(state, shares)
+                self.events.resize(iteration, self.resizer, RESUMED)
+        if why is not None:
+            self.events.info(f"> het-TP state of the checkpoint not resumed: {why}")
+            return
         if self.resizer is not None and pending.get("resizer") is not None:
             self.resizer.load_state_dict(pending["resizer"])
         if self.controller is not None and pending.get("controller") is not None:
             self.controller.load_state_dict(pending["controller"])
-        if self.partition is not None:
-            self.events.plan(iteration, self.partition.plan, self._plan_why)
-        if self.resizer is not None:
-            if config.resize_shares is not None:  # after loading: it freezes the loaded units
-                self.resizer.resize(state, config.resize_shares)
-                self.events.resize(iteration, self.resizer, "initial")
-            elif self._saved_shares is not None and any(self._saved_shares):
-                self.resizer.resize(state, self._saved_shares)
-                self.events.resize(iteration, self.resizer, "resumed from the checkpoint")
+
+    def _fingerprint(self) -> dict:
+        """The flags a checkpoint's runtime state is only valid under."""
+        c = self.config
+        return {"policy": c.policy, "het_tp": c.het_tp, "granularity": c.granularity}
+
+    def _unusable_shares(self, shares) -> str | None:
+        """Why saved resize shares cannot be taken up by this run (None: they can)."""
+        if self.resizer is None:
+            return f"its resize shares {list(shares)} need a policy that resizes"
+        cut = self.config.policy_spec.cut
+        if cut is not None and any(s not in (0.0, cut) for s in shares):
+            return f"its resize shares {list(shares)} are not the policy's fixed cut {cut:g}"
+        try:
+            check_shares(shares, self.config.max_resize)
+        except ResizeError as err:
+            return f"its resize shares {list(shares)}: {err}"
+        return None
 
     # ---- every step ---------------------------------------------------------------------
 
@@ -205,7 +245,6 @@ class HetTPRuntime:
             swapped = self.resizer.step_end(iteration, state)
             if swapped is not None:
                 self.events.priorities(iteration, self.resizer, swapped)
-        decision = None
         if self.controller is not None:
             plan = self.partition.plan if self.partition is not None else None
             shares = self.shares
@@ -226,16 +265,15 @@ class HetTPRuntime:
                 report, verdict = out
                 self.events.timing(report, verdict)
                 if verdict.decision is not None:
-                    decision = verdict.decision
-                    self._apply(iteration, decision, verdict.detection)
+                    self._apply(iteration, verdict.decision, verdict.detection)
         rebuilt = (state.model, state.optimizer) != rebuilt_from
-        return StepEnd(state.model, state.optimizer, rebuilt, decision)
+        return StepEnd(state.model, state.optimizer, rebuilt)
 
     # ---- actions (every rank, same step boundary) -------------------------------------------
 
     @property
     def shares(self) -> tuple[float, ...]:
-        tp = self.partition.plan.tp_size if self.partition is not None else 1
+        tp = self.config.validated_for.tp_size
         return self.resizer.shares if self.resizer is not None else (0.0,) * tp
 
     def repartition(self, plan: PartitionPlan, iteration: int, fault=None) -> Migration:
@@ -246,26 +284,36 @@ class HetTPRuntime:
         else:
             migration = self.partition.repartition(self.state, plan, step=iteration, fault=fault)
         self.events.repartition(iteration, migration)
+        self._rebase()
         return migration
 
     def resize(self, shares, iteration: int, why: str) -> None:
         self.resizer.resize(self.state, shares)
         self.events.resize(iteration, self.resizer, why)
+        self._rebase()
 
     def _apply(self, iteration: int, decision: Decision, detection) -> None:
         migration = None
+        before = self.shares
         try:
             if decision.migrates:
                 if self.resizer is not None:
                     self.resizer.resize(self.state, decision.shares)  # the move replaces it
                 migration = self.repartition(decision.plan, iteration)
-            else:
+            elif self.resizer is not None:
                 self.resizer.resize(self.state, decision.shares)
         except TransferError as err:  # every rank raises it; all keep their state
+            if self.resizer is not None and self.resizer.shares != before:
+                self.resizer.resize(self.state, before)  # the resize the move would replace
             self.events.info(f"> het-TP decision at iteration {iteration} not applied: {err}")
             return
         self.events.decision(iteration, decision, detection, migration)
-        self.controller.applied()
+        self._rebase()
+
+    def _rebase(self) -> None:
+        """The work split changed: the detector's reference starts over from the next report."""
+        if self.controller is not None:
+            self.controller.applied()
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -279,6 +327,7 @@ class HetTPRuntime:
         """This TP rank's part: priorities and evidence since the last refresh, the detector,
         cost fit and planner, and the timings of the report interval in progress."""
         return {
+            "config": self._fingerprint(),
             "resizer": self.resizer.state_dict() if self.resizer is not None else None,
             "controller": (self.controller.state_dict() if self.controller is not None else None),
         }

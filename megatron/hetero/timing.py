@@ -1,10 +1,11 @@
-"""Each rank's own compute time in the TP-sharded linears (QKV, projection, fc1, fc2), per step.
+"""Each rank's own compute time in the work its units carry, per step: the TP-sharded linears
+(QKV, projection, fc1, fc2) and the core attention over the rank's heads.
 
 What a slow GPU stretches is its share of the sharded work, not its wall time: collectives make
 every rank wait for the slowest, so wall times look equal. Identity autograd functions mark each
-sharded linear's input and output, so the timer runs from entry to exit in the forward and from
-exit to entry in the backward (its two GEMMs). Time in the GEMMs scales with the units a rank
-computes (hettp/costfit.py says how closely).
+sharded module's input and output, so the timer runs from entry to exit in the forward and from
+exit to entry in the backward. That time scales with the units a rank computes
+(hettp/costfit.py says how closely).
 
 On CPU the timer reads the thread's CPU time by default: waiting in a gloo collective costs
 none, and time-sharing a core with other ranks does not inflate it, but neither does real
@@ -13,7 +14,7 @@ waits out (it sees a noisy neighbour; use it with no more ranks than cores). On 
 events on the current stream.
 
 Emulation: with a slowdown factor f, the rank sleeps (f - 1) x the compute it just did after
-each sharded GEMM, and that delay counts as compute: a rank with less work is delayed less.
+each sharded region, and that delay counts as compute: a rank with less work is delayed less.
 
 Dilation (`--het-tp-emulate-dilation D`, CPU time only): each sharded region is stretched by
 sleeping until its wall time (TP collective waits left out) is D x f x its CPU time. With more
@@ -122,6 +123,12 @@ def _unregister(timer) -> None:
         _PATCH = None
 
 
+# The modules whose work is split by units, so moves with them: the TP-sharded linears, and the
+# core attention over the rank's own heads (with few query groups, the largest part of the
+# attention that is not a linear; left out, it stays on a rank that took units unseen).
+SHARDED_MODULES = ("linear_qkv", "core_attention", "linear_proj", "linear_fc1", "linear_fc2")
+
+
 class ComputeTimer:
     """Seconds this rank spent computing in its sharded linears since `reset()`.
 
@@ -155,13 +162,13 @@ class ComputeTimer:
         self._handles = []
         for layer in unwrap_model(model).decoder.layers:
             for block in (layer.self_attention, layer.mlp):
-                for name in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
-                    linear = getattr(block, name, None)
-                    if linear is not None:
+                for name in SHARDED_MODULES:
+                    module = getattr(block, name, None)
+                    if module is not None:
                         self._handles.append(
-                            linear.register_forward_pre_hook(self._enter, with_kwargs=True)
+                            module.register_forward_pre_hook(self._enter, with_kwargs=True)
                         )
-                        self._handles.append(linear.register_forward_hook(self._exit))
+                        self._handles.append(module.register_forward_hook(self._exit))
 
     def reset(self, factor: float = 1.0) -> None:
         if factor != 1.0 and self.cuda:

@@ -275,9 +275,20 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     metrics = MetricsWriter(metrics_file) if rank == 0 else None
     logger = Logger(args, metrics)
     logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
-    if runtime is not None:
-        runtime.attach(state, iteration, logger.events)
+    try:
+        if runtime is not None:
+            runtime.attach(state, iteration, logger.events)
+        result = _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end)
+    finally:
+        if runtime is not None:
+            runtime.close()
+        if metrics is not None:
+            metrics.close()
+    return dataclasses.replace(result, metrics_file=metrics_file if rank == 0 else None)
 
+
+def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end):
+    """The loop of pretrain(): train, evaluate, save, until --train-iters or --exit-interval."""
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -300,45 +311,37 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     losses, eval_losses = {}, {}
     saved_at = None
     state.model.train()
-    try:
-        while iteration < args.train_iters:
-            lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
-            if runtime is not None:
-                runtime.begin_step(iteration + 1)
-            start = time.perf_counter()
-            loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime)
-            elapsed = time.perf_counter() - start
-            iteration += 1
-            consumed += args.global_batch_size
-            losses[iteration] = loss
-            logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
-            # The step boundary: decisions first, so that a checkpoint taken here holds them
-            # (as in upstream's train(), where the hook runs right after the step).
-            if runtime is not None:
-                runtime.end_step(iteration, elapsed)  # a migration replaces state.model/optimizer
-            if on_step_end is not None:
-                on_step_end(iteration, state, runtime)
-
-            if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
-                eval_losses[iteration] = evaluate(args, state.model, valid_ds)
-                logger.evaluation(iteration, eval_losses[iteration])
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                saved_at = save(iteration)
-            if args.exit_interval and iteration % args.exit_interval == 0:
-                logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
-                break
-
-        if args.save and saved_at != iteration and iteration > 0:
-            save(iteration)
-        logger.run_end(iteration)
-    finally:
+    while iteration < args.train_iters:
+        lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
         if runtime is not None:
-            runtime.close()
-        if metrics is not None:
-            metrics.close()
-    return TrainResult(
-        iteration, consumed, losses, eval_losses, metrics_file if rank == 0 else None
-    )
+            runtime.begin_step(iteration + 1)
+        start = time.perf_counter()
+        loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime)
+        elapsed = time.perf_counter() - start
+        iteration += 1
+        consumed += args.global_batch_size
+        losses[iteration] = loss
+        logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
+        # The step boundary: decisions first, so that a checkpoint taken here holds them (as
+        # in upstream's train(), where the hook runs right after the step).
+        if runtime is not None:
+            runtime.end_step(iteration, elapsed)  # a migration replaces state.model/optimizer
+        if on_step_end is not None:
+            on_step_end(iteration, state, runtime)
+
+        if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
+            eval_losses[iteration] = evaluate(args, state.model, valid_ds)
+            logger.evaluation(iteration, eval_losses[iteration])
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            saved_at = save(iteration)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
+            break
+
+    if args.save and saved_at != iteration and iteration > 0:
+        save(iteration)
+    logger.run_end(iteration)
+    return TrainResult(iteration, consumed, losses, eval_losses, None)
 
 
 def shutdown() -> None:

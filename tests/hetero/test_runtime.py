@@ -91,3 +91,13 @@ def test_a_resized_run_resumes_with_its_shares_and_priorities(tmp_path):
     # lossy, but the same skipped units from the same priorities: the same trajectory
     for step in range(6, 11):
         assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5)
+
+    # under another policy the saved state does not describe the run: it starts afresh, says
+    # so, and acts on the straggle itself (a restored detector would take it as handled)
+    other = _run(tmp_path, "other", "migrate", 10, "--load", ckpt)
+    assert (
+        "het-TP state of the checkpoint not resumed: it was saved under other het-TP "
+        "flags" in other["stdout"]
+    )
+    assert _records(other, "resize") == []
+    assert [d["action"] for d in _records(other, "decision")] == ["migrate"]

@@ -141,7 +141,7 @@ def test_adding_a_policy_touches_the_table_and_the_planner(monkeypatch):
         new = tuple(0.5 if r in detection.stragglers else 0.0 for r in range(plan.tp_size))
         return planner._resize(new, plan, model, before, "resize", "halve")
 
-    monkeypatch.setitem(Planner._RULES, "halve", halve)
+    monkeypatch.setitem(Planner.RULES, "halve", halve)
     assert Planner("halve", {"attn": 1.0, "mlp": 1.0}).policy is row
     _, args = _parse(["--het-tp-policy", "halve"])
     config = HetTPConfig.from_args(args).validated(SHAPE)

@@ -100,8 +100,8 @@ def test_replicas_plan_for_the_slowest():
     # both replicas feed the same combined report, so every decision is the same on both
     decisions = []
     for _ in range(2):
-        loop = ControlLoop(4, Planner("migrate", UNIT_WORK), StragglerDetector(4, patience=1))
-        decisions.append(loop.observe(merged, plan, (0,) * 4, decide=True).decision)
+        loop = ControlLoop(Planner("migrate", UNIT_WORK), StragglerDetector(4, patience=1))
+        decisions.append(loop.report(merged, plan, (0,) * 4).decision)
     assert decisions[0] == decisions[1] and decisions[0].plan != plan
 
 
@@ -219,7 +219,6 @@ def _simulate(policy, factors, noise=0.05, interval=5, cost=0.5, seed=0):
     plan = PartitionPlan.even(4, 4, 8, 128)
     shares = (0.0,) * 4
     loop = ControlLoop(
-        4,
         Planner(policy, UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: cost),
         StragglerDetector(4),
     )
@@ -228,11 +227,8 @@ def _simulate(policy, factors, noise=0.05, interval=5, cost=0.5, seed=0):
     for report, row in enumerate(factors):
         work = plan_work(plan, UNIT_WORK, shares)
         compute = tuple(0.001 * f * w * (1 + rng.uniform(-noise, noise)) for f, w in zip(row, work))
-        verdict = loop.observe(
-            TimingReport(report * interval, compute, work, 0.05 + max(compute)),
-            plan,
-            shares,
-            decide=True,
+        verdict = loop.report(
+            TimingReport(report * interval, compute, work, 0.05 + max(compute)), plan, shares
         )
         if verdict.decision is not None:
             decisions.append((report, verdict.decision))
