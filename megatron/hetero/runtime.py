@@ -230,9 +230,13 @@ class HetTPRuntime:
         """After backward, before optimizer.step(): resized ranks impute or score gradients."""
         if self.resizer is not None:
             self.resizer.before_step(self.state)
+        if self.controller is not None:
+            self.controller.timer.start()  # the update of a rank's units moves with them
 
     def after_optimizer_step(self) -> None:
         """After optimizer.step(): skipped units are put back, the update is scored."""
+        if self.controller is not None:
+            self.controller.timer.stop()
         if self.resizer is not None:
             self.resizer.after_step(self.state)
 

@@ -1,5 +1,6 @@
 """Each rank's own compute time in the work its units carry, per step: the TP-sharded linears
-(QKV, projection, fc1, fc2) and the core attention over the rank's heads.
+(QKV, projection, fc1, fc2), the core attention over the rank's heads, and (started and stopped
+by the runtime around optimizer.step()) the update of the rank's parameters.
 
 What a slow GPU stretches is its share of the sharded work, not its wall time: collectives make
 every rank wait for the slowest, so wall times look equal. Identity autograd functions mark each

@@ -199,3 +199,19 @@ def test_a_cpu_timer_leaves_all_reduce_alone(clock, collectives):
     assert timing.dist.all_reduce is not original
     wall.remove()
     assert timing.dist.all_reduce is original
+
+
+def test_the_optimizer_step_is_timed_and_slowed_as_a_ranks_own_work(clock):
+    """The update of a rank's units moves with them: the runtime times optimizer.step() (and
+    an emulated straggler's is slowed) like the sharded layers."""
+    from hettp.config import HetTPConfig, ModelShape
+    from megatron.hetero.runtime import HetTPRuntime
+
+    runtime = HetTPRuntime(HetTPConfig(policy="none").validated(ModelShape(2, 2, 4, 256)))
+    timer = _timer()
+    runtime.controller = types.SimpleNamespace(timer=timer)
+    timer.reset(factor=2.0)
+    runtime.before_optimizer_step()
+    clock.work(cpu=0.010, wall=0.010)
+    runtime.after_optimizer_step()
+    assert timer.read() == pytest.approx(0.020) and clock.slept == [0.010]
