@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from .report import VANILLA, Run, ideal_step
+from .report import PLAIN, VANILLA, Run, ideal_step
 
 
 def _per_iteration_median(runs: Sequence[Run], field: str) -> tuple[list[int], list[float]]:
@@ -66,7 +66,7 @@ def plot(
                     continue
                 its, values = _per_iteration_median(group, field)
                 scale = 1e3 if field == "step_s" else 1.0
-                vanilla = policy == VANILLA  # wide and pale: lossless policies lie on it
+                vanilla = policy in (PLAIN, VANILLA)  # wide and pale: lossless ones lie on it
                 ax.plot(
                     its,
                     [v * scale for v in values],

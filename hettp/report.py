@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 
 from .policy import VANILLA
 
+# Plain megatron-core, launched with no het-TP flag beyond the scenario's emulation: the speed
+# every policy is compared with. VANILLA ("none", the same layers, timed) gives C and the real
+# speeds, and its own row shows what timing costs.
+PLAIN = "vanilla"
+
 REACTION_BAND = 0.10  # "within 10% of the new steady state"
 
 
@@ -135,18 +140,23 @@ def compare(
 ) -> dict:
     """Rows per (scenario, policy) and the baseline. `factors[scenario]` holds the emulated
     slowdown per rank for iterations 1..n; scenarios in `real` get speeds measured from their
-    vanilla runs instead."""
+    timed vanilla runs instead. T_fast and every row's speedup, E and R are against the plain
+    vanilla runs (PLAIN) where the comparison has them."""
     by_key: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
         by_key.setdefault((run.scenario, run.policy), []).append(run)
-    base_runs = by_key.get(("none", VANILLA))
-    if not base_runs:
+
+    def baseline_of(scenario):  # plain runs where there are (older comparisons: timed ones)
+        return by_key.get((scenario, PLAIN)) or by_key.get((scenario, VANILLA))
+
+    timed_base = by_key.get(("none", VANILLA))
+    if not timed_base or not baseline_of("none"):
         raise ValueError(
-            "the no-straggler vanilla runs (scenario 'none', policy 'none') are "
-            "missing: T_fast and C come from them"
+            "the no-straggler vanilla runs (scenario 'none', policies 'vanilla' and 'none') "
+            "are missing: T_fast and C come from them"
         )
-    t_fast = statistics.median(r.step_time(False) for r in base_runs)
-    per_rank = [statistics.median(vals) for vals in zip(*(r.sharded_compute() for r in base_runs))]
+    t_fast = statistics.median(r.step_time(False) for r in baseline_of("none"))
+    per_rank = [statistics.median(vals) for vals in zip(*(r.sharded_compute() for r in timed_base))]
     c = max(per_rank)
     baseline = {
         "t_fast_s": t_fast,
@@ -158,12 +168,15 @@ def compare(
     rows, all_speeds = [], {}
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
     for scenario in scenarios:
-        vanilla = by_key.get((scenario, VANILLA))
+        vanilla = baseline_of(scenario)
         if not vanilla:
             raise ValueError(f"scenario '{scenario}' has no vanilla runs to compare against")
         iterations = vanilla[0].iterations
+        timed = by_key.get((scenario, VANILLA))
+        if scenario in real and not timed:
+            raise ValueError(f"real-contention scenario '{scenario}' needs timed vanilla runs")
         speeds = (
-            measured_speeds(vanilla, per_rank, iterations)
+            measured_speeds(timed, per_rank, iterations)
             if scenario in real
             else [tuple(1.0 / f for f in fs) for fs in factors[scenario][:iterations]]
         )

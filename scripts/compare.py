@@ -2,14 +2,17 @@
 """Policies side by side against vanilla Megatron, per straggler scenario, in one command.
 
     python scripts/compare.py [--tp 2] [--dp 1] [--scenarios none,persistent-2x,transient,noisy]
-                              [--policies none,resize,migrate,hybrid] [--repeats 3]
+                              [--policies resize,migrate,hybrid] [--repeats 3]
                               [--iters 24] [--interval 4] [--out results/compare]
                               [--dilation auto] [--quick] [-- MEGATRON MODEL FLAGS]
 
 Each (scenario, policy) is a pretrain_gpt.py run on the same seed and mock data; runs are
-interleaved (round after round of every configuration) so machine drift hits all alike. Policy
-`none` is vanilla megatron-core layers (timed, never re-partitioned); the no-straggler vanilla
-runs give T_fast and C, measured here, never taken from a constant. Writes report.md,
+interleaved (round after round of every configuration) so machine drift hits all alike. The
+baseline, `vanilla`, is plain megatron-core: pretrain_gpt.py with no het-TP flag beyond the
+scenario's emulation; its no-straggler runs give T_fast. Policy `none` is the same layers,
+timed: its no-straggler runs give C, its real-contention runs the measured speeds, and its
+no-straggler row shows what the timing costs; it runs in other scenarios when --policies names
+it. All measured here, never taken from a constant. Writes report.md,
 report.json, step_time.png and loss.png under --out, and each run's JSONL under --out/runs.
 
 Scenarios are built-in names (none, persistent-2x, persistent-4x, transient, rotating, multi,
@@ -46,7 +49,7 @@ sys.path.insert(0, ROOT)
 from hettp.emulate import ScenarioError  # noqa: E402
 from hettp.metrics import read_metrics  # noqa: E402
 from hettp.policy import compared_policies  # noqa: E402
-from hettp.report import VANILLA, Run, compare, markdown  # noqa: E402
+from hettp.report import PLAIN, VANILLA, Run, compare, markdown  # noqa: E402
 from hettp.scenarios import resolve  # noqa: E402
 
 POLICIES = tuple(compared_policies())
@@ -257,8 +260,9 @@ def parse(argv):
     p.add_argument(
         "--policies",
         default=None,
-        help=f"comma-separated from {', '.join(POLICIES)}; vanilla (none) always runs "
-        "(default: none,resize,migrate,hybrid)",
+        help=f"comma-separated from {', '.join(POLICIES)}; plain vanilla always runs, and "
+        "none (timed vanilla) where C or real speeds come from it (default: "
+        "resize,migrate,hybrid)",
     )
     p.add_argument("--repeats", type=int, default=None, help="rounds of every run (default 3)")
     p.add_argument("--iters", type=int, default=None, help="iterations per run (default 24)")
@@ -284,13 +288,13 @@ def parse(argv):
         "--quick",
         action="store_true",
         help="a tiny model, 12 iterations, scenarios none,persistent-2x,noisy, "
-        "policies none,migrate, 2 rounds: the whole path in about 2.5 minutes",
+        "policy migrate, 2 rounds: the whole path in about 2.5 minutes",
     )
     a = p.parse_args(argv)
     # --quick includes the real-contention path when each of its 2 ranks can have a core
     quick = dict(
         scenarios="none,persistent-2x" + (",noisy" if len(_cores()) >= 2 else ""),
-        policies="none,migrate",
+        policies="migrate",
         repeats=2,
         iters=12,
         interval=3,
@@ -298,7 +302,7 @@ def parse(argv):
     )
     full = dict(
         scenarios="none,persistent-2x,transient,noisy",
-        policies="none,resize,migrate,hybrid",
+        policies="resize,migrate,hybrid",
         repeats=3,
         iters=24,
         interval=4,
@@ -322,7 +326,10 @@ def parse(argv):
     bad = [x for x in policies if x not in POLICIES]
     if bad:
         p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(POLICIES)}")
-    a.policy_list = [VANILLA] + [x for x in dict.fromkeys(policies) if x != VANILLA]
+    # plain vanilla in every scenario; timed vanilla where C or real speeds come from it, and
+    # everywhere when asked for
+    a.timed_everywhere = VANILLA in policies
+    a.policy_list = [PLAIN, VANILLA] + [x for x in dict.fromkeys(policies) if x != VANILLA]
     try:
         a.scenario_list = resolve(a.scenarios, a.tp, a.iters)
     except ScenarioError as err:
@@ -389,11 +396,16 @@ def main(argv=None) -> int:
     ]
     if a.dilation > 1:
         common += ["--het-tp-emulate-dilation", f"{a.dilation:g}"]
-    configs = [(s, policy) for s in a.scenario_list for policy in a.policy_list]
+    configs = [
+        (s, policy)
+        for s in a.scenario_list
+        for policy in a.policy_list
+        if policy != VANILLA or a.timed_everywhere or s.name == "none" or s.real
+    ]
     progress = Progress(len(configs) * a.repeats)
     print(
-        f"compare: TP={a.tp} DP={a.dp}, {len(a.scenario_list)} scenarios x "
-        f"{len(a.policy_list)} policies x {a.repeats} rounds = {progress.total} runs of "
+        f"compare: TP={a.tp} DP={a.dp}, {len(a.scenario_list)} scenarios, policies "
+        f"{', '.join(a.policy_list)}, {a.repeats} rounds = {progress.total} runs of "
         f"{a.iters} iterations; ranks pinned to cores {cores}",
         flush=True,
     )
@@ -401,7 +413,9 @@ def main(argv=None) -> int:
     runs = []
     for repeat in range(a.repeats):  # interleaved: every configuration once per round
         for scenario, policy in configs:
-            flags = [*common, "--het-tp-policy", policy, "--het-tp-timer", _timer(scenario)]
+            # plain vanilla: static, no het-TP layers; timed only where its emulation needs it
+            het_policy = "static" if policy == PLAIN else policy
+            flags = [*common, "--het-tp-policy", het_policy, "--het-tp-timer", _timer(scenario)]
             if scenario.emulate:
                 flags += ["--het-tp-emulate", scenario.emulate]
             path = os.path.join(runs_dir, f"{scenario.name}.{policy}.{repeat}.jsonl")

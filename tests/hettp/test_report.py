@@ -205,3 +205,43 @@ def test_compare_needs_the_vanilla_baseline():
             {"slow": [(2.0, 1.0)] * 4},
             {"slow": False},
         )
+
+
+def test_plain_vanilla_is_the_baseline_and_timed_vanilla_gives_c_and_real_speeds():
+    """Speedups, E and R are against plain megatron-core runs ('vanilla', no het-TP code, no
+    timing records); the timed vanilla runs ('none') give C and the measured real speeds, and
+    their own row is what the timing costs."""
+    n = 10
+    runs = [
+        _run("none", "vanilla", [1.0] * n),
+        _run("none", "none", [1.02] * n, compute=[0.6, 0.6]),
+        _run("slow", "vanilla", [1.6] * n, compute=[0.6, 1.2]),  # the emulation times it
+        _run("slow", "migrate", [1.2] * n, compute=[0.8, 0.8]),
+        _run("busy", "vanilla", [1.5] * n),
+        _run("busy", "none", [1.55] * n, compute=[0.6, 1.2]),
+        _run("busy", "migrate", [1.25] * n, compute=[0.8, 0.8]),
+    ]
+    flat = [(1.0, 1.0)] * n
+    result = compare(
+        runs,
+        {"none": flat, "slow": [(1.0, 2.0)] * n, "busy": flat},
+        {"none": False, "slow": False, "busy": False},
+        real={"busy"},
+    )
+    b = result["baseline"]
+    assert b["t_fast_s"] == pytest.approx(1.0) and b["c_s"] == pytest.approx(0.6)
+    rows = {(r["scenario"], r["policy"]): r for r in result["rows"]}
+    assert rows[("none", "none")]["speedup"] == pytest.approx(1 / 1.02)  # the timers' cost
+    t_ideal = 0.4 + 0.6 * 2 / 1.5
+    assert rows[("slow", "migrate")]["speedup"] == pytest.approx(1.6 / 1.2)
+    assert rows[("slow", "migrate")]["E"] == pytest.approx(t_ideal / 1.2)
+    assert result["speeds"]["busy"][0] == pytest.approx((1.0, 0.5))  # from the timed runs
+    assert rows[("busy", "migrate")]["speedup"] == pytest.approx(1.5 / 1.25)  # vs plain
+    assert rows[("busy", "migrate")]["R"] == pytest.approx((1.5 - 1.25) / (1.5 - t_ideal))
+    with pytest.raises(ValueError, match="real-contention scenario 'busy' needs timed vanilla"):
+        compare(
+            [r for r in runs if r.path != "busy.none.0" and r.scenario != "slow"],
+            {"none": flat, "busy": flat},
+            {"none": False, "busy": False},
+            real={"busy"},
+        )

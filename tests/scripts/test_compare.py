@@ -45,9 +45,18 @@ def test_quick_report_agrees_with_the_runs(quick):
         assert "noisy" in names  # real contention ran
         assert report["dilation"] == 1.0  # a core per rank: nothing to stretch
     rows = {(r["scenario"], r["policy"]): r for r in report["rows"]}
-    assert set(rows) == {(s, p) for s in names for p in ("none", "migrate")}
-    base = [_steady(out / p) for p in rows[("none", "none")]["runs"]]
+    # plain vanilla everywhere; timed vanilla (none) where C and real speeds come from
+    timed = {"none", "noisy"}
+    assert set(rows) == {(s, p) for s in names for p in ("vanilla", "migrate")} | {
+        (s, "none") for s in names if s in timed
+    }
+    base = [_steady(out / p) for p in rows[("none", "vanilla")]["runs"]]
     assert report["baseline"]["t_fast_s"] == pytest.approx(statistics.median(base))
+    # the plain runs carry no het-TP code: no timing records where nothing is emulated
+    for path in rows[("none", "vanilla")]["runs"]:
+        assert list(read_metrics(out / path, "timing")) == []
+        assert list(read_metrics(out / path, "run"))[0]["args"]["het_tp_policy"] == "static"
+    assert all(list(read_metrics(out / p, "timing")) for p in rows[("none", "none")]["runs"])
     table = (out / "report.md").read_text()
     for (scenario, policy), row in rows.items():
         paths = [out / p for p in row["runs"]]
@@ -67,7 +76,8 @@ def test_quick_report_agrees_with_the_runs(quick):
     assert mig["decisions"] >= 1 and mig["decisions_first_run"][0].startswith("migrate@")
     assert mig["bytes_vs_min"] == pytest.approx(1.0)
     assert abs(mig["loss_gap"]) <= 1e-5 * abs(mig["final_loss"])
-    assert rows[("persistent-2x", "none")]["E"] is not None
+    assert rows[("persistent-2x", "vanilla")]["E"] is not None
+    assert rows[("none", "none")]["speedup"] > 0  # the timers' cost, against plain vanilla
     assert "report in" in stdout and "iteration 12/12" in stdout
 
 
@@ -156,9 +166,9 @@ def test_a_failing_run_is_named_with_its_log(tmp_path):
         text=True,
         timeout=300,
     )
-    log = tmp_path / "runs" / "none.none.0.log"
+    log = tmp_path / "runs" / "none.vanilla.0.log"
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert f"run none / none / round 1 failed (exit codes [2, 2]); log {log}" in proc.stderr
+    assert f"run none / vanilla / round 1 failed (exit codes [2, 2]); log {log}" in proc.stderr
     assert "--hidden-size (63) must be divisible" in log.read_text()
     assert not (tmp_path / "report.json").exists()
 
