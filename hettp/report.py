@@ -165,7 +165,7 @@ def compare(
         "compute_per_rank_s": per_rank,
     }
 
-    rows, all_speeds = [], {}
+    rows, all_speeds, speeds_from = [], {}, {}
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
     for scenario in scenarios:
         vanilla = baseline_of(scenario)
@@ -175,13 +175,26 @@ def compare(
         timed = by_key.get((scenario, VANILLA))
         if scenario in real and not timed:
             raise ValueError(f"real-contention scenario '{scenario}' needs timed vanilla runs")
-        speeds = (
-            measured_speeds(timed, per_rank, iterations)
-            if scenario in real
-            else [tuple(1.0 / f for f in fs) for fs in factors[scenario][:iterations]]
-        )
-        all_speeds[scenario] = speeds
         vary = varying[scenario]
+        emulated = [tuple(1.0 / f for f in fs) for fs in factors[scenario][:iterations]]
+        # A constant emulated straggle is measured too (its vanilla runs time it): T_ideal then
+        # uses the slowdown the planner sees, which the emulation only approximates.
+        measured_from = (
+            timed
+            if scenario in real
+            else next(
+                (g for g in (vanilla, timed) if g and not vary and all(r.compute for r in g)),
+                None,
+            )
+        )
+        speeds = measured_speeds(measured_from, per_rank, iterations) if measured_from else emulated
+        if measured_from and scenario not in real:  # an unslowed rank stays at 1
+            speeds = [
+                tuple(1.0 if e == 1.0 else m for e, m in zip(es, ms))
+                for es, ms in zip(emulated, speeds)
+            ]
+        all_speeds[scenario] = speeds
+        speeds_from[scenario] = "measured" if measured_from else "emulated"
         window = vanilla[0].window(vary)
         ideal_per_it = [ideal_step(t_fast, c, speeds[i - 1]) for i in window]
         t_ideal = statistics.fmean(ideal_per_it)
@@ -234,7 +247,7 @@ def compare(
                     "runs": [r.path for r in group],
                 }
             )
-    return {"baseline": baseline, "rows": rows, "speeds": all_speeds}
+    return {"baseline": baseline, "rows": rows, "speeds": all_speeds, "speeds_from": speeds_from}
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:

@@ -459,7 +459,7 @@ def main(argv=None) -> int:
         f"- `{s.name}`: {s.about or s.emulate or 'custom'}"
         + (f" (`--het-tp-emulate {s.emulate}`)" if s.emulate else "")
         + (", mean over the run" if varying[s.name] else "")
-        + f"; compute timer {_timer(s)}"
+        + f"; compute timer {_timer(s)}; T_ideal from {result['speeds_from'][s.name]} speeds"
         for s in a.scenario_list
     ]
     header = [

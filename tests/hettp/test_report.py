@@ -121,7 +121,7 @@ def test_reaction_counts_steps_until_within_ten_percent():
 def test_compare_metrics_follow_the_design_definitions():
     """T_fast 1.0 s with C 0.8 s, rank 1 2x slow at TP=2: T_ideal = 0.2 + 0.8 * 2 / 1.5."""
     n = 20
-    compute = [0.8, 0.78]
+    compute = [0.8, 0.8]
     fast = [1.0] * n
     runs = [
         _run("none", "none", fast, compute=compute),
@@ -215,7 +215,8 @@ def test_plain_vanilla_is_the_baseline_and_timed_vanilla_gives_c_and_real_speeds
     runs = [
         _run("none", "vanilla", [1.0] * n),
         _run("none", "none", [1.02] * n, compute=[0.6, 0.6]),
-        _run("slow", "vanilla", [1.6] * n, compute=[0.6, 1.2]),  # the emulation times it
+        # the emulation times it: 2x emulated, read 2.5x (what the planner sees)
+        _run("slow", "vanilla", [1.6] * n, compute=[0.6, 1.5]),
         _run("slow", "migrate", [1.2] * n, compute=[0.8, 0.8]),
         _run("busy", "vanilla", [1.5] * n),
         _run("busy", "none", [1.55] * n, compute=[0.6, 1.2]),
@@ -232,11 +233,14 @@ def test_plain_vanilla_is_the_baseline_and_timed_vanilla_gives_c_and_real_speeds
     assert b["t_fast_s"] == pytest.approx(1.0) and b["c_s"] == pytest.approx(0.6)
     rows = {(r["scenario"], r["policy"]): r for r in result["rows"]}
     assert rows[("none", "none")]["speedup"] == pytest.approx(1 / 1.02)  # the timers' cost
-    t_ideal = 0.4 + 0.6 * 2 / 1.5
+    assert result["speeds_from"] == {"none": "measured", "slow": "measured", "busy": "measured"}
+    assert result["speeds"]["slow"][0] == pytest.approx((1.0, 0.4))
+    t_ideal = 0.4 + 0.6 * 2 / 1.4
     assert rows[("slow", "migrate")]["speedup"] == pytest.approx(1.6 / 1.2)
     assert rows[("slow", "migrate")]["E"] == pytest.approx(t_ideal / 1.2)
     assert result["speeds"]["busy"][0] == pytest.approx((1.0, 0.5))  # from the timed runs
     assert rows[("busy", "migrate")]["speedup"] == pytest.approx(1.5 / 1.25)  # vs plain
+    t_ideal = 0.4 + 0.6 * 2 / 1.5
     assert rows[("busy", "migrate")]["R"] == pytest.approx((1.5 - 1.25) / (1.5 - t_ideal))
     with pytest.raises(ValueError, match="real-contention scenario 'busy' needs timed vanilla"):
         compare(
