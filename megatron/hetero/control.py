@@ -73,9 +73,10 @@ class Controller:
     def end_step(
         self, iteration: int, wall_seconds: float, work, plan, shares, unit_bytes
     ) -> tuple[TimingReport, Verdict] | None:
-        """After the step: record; every interval, report and decide. `work` is this TP
-        group's per-rank active work, `unit_bytes()` what one unit carries (called where a
-        decision is taken). Returns the report and the verdict every rank agrees on."""
+        """After the step: record; every interval, report and decide. `work()` is this TP
+        group's per-rank active work and `unit_bytes()` what one unit carries, both called only
+        at a report (the latter only where a decision is taken). Returns the report and the
+        verdict every rank agrees on."""
         self._compute.append(self.timer.read())
         self._wall.append(wall_seconds)
         if iteration % self.interval:
@@ -86,7 +87,7 @@ class Controller:
             iteration,
             statistics.median(self._compute),
             statistics.median(self._wall),
-            work[self.tp_rank],
+            work()[self.tp_rank],
         )
         self._compute, self._wall = [], []
         decide = self.tp_rank == 0

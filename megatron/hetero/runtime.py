@@ -252,15 +252,11 @@ class HetTPRuntime:
         if self.controller is not None:
             plan = self.partition.plan if self.partition is not None else None
             shares = self.shares
+            unit_work = self.partition.unit_work if self.partition else None
             out = self.controller.end_step(
                 iteration,
                 seconds,
-                work_of(
-                    plan,
-                    self.partition.unit_work if self.partition else None,
-                    shares,
-                    self.controller.tp_size,
-                ),
+                lambda: work_of(plan, unit_work, shares, self.controller.tp_size),
                 plan,
                 shares,
                 lambda: self.partition.unit_bytes(state.model, state.optimizer),
