@@ -171,32 +171,34 @@ class HetTPRuntime:
         """Take up the checkpoint's state where it still describes this run: saved under the
         same het-TP flags (policy, layers, granularity), in the plan this run starts in, with
         shares this run may use. Otherwise priorities and detector start afresh (said once),
-        so a straggle the saved run had handled is detected and handled again."""
+        so a straggle the saved run had handled is detected and handled again. Priorities
+        come back before any resize, which orders the units by them."""
         pending, self._pending = self._pending, None
         config = self.config
+        saved_shares = None
+        if pending is not None:
+            why = None
+            if pending.get("config") != self._fingerprint():
+                why = f"it was saved under other het-TP flags ({pending.get('config')})"
+            elif self.partition is not None and self._plan_why != RESUMED:
+                why = "this run does not start in the checkpoint's plan"
+            elif config.resize_shares is None and self._saved_shares and any(self._saved_shares):
+                saved_shares = self._saved_shares
+                why = self._unusable_shares(saved_shares)
+            if why is not None:
+                self.events.info(f"> het-TP state of the checkpoint not resumed: {why}")
+                saved_shares = None
+            else:
+                if self.resizer is not None and pending.get("resizer") is not None:
+                    self.resizer.load_state_dict(pending["resizer"])
+                if self.controller is not None and pending.get("controller") is not None:
+                    self.controller.load_state_dict(pending["controller"])
         if config.resize_shares is not None:  # fixed shares; after loading, they freeze units
             self.resizer.resize(state, config.resize_shares)
             self.events.resize(iteration, self.resizer, "initial")
-        if pending is None:
-            return
-        why = None
-        if pending.get("config") != self._fingerprint():
-            why = f"it was saved under other het-TP flags ({pending.get('config')})"
-        elif self.partition is not None and self._plan_why != RESUMED:
-            why = "this run does not start in the checkpoint's plan"
-        shares = self._saved_shares if self._saved_shares and any(self._saved_shares) else None
-        if why is None and shares is not None and config.resize_shares is None:
-            why = self._unusable_shares(shares)
-            if why is None:
-                self.resizer.resize(state, shares)
-                self.events.resize(iteration, self.resizer, RESUMED)
-        if why is not None:
-            self.events.info(f"> het-TP state of the checkpoint not resumed: {why}")
-            return
-        if self.resizer is not None and pending.get("resizer") is not None:
-            self.resizer.load_state_dict(pending["resizer"])
-        if self.controller is not None and pending.get("controller") is not None:
-            self.controller.load_state_dict(pending["controller"])
+        elif saved_shares is not None:
+            self.resizer.resize(state, saved_shares)
+            self.events.resize(iteration, self.resizer, RESUMED)
 
     def _fingerprint(self) -> dict:
         """The flags a checkpoint's runtime state is only valid under."""
