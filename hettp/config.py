@@ -64,7 +64,8 @@ class HetTPConfig:
     """What to do about slow ranks."""
 
     interval: int = 10
-    """Iterations between timing reports (and planner decisions)."""
+    """Iterations between timing reports, the medians of their steps: the cost fit learns from
+    them and the planner revisits its plan (detection runs every step)."""
 
     onset: float = 1.3
     """A rank straggles once its compute per unit is this many times the fastest rank's ..."""
@@ -73,14 +74,14 @@ class HetTPConfig:
     """... and stops once it is back at or below this (hysteresis)."""
 
     onset_at_once: float = 1.6
-    """... or at the first report that reaches this (>= --het-tp-onset)."""
+    """... or at the first step whose smoothed slowdown reaches this (>= --het-tp-onset)."""
 
-    patience: int = 2
-    """Consecutive reports beyond a threshold before the state changes (a slowdown of
-    --het-tp-onset-at-once or more needs one)."""
+    patience: int = 1
+    """Consecutive steps beyond a threshold, after smoothing, before the state changes."""
 
-    window: int = 1
-    """Reports whose median smooths each rank's timing."""
+    window: int = 3
+    """Steps whose median smooths each rank's timing; a rank's state changes only on a full
+    window, so the default 3 acts on the second slow (or normal) step in a row."""
 
     timer: str = _flag("cpu", choices=("cpu", "wall"))
     """CPU runs: time the sharded GEMMs by thread CPU time (blind to waits and to time-sharing)

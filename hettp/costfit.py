@@ -1,13 +1,16 @@
-"""Online estimate of what one unit of sharded work costs a rank that is not slow.
+"""Online estimate of what an unslowed rank's compute costs: `fixed + per_unit x work`.
 
-A rank's slowdown factor is its measured compute per unit of work over that cost, so factors
-stay honest after a migration or resize changed the split. The cost is taken as the same at
-every share: with ffn widths kept at multiples of 8 neurons (planner.MLP_ALIGN), per-unit GEMM
-cost stays flat over a wide range of shares. A fitted per-call intercept (time = a + b x work)
-is not used: fitted from single noisy reports, it turns their noise into large factor errors
-after a move, which ends persistent straggles early and keeps ended ones open. Far below an
-even share, GEMMs do lose efficiency, and this model takes that for slowness (figures:
-results/notes.md).
+A rank's slowdown factor is its measured compute over that cost at its own work, so factors
+stay honest after a migration or resize changed the split. The intercept is real: per-call
+overheads of the sharded modules and the optimizer's per-tensor work do not shrink with the
+units, so a rank left with a quarter of the units computes well over a quarter of the time.
+Taken as zero, it reads a recovered rank with few units as still slow (an ended straggle kept
+open) and gives a straggler more units than it can finish in time.
+
+How it is found: while every rank has had the same work (before any move), a line cannot be
+fitted, and the optimizer step, timed apart, stands in for the intercept. Once the reports of
+unslowed ranks span works at least SPREAD apart, the line is fitted robustly (Theil-Sen: the
+median of pairwise slopes, the median intercept), so one noisy report moves neither.
 """
 
 from __future__ import annotations
@@ -15,35 +18,112 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+SPREAD = 1.2  # the least ratio of two works whose points give a slope
+MIN_PAIRS = 4  # slopes a fitted line needs
+
+
+@dataclass(frozen=True)
+class Line:
+    fixed: float  # seconds an unslowed rank computes whatever its units
+    per_unit: float  # and per unit of work on top
+
+
+def _zeros(fixed, n):
+    return tuple(fixed) if fixed is not None else (0.0,) * n
+
+
+def theil_sen(points: Sequence[tuple[float, float]], spread: float = SPREAD) -> Line | None:
+    """The median slope over pairs whose works are at least `spread` apart and the median
+    intercept; None with fewer than MIN_PAIRS such pairs, or a line that is not increasing
+    with a non-negative intercept."""
+    slopes = [
+        (c2 - c1) / (w2 - w1)
+        for i, (w1, c1) in enumerate(points)
+        for w2, c2 in points[i + 1 :]
+        if max(w1, w2) >= spread * min(w1, w2)
+    ]
+    if len(slopes) < MIN_PAIRS:
+        return None
+    slope = statistics.median(slopes)
+    if slope <= 0:
+        return None
+    fixed = statistics.median(c - slope * w for w, c in points)
+    return Line(fixed, slope) if fixed >= 0 else None
 
 
 class ComputeFit:
     def __init__(self, history: int = 48):
-        self._per_unit = deque(maxlen=history)  # compute seconds per unit of unslowed ranks
+        self._points = deque(maxlen=history)  # (work, compute, timed fixed) of unslowed ranks
+        self._line = None  # the line of the points, while they do not change
 
-    def per_unit(self, works: Sequence[float] = (), computes: Sequence[float] = ()) -> float:
-        """Seconds per unit of work of an unslowed rank: the median over the reports seen so
-        far (one noisy report does not move it), or before any, this report's fastest rank."""
-        if self._per_unit:
-            return statistics.median(self._per_unit)
-        ratios = [c / w for w, c in zip(works, computes) if w > 0 and c > 0]
-        return min(ratios) if ratios else 1.0
+    def line(
+        self,
+        works: Sequence[float] = (),
+        computes: Sequence[float] = (),
+        fixed: Sequence[float] | None = None,
+    ) -> Line:
+        """The cost of an unslowed rank: fitted where the points allow, else the timed fixed
+        part and the median compute per unit on top; before any point, this report's fastest
+        rank (given by `works`, `computes`, `fixed`)."""
+        if self._line is not None:
+            return self._line
+        if not self._points:
+            fixed = _zeros(fixed, len(works))
+            ratios = [(c - x) / w for w, c, x in zip(works, computes, fixed) if w > 0 and c > x]
+            base = min(fixed) if fixed else 0.0
+            return Line(base, min(ratios) if ratios else 1.0)
+        line = theil_sen([(w, c) for w, c, _ in self._points])
+        if line is None:
+            base = statistics.median(x for _, _, x in self._points)
+            line = Line(base, statistics.median((c - base) / w for w, c, _ in self._points))
+        self._line = line
+        return line
 
-    def factors(self, works: Sequence[float], computes: Sequence[float]) -> list[float | None]:
+    def per_unit(self, works=(), computes=(), fixed=None) -> float:
+        return self.line(works, computes, fixed).per_unit
+
+    def fixed_seconds(self, works=(), computes=(), fixed=None) -> float:
+        return self.line(works, computes, fixed).fixed
+
+    def factors(
+        self,
+        works: Sequence[float],
+        computes: Sequence[float],
+        fixed: Sequence[float] | None = None,
+    ) -> list[float | None]:
         """Per rank, measured compute over an unslowed rank's at the same work (None for a
         rank without work)."""
-        unit = self.per_unit(works, computes)
-        return [c / (unit * w) if w > 0 else None for w, c in zip(works, computes)]
+        line = self.line(works, computes, fixed)
+        return [
+            c / (line.fixed + line.per_unit * w) if w > 0 else None for w, c in zip(works, computes)
+        ]
 
-    def add(self, works: Sequence[float], computes: Sequence[float], slow: set) -> None:
-        """Learn from this report's ranks that are not slow."""
-        for rank, (w, c) in enumerate(zip(works, computes)):
-            if rank not in slow and w > 0 and c > 0:
-                self._per_unit.append(c / w)
+    def add(
+        self,
+        works: Sequence[float],
+        computes: Sequence[float],
+        factors: Sequence[float | None],
+        fixed: Sequence[float] | None = None,
+    ) -> None:
+        """Learn from a report: each rank's compute as it would be at the fastest rank's
+        speed (its own over its slowdown `factors` against the fastest)."""
+        fixed = _zeros(fixed, len(works))
+        known = [f for f in factors if f is not None and f > 0]
+        if not known:
+            return
+        fastest = min(known)
+        for w, c, x, f in zip(works, computes, fixed, factors):
+            if f is not None and f > 0 and w > 0 and c > x:
+                scale = fastest / f
+                self._points.append((w, c * scale, x * scale))
+                self._line = None
 
     def state_dict(self) -> dict:
-        return {"per_unit": list(self._per_unit)}
+        return {"points": [list(p) for p in self._points]}
 
     def load_state_dict(self, state: dict) -> None:
-        self._per_unit.clear()
-        self._per_unit.extend(state["per_unit"])
+        self._points.clear()
+        self._points.extend(tuple(p) for p in state.get("points", ()))  # absent before 0.2
+        self._line = None

@@ -1,14 +1,15 @@
 """Straggler detection from per-rank compute timings, with hysteresis.
 
-Input, every report interval: each TP rank's seconds of sharded compute per unit of work (its
-own compute only, never wall time: collectives make every rank wait for the slowest, so wall
-times look equal). Output: each rank's smoothed slowdown against the fastest rank, and which
-ranks are straggling. A rank starts straggling after its slowdown stays at or above `onset` for
-`patience` reports, or at once when it reaches `at_once`, and stops after it stays at or below
-`end` for `patience` reports, so noise around a steady cluster never flips the state;
-`changed` asks the planner to act. On a shared machine single reports of a steady cluster
-cross `onset` now and then, but rarely twice in a row, hence a patience above 1; a slowdown
-large enough to be worth a move is seen at once (figures: results/notes.md).
+Input, every step: each TP rank's seconds of compute per unit of work (its own compute only,
+never wall time: collectives make every rank wait for the slowest, so wall times look equal).
+Output: each rank's slowdown against the fastest rank, smoothed as the median of the last
+`window` steps, and which ranks are straggling. A rank starts straggling after its smoothed
+slowdown stays at or above `onset` for `patience` steps, or at once when it reaches `at_once`,
+and stops after it stays at or below `end` for `patience` steps; `changed` asks the planner to
+act. A rank's state changes only once its window is full, so the median of 3 needs two slow
+(or two normal) steps in a row: a step boundary after the second, the planner acts, which is
+fast enough to follow a straggle that starts or ends mid-run, while one noisy step on a shared
+machine never flips the state (figures: results/notes.md).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class StragglerDetector:
         tp_size: int,
         onset: float = 1.3,
         end: float = 1.15,
-        patience: int = 2,
+        patience: int = 1,
         window: int = 3,
         replan: float = 0.5,
         at_once: float = 1.6,
@@ -52,7 +53,8 @@ class StragglerDetector:
         if patience < 1 or window < 1:
             raise DetectError(f"patience ({patience}) and window ({window}) must be >= 1")
         self.tp_size, self.onset, self.end, self.at_once = tp_size, onset, end, at_once
-        self.patience, self.replan = patience, replan
+        self.patience, self.replan, self.window = patience, replan, window
+        self._slowdown = (1.0,) * tp_size  # the last update's
         self._history = [deque(maxlen=window) for _ in range(tp_size)]
         self._above = [0] * tp_size
         self._below = [0] * tp_size
@@ -62,14 +64,19 @@ class StragglerDetector:
 
     def rebase(self) -> None:
         """After a decision changed the work split: forget the smoothing history and take the
-        next report as the new reference for drift, so timing-model error after a move cannot
-        trigger another move. Onsets and ends still need their thresholds crossed."""
+        first full window after it as the new reference for drift, so timing-model error after
+        a move cannot trigger another move. Onsets and ends still need their thresholds
+        crossed."""
         for history in self._history:
             history.clear()
         self._rebased = True
 
+    def current(self) -> Detection:
+        """The state after the last update, as a detection that changes nothing."""
+        return Detection(self._slowdown, self.stragglers, False, frozenset(), frozenset())
+
     def update(self, per_unit_seconds: Sequence[float | None]) -> Detection:
-        """One report: seconds per unit of work per rank (None: the rank ran no units)."""
+        """One step: seconds per unit of work per rank (None: the rank ran no units)."""
         if len(per_unit_seconds) != self.tp_size:
             raise DetectError(f"{len(per_unit_seconds)} timings for a TP group of {self.tp_size}")
         for rank, value in enumerate(per_unit_seconds):
@@ -85,8 +92,12 @@ class StragglerDetector:
             )
         fastest = min(known)
         slowdown = tuple(1.0 if v is None else v / fastest for v in smoothed)
+        self._slowdown = slowdown
         onsets, ends = set(), set()
         for rank, factor in enumerate(slowdown):
+            if len(self._history[rank]) < self._history[rank].maxlen:
+                self._above[rank] = self._below[rank] = 0
+                continue  # too few steps since the start or a rebase to judge
             self._above[rank] = self._above[rank] + 1 if factor >= self.onset else 0
             self._below[rank] = self._below[rank] + 1 if factor <= self.end else 0
             if rank not in self.stragglers and (
@@ -98,10 +109,10 @@ class StragglerDetector:
         self.stragglers = (self.stragglers | onsets) - ends
         # A straggler whose slowdown moved a lot (2x -> 4x) needs a new plan; one falling back
         # into the hysteresis band waits for its end instead.
-        if self._rebased:
+        if self._rebased and all(len(h) in (0, h.maxlen) for h in self._history):
             self._rebased = False
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
-        drifted = any(
+        drifted = not self._rebased and any(
             slowdown[r] >= self.onset
             and abs(math.log(slowdown[r] / self._planned_for.get(r, slowdown[r])))
             > math.log1p(self.replan)
@@ -121,6 +132,7 @@ class StragglerDetector:
             "stragglers": sorted(self.stragglers),
             "planned_for": {str(r): v for r, v in self._planned_for.items()},
             "rebased": self._rebased,
+            "slowdown": list(self._slowdown),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -136,3 +148,4 @@ class StragglerDetector:
         self.stragglers = frozenset(state["stragglers"])
         self._planned_for = {int(r): v for r, v in state["planned_for"].items()}
         self._rebased = state["rebased"]
+        self._slowdown = tuple(state.get("slowdown", (1.0,) * self.tp_size))

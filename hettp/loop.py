@@ -1,14 +1,18 @@
-"""One report's path to a decision, pure: timings -> slowdown factors -> detection -> step model
--> planner. The Megatron controller (megatron/hetero/control.py) gathers the report over the
-process groups, calls `ControlLoop.observe` and applies what comes back; a simulator can drive
-the same object with simulated reports.
+"""The path from timings to a decision, pure: timings -> slowdown factors -> detection -> step
+model -> planner. Detection runs every step on a few floats per rank; the planner runs when the
+detection changes or at a report (every `--het-tp-interval` steps, the steps' medians), where
+the cost fit also learns. The Megatron controller (megatron/hetero/control.py) gathers the
+timings over the process groups, calls `ControlLoop.detect` and `observe` and applies what comes
+back; a simulator can drive the same object with simulated timings.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .anchor import SlowdownAnchor
 from .costfit import ComputeFit
 from .detect import Detection, StragglerDetector
 from .plan import PartitionPlan
@@ -18,22 +22,44 @@ from .transfer import MigrationCost
 
 @dataclass(frozen=True)
 class TimingReport:
-    """One report interval of one TP group, per TP rank."""
+    """One step, or the median of several, of one TP group, per TP rank."""
 
     iteration: int  # the step boundary it was taken at
-    compute: tuple[float, ...]  # median seconds per step in the sharded compute
+    compute: tuple[float, ...]  # seconds per step in the rank's timed compute
     work: tuple[float, ...]  # the rank's active work (unit-weighted) in those steps
-    step: float  # median wall seconds per step
+    step: float  # wall seconds per step
+    fixed: tuple[float, ...] | None = None  # of compute, the part no split changes (None: 0)
+
+    @classmethod
+    def median(cls, steps: Sequence[TimingReport]) -> TimingReport:
+        """Several steps as one report: per rank, the median step, so one slow step (a hiccup,
+        a burst's tail) does not make a report slow."""
+        if not steps:
+            raise ValueError("a report needs at least one step")
+        fixed = None
+        if all(s.fixed is not None for s in steps):
+            fixed = tuple(statistics.median(v) for v in zip(*(s.fixed for s in steps)))
+        return cls(
+            steps[-1].iteration,
+            tuple(statistics.median(v) for v in zip(*(s.compute for s in steps))),
+            tuple(statistics.median(v) for v in zip(*(s.work for s in steps))),
+            statistics.median(s.step for s in steps),
+            fixed,
+        )
 
     @classmethod
     def slowest_replica(cls, reports: Sequence[TimingReport]) -> TimingReport:
         """Data-parallel replicas at one TP position all-reduce their gradients, so they share
         one plan; the slowest of them sets everyone's pace, so that is the one to plan for."""
+        fixed = None
+        if all(r.fixed is not None for r in reports):
+            fixed = tuple(max(values) for values in zip(*(r.fixed for r in reports)))
         return cls(
             reports[0].iteration,
             tuple(max(values) for values in zip(*(r.compute for r in reports))),
             tuple(max(values) for values in zip(*(r.work for r in reports))),
             max(r.step for r in reports),
+            fixed,
         )
 
 
@@ -42,17 +68,22 @@ class Verdict:
     """What one report led to."""
 
     factors: tuple[float | None, ...]  # per rank: compute per unit over an unslowed rank's
-    detection: Detection | None  # None where this rank does not decide
+    detection: Detection | None  # None where nothing detects (no policy that decides)
     model: StepModel | None
     decision: Decision | None
 
 
 def step_model(
-    report: TimingReport, factors: Sequence[float | None], stragglers, per_unit: float
+    report: TimingReport,
+    factors: Sequence[float | None],
+    stragglers,
+    per_unit: float,
+    fixed: float = 0.0,
 ) -> StepModel:
     """The planner's model of a step from a report: measured factors for stragglers, 1 for the
-    rest (their spread is noise; planning on it would shuffle units for nothing), and the time
-    outside the slowest rank's sharded compute as the part no partition changes."""
+    rest (their spread is noise; planning on it would shuffle units for nothing), each rank's
+    compute as `fixed` + `per_unit` x work times its factor, and the time outside the slowest
+    rank's compute as the part no partition changes."""
     known = [f for f in factors if f is not None]
     fastest = min(known) if known else 1.0
     slowest = max(known) if known else 1.0
@@ -63,14 +94,17 @@ def step_model(
             for r, f in enumerate(factors)
         ),
         per_unit * fastest,
+        fixed * fastest,
     )
 
 
 class ControlLoop:
-    """The decisions of one TP group. Only the deciding rank detects and plans (`observe` with
-    `decide=True`); every rank then `learn`s from the report with the verdict it was sent, so
-    the cost fit, and the factors read from it, are the same everywhere. `report` does both in
-    one process (tests, a simulator)."""
+    """The decisions of one TP group. Every rank `detect`s on every step from the same gathered
+    timings, so all reach the same detection without sending it, and know alike when the
+    planner must run; only the deciding rank plans (`observe` with `decide=True`) and sends the
+    decision. Every rank then `learn`s from a report with the same verdict, so the cost fit,
+    and the factors read from it, stay the same everywhere. `report` does all three in one
+    process (tests, a simulator)."""
 
     def __init__(
         self,
@@ -82,27 +116,59 @@ class ControlLoop:
         self.planner, self.detector = planner, detector
         self.migration_cost = migration_cost
         self.fit = fit or ComputeFit()
+        self.anchor = SlowdownAnchor(detector.tp_size, detector.window, detector.onset)
+
+    def factors(self, report: TimingReport) -> tuple[float | None, ...]:
+        """Per rank, how many times slower than at full speed: anchored once the split has
+        changed (hettp/anchor.py), before that read through the cost fit (at an even split,
+        only the ranks' ratios count, and those need no model)."""
+        if self.anchor.anchored:
+            return self.anchor.factors(report.compute)
+        return tuple(self.fit.factors(report.work, report.compute, report.fixed))
+
+    def detect(self, step: TimingReport) -> Detection:
+        """One step's timings into the detector (every rank, every step). While the anchor
+        after a change fills, the detector waits; then it takes the anchor's steps at once."""
+        if self.anchor.active and len(set(step.work)) == 1:
+            self.anchor.clear()  # an even split again: the ranks' ratios need no anchor
+        if self.anchor.active:
+            rows = self.anchor.step(step.compute)
+        else:
+            rows = [tuple(self.fit.factors(step.work, step.compute, step.fixed))]
+        if not rows:
+            return self.detector.current()
+        seen = [self.detector.update(row) for row in rows]
+        last = seen[-1]
+        return Detection(
+            last.slowdown,
+            last.stragglers,
+            any(d.changed for d in seen),
+            frozenset().union(*(d.onsets for d in seen)) - last.ends,
+            frozenset().union(*(d.ends for d in seen)) - last.onsets,
+        )
 
     def observe(
         self,
         report: TimingReport,
+        detection: Detection | None,
         plan: PartitionPlan | None,
         shares: Sequence[float],
         decide: bool,
         unit_bytes: Mapping[str, int] | None = None,
     ) -> Verdict:
-        """Where this rank decides, detect and plan from `report` (`unit_bytes`: what one unit
-        of each block carries now, for the migration's predicted cost); elsewhere, only the
-        factors. Call `learn` next, with the verdict the deciding rank sent."""
-        factors = tuple(self.fit.factors(report.work, report.compute))
-        detection = model = decision = None
-        if decide and self.planner is not None:
-            detection = self.detector.update(factors)
+        """Where this rank decides, plan from `report` and the latest `detection`
+        (`unit_bytes`: what one unit of each block carries now, for the migration's predicted
+        cost); elsewhere, only the factors. Then `learn` from a report, with the verdict the
+        deciding rank sent."""
+        factors = self.factors(report)
+        model = decision = None
+        if decide and self.planner is not None and detection is not None:
             model = step_model(
                 report,
                 factors,
                 detection.stragglers,
-                self.fit.per_unit(report.work, report.compute),
+                self.fit.per_unit(report.work, report.compute, report.fixed),
+                self.fit.fixed_seconds(report.work, report.compute, report.fixed),
             )
             if self.migration_cost is not None and unit_bytes is not None:
                 self.migration_cost.unit_bytes = dict(unit_bytes)
@@ -110,12 +176,9 @@ class ControlLoop:
         return Verdict(factors, detection, model, decision)
 
     def learn(self, report: TimingReport, verdict: Verdict) -> None:
-        """Add the report's ranks that are neither slow nor detected stragglers to the fit."""
-        slow = {
-            r for r, f in enumerate(verdict.factors) if f is not None and f >= self.detector.onset
-        }
-        stragglers = verdict.detection.stragglers if verdict.detection else set()
-        self.fit.add(report.work, report.compute, slow | stragglers)
+        """Add the report's ranks to the fit, each at the compute it would take at the fastest
+        rank's speed; a slow rank with few units tells the fit what few units cost."""
+        self.fit.add(report.work, report.compute, verdict.factors, report.fixed)
 
     def report(
         self,
@@ -124,13 +187,16 @@ class ControlLoop:
         shares: Sequence[float],
         unit_bytes: Mapping[str, int] | None = None,
     ) -> Verdict:
-        """`observe` as the deciding rank, then `learn`: one process's whole report."""
-        verdict = self.observe(report, plan, shares, True, unit_bytes)
+        """One process, `report` taken as one step: `detect`, `observe` as the deciding rank,
+        then `learn`."""
+        verdict = self.observe(report, self.detect(report), plan, shares, True, unit_bytes)
         self.learn(report, verdict)
         return verdict
 
     def applied(self) -> None:
-        """A decision changed the work split: re-base the detector's reference."""
+        """A decision changed the work split: anchor the slowdowns there, and re-base the
+        detector's reference."""
+        self.anchor.rebase(self.detector.current().slowdown)
         self.detector.rebase()
 
     def state_dict(self) -> dict:
@@ -138,11 +204,14 @@ class ControlLoop:
             "fit": self.fit.state_dict(),
             "detector": self.detector.state_dict(),
             "planner": self.planner.state_dict() if self.planner is not None else None,
+            "anchor": self.anchor.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.fit.load_state_dict(state["fit"])
         self.detector.load_state_dict(state["detector"])
+        if state.get("anchor") is not None:
+            self.anchor.load_state_dict(state["anchor"])
         if self.planner is not None and state["planner"] is not None:
             self.planner.load_state_dict(state["planner"])
 

@@ -4,10 +4,11 @@ Pure data in, pure data out: a decision is a partition plan plus per-rank resize
 reason, and the predicted step time before and after. The caller (one rank per TP group)
 broadcasts it and every rank applies it at the same step boundary.
 
-Cost model (StepModel): a step takes `rest + max_r factor_r * slope * work_r`, where work is
-the rank's active units weighted by their size, `slope` an unslowed rank's seconds per unit of
-work in its sharded linears (hettp/costfit.py says why no per-call term), and `rest`
-(embedding, logits, optimizer, collectives) does not depend on the partition. A migration
+Cost model (StepModel): a step takes `rest + max_r factor_r * (fixed + slope * work_r)`, where
+work is the rank's active units weighted by their size, `slope` an unslowed rank's seconds per
+unit of work in the modules its units carry, `fixed` its timed compute that no split changes
+(the optimizer step: hettp/costfit.py), and `rest` (embedding, logits, norms, collectives)
+does not depend on the partition. A migration
 costs its predicted transfer time; a resize costs accuracy in proportion to the resized share,
 and nothing in time. The MLP counts a migration plans are multiples of MLP_ALIGN neurons where
 the ffn size allows (mlp_chunk); resized ranks' active widths are not aligned.
@@ -27,24 +28,35 @@ from .resize import check_shares, skipped_count
 
 @dataclass(frozen=True)
 class StepModel:
-    """A step takes `rest + max_r factor_r * slope * work_r`: `slope * work` is an unslowed
-    rank's time in its sharded linears, `factor_r` the rank's slowdown."""
+    """A step takes `rest + max_r factor_r * (fixed + slope * work_r)`: `slope * work` is an
+    unslowed rank's time in the work its units carry, `fixed` its timed compute that no split
+    changes (the optimizer step), `factor_r` the rank's slowdown."""
 
     rest: float
     factors: tuple[float, ...]
     slope: float
+    fixed: float = 0.0
 
     def rank_time(self, rank: int, work: float) -> float:
-        return self.factors[rank] * self.slope * work
+        return self.factors[rank] * (self.fixed + self.slope * work)
 
     def step_time(self, work: Sequence[float]) -> float:
         return self.rest + max(self.rank_time(r, w) for r, w in enumerate(work))
 
     def balanced_work(self, total: float) -> list[float]:
-        """Per-rank work that makes every rank finish together: shares in proportion to
-        speed."""
-        speed = sum(1.0 / f for f in self.factors)
-        return [total / f / speed for f in self.factors]
+        """Per-rank work that makes every rank finish together; a rank too slow to finish its
+        fixed part in that time gets none."""
+        ranks = list(range(len(self.factors)))
+        while True:
+            speed = sum(1.0 / self.factors[r] for r in ranks)
+            finish = (self.slope * total + len(ranks) * self.fixed) / speed
+            work = [0.0] * len(self.factors)
+            for r in ranks:
+                work[r] = (finish / self.factors[r] - self.fixed) / self.slope
+            idle = [r for r in ranks if work[r] < 0]
+            if not idle:
+                return work
+            ranks = [r for r in ranks if r not in idle]
 
 
 def plan_work(
@@ -128,7 +140,7 @@ def balancing_shares(
         if rank not in stragglers or w == 0 or model.rank_time(rank, w) <= target:
             shares.append(0.0)
             continue
-        keep = target / model.factors[rank] / model.slope
+        keep = (target / model.factors[rank] - model.fixed) / model.slope
         shares.append(round(min(cap, 1.0 - keep / w), 4))
     return tuple(shares)
 

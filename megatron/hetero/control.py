@@ -2,13 +2,15 @@
 the slowest replica over the data-parallel group), let TP rank 0 decide (hettp.loop, pure), and
 broadcast the verdict so every rank applies the same decision at the same step boundary.
 
-Every `--het-tp-interval` iterations a report holds each rank's median compute time per step
-(timing.py) and its active work; the runtime (runtime.py) applies what comes back.
+Every step each rank's compute time (timing.py) and active work are gathered (three floats a
+rank) and fed to the detector; the planner runs where that detection changed and at every
+report, the medians of `--het-tp-interval` steps. The runtime (runtime.py) applies what comes
+back.
 """
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,9 @@ class Controller:
             ),
             migration_cost,
         )
-        self._compute, self._wall = [], []
+        self.window = config.window
+        self._steps: list[TimingReport] = []  # this report interval's steps
+        self._work = None  # (plan, shares, this rank's work) the last work() call was for
 
     def begin_step(self, iteration: int) -> None:
         """Before the step that will be `iteration`: arm the timer (and the emulated factor)."""
@@ -73,39 +77,49 @@ class Controller:
     def end_step(
         self, iteration: int, wall_seconds: float, work, plan, shares, unit_bytes
     ) -> tuple[TimingReport, Verdict] | None:
-        """After the step: record; every interval, report and decide. `work()` is this TP
-        group's per-rank active work and `unit_bytes()` what one unit carries, both called only
-        at a report (the latter only where a decision is taken). Returns the report and the
-        verdict every rank agrees on."""
-        self._compute.append(self.timer.read())
-        self._wall.append(wall_seconds)
-        if iteration % self.interval:
-            return None
-        # The median step: one slow step (a hiccup, a burst's tail) does not make a report
-        # slow, and a straggle shows once it covers most of the interval.
-        report = self._gather(
-            iteration,
-            statistics.median(self._compute),
-            statistics.median(self._wall),
-            work()[self.tp_rank],
+        """After the step: gather its timings (a few floats per rank) and detect; when the
+        detection changed, or every interval, report and decide. `work()` is this TP group's
+        per-rank active work (called when the split changed) and `unit_bytes()` what one unit
+        carries (called only where a decision is taken). Returns the report and the verdict
+        every rank agrees on."""
+        if self._work is None or self._work[0] is not plan or self._work[1] != shares:
+            self._work = (plan, tuple(shares), work()[self.tp_rank])
+        step = self._gather(
+            iteration, self.timer.read(), self.timer.read_fixed(), wall_seconds, self._work[2]
         )
-        self._compute, self._wall = [], []
+        self._steps.append(step)
+        detection = self.loop.detect(step) if self.decides else None
+        due = len(self._steps) >= self.interval
+        # Every rank saw the same timings, so every rank knows alike that the planner must run.
+        if not due and not (detection is not None and detection.changed):
+            return None
+        # At a change, plan on the steps that showed it; at a report, on the whole interval.
+        report = TimingReport.median(self._steps if due else self._steps[-self.window :])
         decide = self.tp_rank == 0
         verdict = self.loop.observe(
-            report, plan, shares, decide, unit_bytes() if decide and self.migrates else None
+            report,
+            detection,
+            plan,
+            shares,
+            decide,
+            unit_bytes() if decide and self.migrates else None,
         )
         if self.decides and self.tp_size > 1:
-            box = [verdict.detection, verdict.decision]
+            box = [verdict.decision]
             dist.broadcast_object_list(
                 box, src=dist.get_global_rank(self.group, 0), group=self.group
             )
-            verdict = Verdict(verdict.factors, box[0], verdict.model, box[1])
-        self.loop.learn(report, verdict)
+            verdict = Verdict(verdict.factors, detection, verdict.model, box[0])
+        if due:
+            self.loop.learn(report, verdict)
+            self._steps = []
         return report, verdict
 
     def applied(self) -> None:
-        """The verdict's decision was applied everywhere: re-base the detector."""
+        """The verdict's decision was applied everywhere: re-base the detector, and start the
+        report interval over, so that a report's steps share one work split."""
         self.loop.applied()
+        self._steps = []
 
     def close(self) -> None:
         self.timer.remove()
@@ -113,21 +127,29 @@ class Controller:
     def state_dict(self) -> dict:
         return {
             "loop": self.loop.state_dict(),
-            "compute": list(self._compute),
-            "wall": list(self._wall),
+            "steps": [dataclasses.asdict(step) for step in self._steps],
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.loop.load_state_dict(state["loop"])
-        self._compute, self._wall = list(state["compute"]), list(state["wall"])
+        self._steps = [
+            TimingReport(
+                s["iteration"],
+                tuple(s["compute"]),
+                tuple(s["work"]),
+                s["step"],
+                tuple(s["fixed"]) if s.get("fixed") is not None else None,
+            )
+            for s in state.get("steps", ())  # a checkpoint from before per-step detection
+        ]
 
-    def _gather(self, iteration, compute, wall, work) -> TimingReport:
-        """This TP group's report; with data parallelism, the slowest replica's at each TP
+    def _gather(self, iteration, compute, fixed, wall, work) -> TimingReport:
+        """This TP group's step; with data parallelism, the slowest replica's at each TP
         position (replicas share a plan)."""
-        mine = torch.tensor([compute, work, wall], dtype=torch.float64, device=comm_device())
+        mine = torch.tensor([compute, work, wall, fixed], dtype=torch.float64, device=comm_device())
         rows = [torch.empty_like(mine) for _ in range(self.tp_size)]
         dist.all_gather(rows, mine, group=self.group)
-        table = torch.stack(rows)  # [tp, (compute, work, wall)]
+        table = torch.stack(rows)  # [tp, (compute, work, wall, fixed)]
         tables = [table]
         if self.dp_size > 1:
             tables = [torch.empty_like(table) for _ in range(self.dp_size)]
@@ -141,6 +163,7 @@ class Controller:
                     tuple(r[0] for r in rows),
                     tuple(r[1] for r in rows),
                     max(r[2] for r in rows),
+                    tuple(r[3] for r in rows),
                 )
             )
         return TimingReport.slowest_replica(reports)

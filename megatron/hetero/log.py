@@ -106,7 +106,8 @@ class EventLog:
             )
 
     def timing(self, report, verdict) -> None:
-        """A timing report (JSONL only): per-rank compute per step, work, fitted slowdown
+        """A timing report (JSONL only): per-rank compute per step (and of it, the part no split
+        changes), work, fitted slowdown
         factor, and the detector's smoothed slowdowns."""
         if self.metrics is not None:
             detection = verdict.detection
@@ -114,6 +115,7 @@ class EventLog:
                 "timing",
                 iteration=report.iteration,
                 compute_s=list(report.compute),
+                fixed_s=list(report.fixed) if report.fixed is not None else None,
                 work=list(report.work),
                 factor=list(verdict.factors),
                 step_s=report.step,

@@ -233,7 +233,8 @@ class HetTPRuntime:
         if self.resizer is not None:
             self.resizer.before_step(self.state)
         if self.controller is not None:
-            self.controller.timer.start()  # the update of a rank's units moves with them
+            # Timed, as a rank's own compute, but apart: its cost hardly depends on the units.
+            self.controller.timer.start(fixed=True)
 
     def after_optimizer_step(self) -> None:
         """After optimizer.step(): skipped units are put back, the update is scored."""

@@ -155,6 +155,8 @@ class ComputeTimer:
         if (clock == "wall" or dilation > 1.0) and not self.cuda:
             _register(self)
         self._seconds = 0.0
+        self._fixed = 0.0  # of which in regions started with fixed=True
+        self._in_fixed = False
         self._overslept = 0.0  # seconds the last sleeps ran past what they were asked for
         self._events = []
         self._t0 = None
@@ -178,14 +180,23 @@ class ComputeTimer:
                 "real contention (scripts/noisy_neighbor.py)"
             )
         self.factor = factor
-        self._seconds, self._events = 0.0, []
+        self._seconds, self._fixed, self._events = 0.0, 0.0, []
 
     def read(self) -> float:
+        """Seconds of compute since `reset()`."""
         if self._events:
             torch.cuda.synchronize()
-            self._seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            for a, b, fixed in self._events:
+                seconds = a.elapsed_time(b) / 1e3
+                self._seconds += seconds
+                self._fixed += seconds if fixed else 0.0
             self._events = []
         return self._seconds
+
+    def read_fixed(self) -> float:
+        """Of `read()`, the seconds in regions started with `fixed=True`."""
+        self.read()
+        return self._fixed
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -204,7 +215,10 @@ class ComputeTimer:
 
     # ---- marks ------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, fixed: bool = False) -> None:
+        """Open a region; `fixed`: its time does not scale with the rank's units (the optimizer
+        step, whose cost on these models is per tensor far more than per element)."""
+        self._in_fixed = fixed
         if self.cuda:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
@@ -217,7 +231,7 @@ class ComputeTimer:
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._events.append((self._t0, end))
+            self._events.append((self._t0, end, self._in_fixed))
         else:
             wall = time.perf_counter() - self._w0 - self._paused
             elapsed = wall if self.clock == "wall" else self._now() - self._t0
@@ -228,6 +242,7 @@ class ComputeTimer:
             elif self.factor > 1.0:
                 self._sleep((self.factor - 1.0) * elapsed)
             self._seconds += seconds
+            self._fixed += seconds if self._in_fixed else 0.0
         self._t0 = None
 
     def _sleep(self, seconds: float) -> None:

@@ -42,8 +42,9 @@ def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, stea
     decisions = [r for r in records if r["kind"] == "decision"]
     assert len(decisions) == 1, decisions
     first = decisions[0]
-    # the straggle starts at 20; reports come every 5 steps: acted on within interval + 2
-    assert first["action"] == "migrate" and 20 < first["iteration"] <= 27
+    # the straggle starts at step 20; detection runs every step, on the median of 3 steps:
+    # acted on at the boundary after the second slow step, so step 22 runs on the new plan
+    assert first["action"] == "migrate" and first["iteration"] == 21
     assert first["slowdown"][1] > 1.5 and first["predicted_after_s"] < first["predicted_before_s"]
     plan = PartitionPlan.from_json(first["plan"])
     assert plan.counts(0, "mlp")[1] < plan.counts(0, "mlp")[0]
@@ -61,9 +62,24 @@ def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, stea
     want = steady[0][0]["losses"]
     for i, loss in ranks[0]["losses"].items():
         assert loss == pytest.approx(want[i], rel=1e-5), i
-    # the timing reports saw rank 1 slow after the onset only
+    # the timing reports saw rank 1 slow after the onset only; the report interval starts over
+    # at the decision (a report's steps share one split)
     timing = {r["iteration"]: r["slowdown"] for r in records if r["kind"] == "timing"}
-    assert max(timing[i][1] for i in (5, 10, 15)) < 1.3 and timing[25][1] > 1.5
+    assert sorted(timing)[:6] == [5, 10, 15, 20, 21, 26]
+    assert max(timing[i][1] for i in (5, 10, 15, 20)) < 1.3 and timing[21][1] > 1.5
+
+
+@pytest.mark.parametrize("policy", ["migrate", "resize"])
+def test_a_straggle_that_ends_is_undone_at_the_second_normal_step(tmp_path, steady, policy):
+    burst = ["--het-tp-emulate", "persistent:rank=1,factor=3,start=12,stop=24"]
+    ranks, records = _run(tmp_path, policy, ["--het-tp-policy", policy, *burst])
+    actions = [(r["iteration"], r["action"]) for r in records if r["kind"] == "decision"]
+    back = "migrate" if policy == "migrate" else "restore"
+    assert actions == [(13, policy), (25, back)], actions
+    # back on the even plan, unresized, from step 26 on
+    plan, shares = ranks[0]["seen"][26]
+    assert plan == ranks[0]["seen"][1][0] == steady[0][0]["seen"][26][0] and not any(shares or ())
+    assert ranks[0]["seen"] == ranks[1]["seen"]
 
 
 def test_a_steady_cluster_sees_no_decision(steady):
@@ -75,7 +91,7 @@ def test_a_steady_cluster_sees_no_decision(steady):
 def test_hybrid_resizes_at_once_then_migrates(tmp_path):
     ranks, records = _run(tmp_path, "hybrid", ["--het-tp-policy", "hybrid", *STRAGGLER])
     actions = [(r["iteration"], r["action"]) for r in records if r["kind"] == "decision"]
-    assert actions and actions[0][1] == "hybrid-resize" and 20 < actions[0][0] <= 27
+    assert actions and actions[0] == (21, "hybrid-resize")
     assert ranks[1]["seen"][actions[0][0]][1][1] > 0  # rank 1 resized from that step
     assert "hybrid-migrate" in [a for _, a in actions]
     migrated = next(i for i, a in actions if a == "hybrid-migrate")

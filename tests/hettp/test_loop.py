@@ -122,21 +122,35 @@ def test_state_dict_resumes_the_same_decisions():
     assert [d.action for d in rest_of_run(_loop("hybrid"))] != [d.action for d in after]
 
 
-def test_only_the_deciding_rank_plans_and_every_rank_learns_the_same_fit():
+def test_every_rank_detects_alike_only_the_deciding_rank_plans_and_all_learn_the_same_fit():
     plan, shares = PartitionPlan.even(2, 2, 4, 64), (0.0, 0.0)
     decider, other = _loop("migrate"), _loop("migrate")
     for n, factors in enumerate([[1, 1], [1, 1.4], [1, 1.4], [1, 1]], 1):
         report = _report(4 * n, plan, shares, factors)
-        sent = decider.observe(report, plan, shares, decide=True)
-        mine = other.observe(report, plan, shares, decide=False)
-        assert mine.detection is None and mine.decision is None
+        detected, seen = decider.detect(report), other.detect(report)
+        assert seen == detected  # the same timings: the same detection, nothing sent
+        sent = decider.observe(report, detected, plan, shares, decide=True)
+        mine = other.observe(report, seen, plan, shares, decide=False)
+        assert mine.decision is None and mine.model is None
         assert mine.factors == pytest.approx(sent.factors)
-        # the deciding rank sends its verdict (detection, decision); both learn from it
+        # the deciding rank sends its decision; both learn from the same verdict
         decider.learn(report, sent)
-        other.learn(report, Verdict(mine.factors, sent.detection, mine.model, sent.decision))
+        other.learn(report, Verdict(mine.factors, seen, mine.model, sent.decision))
         assert other.fit.state_dict() == decider.fit.state_dict()
-    # rank 1, slow at 1.4x in reports 2 and 3, was left out of the fit there
-    assert len(decider.fit.state_dict()["per_unit"]) == 2 + 1 + 1 + 2
+    # every rank's point counts, at the fastest rank's speed: rank 1's 1.4x reports too
+    points = decider.fit.state_dict()["points"]
+    assert len(points) == 8 and all(c == pytest.approx(points[0][1]) for _, c, _ in points)
+
+
+def test_median_report_of_steps():
+    steps = [
+        TimingReport(1, (1.0, 2.0), (4.0, 4.0), 3.0),
+        TimingReport(2, (1.2, 9.0), (4.0, 4.0), 9.5),
+        TimingReport(3, (0.8, 2.2), (4.0, 4.0), 3.1),
+    ]
+    assert TimingReport.median(steps) == TimingReport(3, (1.0, 2.2), (4.0, 4.0), 3.1)
+    with pytest.raises(ValueError, match="at least one step"):
+        TimingReport.median([])
 
 
 def test_migration_cost_uses_the_exact_unit_bytes():

@@ -68,15 +68,34 @@ def test_short_burst_below_patience_is_ignored_and_drift_replans():
 
 def test_single_noisy_report_waits_for_patience_a_large_slowdown_does_not():
     # seen on 2 CPU cores with the CPU-time timer: a steady cluster's report reaching 1.44x once
-    results = _run(StragglerDetector(2, window=1), [[1, 1.05], [1, 1.44], [1, 1.1], [1, 1.0]])
+    results = _run(
+        StragglerDetector(2, patience=2, window=1), [[1, 1.05], [1, 1.44], [1, 1.1], [1, 1.0]]
+    )
     assert not any(r.changed for r in results)
-    results = _run(StragglerDetector(2, window=1), [[1, 1.05], [1, 2.0], [1, 2.1]])
+    results = _run(StragglerDetector(2, patience=2, window=1), [[1, 1.05], [1, 2.0], [1, 2.1]])
     assert [sorted(r.onsets) for r in results] == [[], [1], []]  # a 2x straggler: at once
-    results = _run(StragglerDetector(2, window=1), [[1, 1.0], [1, 1.4], [1, 1.45], [1, 1.4]])
+    results = _run(
+        StragglerDetector(2, patience=2, window=1), [[1, 1.0], [1, 1.4], [1, 1.45], [1, 1.4]]
+    )
     assert [sorted(r.onsets) for r in results] == [[], [], [1], []]  # 1.4x: the second report
     # ends always wait for patience: one quiet report inside a straggle changes nothing
-    results = _run(StragglerDetector(2, window=1), [[1, 2], [1, 1.1], [1, 2], [1, 1.1], [1, 1]])
+    results = _run(
+        StragglerDetector(2, patience=2, window=1), [[1, 2], [1, 1.1], [1, 2], [1, 1.1], [1, 1]]
+    )
     assert [sorted(r.ends) for r in results] == [[], [], [], [], [1]]
+
+
+def test_default_detector_acts_on_the_second_slow_or_normal_step_never_on_one():
+    detector = StragglerDetector(2)  # median of 3 steps, patience 1
+    # the first steps (warm-up) cannot flip the state before the window is full
+    assert not any(r.changed for r in _run(detector, [[1, 3], [1, 3]]))
+    detector = StragglerDetector(2)
+    trace = [[1, 1]] * 4 + [[1, 1.5]] + [[1, 1]] * 3 + [[1, 2.5]] * 6 + [[1, 1.0]] * 3
+    results = _run(detector, trace)
+    # one noisy step (index 4) is ignored; the straggle from step 8 is acted on at step 9, and
+    # its end (first normal step 14) at step 15
+    assert [i for i, r in enumerate(results) if r.changed] == [9, 15]
+    assert results[9].onsets == {1} and results[15].ends == {1}
 
 
 def test_detector_rejects_bad_input():
@@ -100,7 +119,7 @@ def test_replicas_plan_for_the_slowest():
     # both replicas feed the same combined report, so every decision is the same on both
     decisions = []
     for _ in range(2):
-        loop = ControlLoop(Planner("migrate", UNIT_WORK), StragglerDetector(4, patience=1))
+        loop = ControlLoop(Planner("migrate", UNIT_WORK), StragglerDetector(4, window=1))
         decisions.append(loop.report(merged, plan, (0,) * 4).decision)
     assert decisions[0] == decisions[1] and decisions[0].plan != plan
 
@@ -335,25 +354,59 @@ def test_compute_fit_keeps_factors_honest_after_the_split_changes():
     # even split, rank 1 2x slow: before any history, per unit against this report's fastest
     works, computes = [0.5, 0.5], [15.0, 30.0]
     assert fit.factors(works, computes) == pytest.approx([1.0, 2.0])
-    fit.add(works, computes, slow={1})
+    fit.add(works, computes, [1.0, 2.0])
     # after a migration (0.7 / 0.3) at the same speeds: rank 1 still reads 2x, and rank 0,
     # now with more work, is not taken for slow
     assert fit.factors([0.7, 0.3], [21.0, 18.0]) == pytest.approx([1.0, 2.0])
-    fit.add([0.7, 0.3], [21.0, 18.0], slow={1})
+    fit.add([0.7, 0.3], [21.0, 18.0], [1.0, 2.0])
     # rank 1 recovered: 1x at its smaller share
     assert fit.factors([0.7, 0.3], [21.0, 9.0]) == pytest.approx([1.0, 1.0])
-    assert fit.per_unit() == pytest.approx(30.0)  # the slow rank's reports were left out
-    # a report 7% fast at the larger share: a line through the points would find a per-call
-    # cost (3.75 + 22.5 x work) and read the 2x rank at 0.3 as 1.7x; per unit it stays ~2x
-    fit.add([0.7, 0.3], [19.5, 18.0], slow={1})
+    # every rank's point counts at the fastest rank's speed: 2x rank 1's at half its compute
+    assert fit.per_unit() == pytest.approx(30.0)
+    # a report 7% fast at the larger share: three pairs of works are too few for a line (one
+    # would find a per-call cost and read the 2x rank at 0.3 as 1.7x)
+    fit.add([0.7, 0.3], [19.5, 18.0], [1.0, 18.0 / 0.3 / (19.5 / 0.7)])
+    assert fit.line().fixed == 0.0
     assert 1.9 <= fit.factors([0.7, 0.3], [21.0, 18.0])[1] <= 2.1
+
+
+def test_compute_fit_finds_the_per_call_cost_once_works_differ():
+    """compute = 2 + 10 x work at full speed; the optimizer's timed 1.5 s stands in for the 2
+    until the works differ enough for a line. A 2x rank's points count at half its compute, so
+    the fit knows the cost of few units from the straggler that has them."""
+    rng = random.Random(0)
+    fit = ComputeFit()
+    truth = lambda w: 2.0 + 10.0 * w  # noqa: E731
+    for _ in range(3):  # the even split: no line, the timed fixed part as the intercept
+        fit.add([0.5, 0.5], [truth(0.5) * rng.uniform(0.97, 1.03)] * 2, [1, 1], [1.5, 1.5])
+    assert fit.line().fixed == pytest.approx(1.5)
+    for _ in range(3):  # after a move: rank 0 at 0.8, rank 1 (2x slow) at 0.2
+        fit.add(
+            [0.8, 0.2],
+            [truth(0.8) * rng.uniform(0.97, 1.03), 2 * truth(0.2) * rng.uniform(0.97, 1.03)],
+            [1.0, 2.0],
+        )
+    line = fit.line()
+    assert line.fixed == pytest.approx(2.0, rel=0.2) and line.per_unit == pytest.approx(10, rel=0.1)
+    # the 2x rank reads 2x at its small share, and 1x once it recovers; at the even split's
+    # 14 per unit and no per-call cost, it would read 2.9x, and 1.43x recovered (still slow)
+    factors = fit.factors([0.8, 0.2], [truth(0.8), 2 * truth(0.2)])
+    assert factors == [pytest.approx(1.0, abs=0.05), pytest.approx(2.0, rel=0.07)]
+    assert fit.factors([0.8, 0.2], [truth(0.8), truth(0.2)])[1] == pytest.approx(1.0, abs=0.07)
+    # one wild report does not move the line
+    fit.add([0.8, 0.5], [truth(0.8) * 0.7, truth(0.5) * 1.4], [1.0, 1.0])
+    assert fit.line().per_unit == pytest.approx(line.per_unit, rel=0.1)
+    # the state round-trips
+    again = ComputeFit()
+    again.load_state_dict(fit.state_dict())
+    assert again.line() == fit.line()
 
 
 def test_compute_fit_is_not_moved_by_one_noisy_report():
     fit = ComputeFit()
     for _ in range(4):
-        fit.add([0.5, 0.5], [15.0, 15.0], slow=set())
-    fit.add([0.5, 0.5], [22.5, 21.0], slow=set())  # a hiccup: both 1.4-1.5x for one report
+        fit.add([0.5, 0.5], [15.0, 15.0], [1.0, 1.0])
+    fit.add([0.5, 0.5], [22.5, 21.0], [1.07, 1.0])  # a hiccup: both 1.4-1.5x for one report
     assert fit.per_unit() == pytest.approx(30.0)
     assert fit.factors([0.6, 0.4], [18.0, 24.0]) == pytest.approx([1.0, 2.0])
     assert fit.factors([1.0, 0.0], [30.0, 0.0]) == [pytest.approx(1.0), None]  # no work, no factor

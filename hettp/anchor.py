@@ -1,0 +1,91 @@
+"""Each rank's slowdown carried across a change of the work split, without a cost model. Between
+two changes a rank's work stays the same, so how its compute time moves from step to step is its
+speed moving, whatever compute costs per unit; and a change, applied between two steps, does not
+change any rank's speed. So after each change the first `window` steps anchor every rank: its
+slowdown there is the one it had just before, and each later step scales that by its compute
+over the anchor's. A straggle that starts or ends inside the anchor window would spoil a median
+over it, so a rank's anchor is the median of the window's steps that stay within `band` of its
+first, the step nearest the change. A model of compute against work (hettp/costfit.py) is then
+needed only where ranks with different works are compared before any change, and to plan: read
+through a model, a rank left with few units and per-call overheads that do not shrink with them
+looks slow after it has recovered, or fast while it is slow.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+Factors = tuple[float | None, ...]
+
+
+class SlowdownAnchor:
+    def __init__(self, tp_size: int, window: int, band: float = 1.3):
+        if window < 1 or band <= 1.0:
+            raise ValueError(f"need window >= 1 and band > 1, got {window} and {band}")
+        self.tp_size, self.window, self.band = tp_size, window, band
+        self._before: Factors | None = None  # slowdowns when the split last changed
+        self._base: Factors | None = None  # the anchor window's median compute per rank
+        self._pending: list[tuple[float, ...]] = []  # steps since the change, until anchored
+
+    @property
+    def active(self) -> bool:
+        """A change has happened: slowdowns come from the anchor (or wait for it)."""
+        return self._before is not None
+
+    @property
+    def anchored(self) -> bool:
+        return self._base is not None
+
+    def clear(self) -> None:
+        """Back to no anchor (the ranks' works are equal again: their ratios need no model, and
+        errors carried from anchor to anchor end here)."""
+        self._before, self._base, self._pending = None, None, []
+
+    def rebase(self, slowdown: Sequence[float | None]) -> None:
+        """The split changed after a step whose slowdowns were `slowdown`."""
+        if len(slowdown) != self.tp_size:
+            raise ValueError(f"{len(slowdown)} slowdowns for a TP group of {self.tp_size}")
+        self._before, self._base, self._pending = tuple(slowdown), None, []
+
+    def step(self, compute: Sequence[float]) -> list[Factors]:
+        """One step's compute per rank; returns the slowdowns of the steps now known: none
+        while the anchor window fills, all of its steps when it completes, then one a step."""
+        if not self.active:
+            raise RuntimeError("no change of the split to anchor to: use the cost model")
+        if self.anchored:
+            return [self.factors(compute)]
+        self._pending.append(tuple(compute))
+        if len(self._pending) < self.window:
+            return []
+        self._base = tuple(self._anchor(r) for r in range(self.tp_size))
+        steps, self._pending = self._pending, []
+        return [self.factors(c) for c in steps]
+
+    def _anchor(self, rank: int) -> float:
+        first = self._pending[0][rank]
+        same = [
+            step[rank]
+            for step in self._pending
+            if first > 0 and max(step[rank], first) < self.band * min(step[rank], first)
+        ]
+        return statistics.median(same) if same else first
+
+    def factors(self, compute: Sequence[float]) -> Factors:
+        """Slowdowns for per-rank `compute` measured at the anchored split."""
+        return tuple(
+            None if b is None or base <= 0 else b * c / base
+            for b, base, c in zip(self._before, self._base, compute)
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "before": None if self._before is None else list(self._before),
+            "base": None if self._base is None else list(self._base),
+            "pending": [list(step) for step in self._pending],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._before = None if state["before"] is None else tuple(state["before"])
+        self._base = None if state["base"] is None else tuple(state["base"])
+        self._pending = [tuple(step) for step in state["pending"]]
