@@ -19,6 +19,12 @@ from collections.abc import Sequence
 Factors = tuple[float | None, ...]
 
 
+def _relative(factors: Factors) -> Factors:
+    known = [f for f in factors if f is not None and f > 0]
+    fastest = min(known) if known else 1.0
+    return tuple(None if f is None else f / fastest for f in factors)
+
+
 class SlowdownAnchor:
     def __init__(self, tp_size: int, window: int, band: float = 1.3):
         if window < 1 or band <= 1.0:
@@ -27,6 +33,7 @@ class SlowdownAnchor:
         self._before: Factors | None = None  # slowdowns when the split last changed
         self._base: Factors | None = None  # the anchor window's median compute per rank
         self._pending: list[tuple[float, ...]] = []  # steps since the change, until anchored
+        self._modelled: list[Factors] = []  # the cost model's slowdowns of those steps
 
     @property
     def active(self) -> bool:
@@ -41,35 +48,59 @@ class SlowdownAnchor:
         """Back to no anchor (the ranks' works are equal again: their ratios need no model, and
         errors carried from anchor to anchor end here)."""
         self._before, self._base, self._pending = None, None, []
+        self._modelled = []
 
     def rebase(self, slowdown: Sequence[float | None]) -> None:
         """The split changed after a step whose slowdowns were `slowdown`."""
         if len(slowdown) != self.tp_size:
             raise ValueError(f"{len(slowdown)} slowdowns for a TP group of {self.tp_size}")
         self._before, self._base, self._pending = tuple(slowdown), None, []
+        self._modelled = []
 
-    def step(self, compute: Sequence[float]) -> list[Factors]:
-        """One step's compute per rank; returns the slowdowns of the steps now known: none
-        while the anchor window fills, all of its steps when it completes, then one a step."""
+    def step(self, compute: Sequence[float], modelled: Factors | None = None) -> list[Factors]:
+        """One step's compute per rank (and where a fitted cost model exists, the slowdowns
+        it reads); returns the slowdowns of the steps now known: none while the anchor window
+        fills, all of its steps when it completes, then one a step."""
         if not self.active:
             raise RuntimeError("no change of the split to anchor to: use the cost model")
         if self.anchored:
             return [self.factors(compute)]
         self._pending.append(tuple(compute))
+        if modelled is not None:
+            self._modelled.append(_relative(modelled))
         if len(self._pending) < self.window:
             return []
         self._base = tuple(self._anchor(r) for r in range(self.tp_size))
-        steps, self._pending = self._pending, []
+        if len(self._modelled) == len(self._pending):
+            self._overrule()
+        steps, self._pending, self._modelled = self._pending, [], []
         return [self.factors(c) for c in steps]
 
-    def _anchor(self, rank: int) -> float:
+    def _overrule(self) -> None:
+        """Where the fitted model and continuity disagree by more than `band` at the anchor, a
+        speed changed at the change itself: take the model's slowdown there."""
+        before = list(self._before)
+        for r, b in enumerate(before):
+            seen = [self._modelled[i][r] for i in self._same(r) if self._modelled[i][r]]
+            if b is None or not seen:
+                continue
+            model = statistics.median(seen)
+            if max(model, b) > self.band * min(model, b):
+                before[r] = model
+        self._before = tuple(before)
+
+    def _same(self, rank: int) -> list[int]:
+        """The anchor window's steps within `band` of its first, for `rank`."""
         first = self._pending[0][rank]
-        same = [
-            step[rank]
-            for step in self._pending
+        return [
+            i
+            for i, step in enumerate(self._pending)
             if first > 0 and max(step[rank], first) < self.band * min(step[rank], first)
         ]
-        return statistics.median(same) if same else first
+
+    def _anchor(self, rank: int) -> float:
+        same = self._same(rank)
+        return statistics.median(self._pending[i][rank] for i in same) if same else 0.0
 
     def factors(self, compute: Sequence[float]) -> Factors:
         """Slowdowns for per-rank `compute` measured at the anchored split."""
@@ -83,9 +114,11 @@ class SlowdownAnchor:
             "before": None if self._before is None else list(self._before),
             "base": None if self._base is None else list(self._base),
             "pending": [list(step) for step in self._pending],
+            "modelled": [list(row) for row in self._modelled],
         }
 
     def load_state_dict(self, state: dict) -> None:
         self._before = None if state["before"] is None else tuple(state["before"])
         self._base = None if state["base"] is None else tuple(state["base"])
         self._pending = [tuple(step) for step in state["pending"]]
+        self._modelled = [tuple(row) for row in state.get("modelled", ())]

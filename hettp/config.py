@@ -74,10 +74,15 @@ class HetTPConfig:
     """... and stops once it is back at or below this (hysteresis)."""
 
     onset_at_once: float = 1.6
-    """... or at the first step whose smoothed slowdown reaches this (>= --het-tp-onset)."""
+    """... at once when its smoothed slowdown reaches this (>= --het-tp-onset), else after
+    --het-tp-patience steps."""
 
-    patience: int = 1
-    """Consecutive steps beyond a threshold, after smoothing, before the state changes."""
+    patience: int = 3
+    """Consecutive smoothed steps at or above --het-tp-onset (and below --het-tp-onset-at-once)
+    before a rank straggles."""
+
+    end_patience: int = 1
+    """Consecutive smoothed steps at or below --het-tp-end before a straggle ends."""
 
     window: int = 3
     """Steps whose median smooths each rank's timing; a rank's state changes only on a full
@@ -238,7 +243,7 @@ class HetTPConfig:
         het_tp = bool(
             self.het_tp or self.plan is not None or self.resize is not None or p.layers == "het"
         )
-        for name in ("interval", "patience", "window"):
+        for name in ("interval", "patience", "end_patience", "window"):
             _require(
                 getattr(self, name) > 0,
                 f"{self.flag(name)} must be positive, got {getattr(self, name)}",

@@ -81,6 +81,11 @@ class ComputeFit:
         self._line = line
         return line
 
+    @property
+    def fitted(self) -> bool:
+        """The points span works far enough apart for a line (else a prior stands in)."""
+        return bool(self._points) and theil_sen([(w, c) for w, c, _ in self._points]) is not None
+
     def per_unit(self, works=(), computes=(), fixed=None) -> float:
         return self.line(works, computes, fixed).per_unit
 
@@ -94,10 +99,11 @@ class ComputeFit:
         fixed: Sequence[float] | None = None,
     ) -> list[float | None]:
         """Per rank, measured compute over an unslowed rank's at the same work (None for a
-        rank without work)."""
+        rank without work, unless a fixed part gives it compute to compare)."""
         line = self.line(works, computes, fixed)
         return [
-            c / (line.fixed + line.per_unit * w) if w > 0 else None for w, c in zip(works, computes)
+            c / (line.fixed + line.per_unit * w) if w > 0 or line.fixed > 0 else None
+            for w, c in zip(works, computes)
         ]
 
     def add(

@@ -5,11 +5,13 @@ never wall time: collectives make every rank wait for the slowest, so wall times
 Output: each rank's slowdown against the fastest rank, smoothed as the median of the last
 `window` steps, and which ranks are straggling. A rank starts straggling after its smoothed
 slowdown stays at or above `onset` for `patience` steps, or at once when it reaches `at_once`,
-and stops after it stays at or below `end` for `patience` steps; `changed` asks the planner to
-act. A rank's state changes only once its window is full, so the median of 3 needs two slow
-(or two normal) steps in a row: a step boundary after the second, the planner acts, which is
-fast enough to follow a straggle that starts or ends mid-run, while one noisy step on a shared
-machine never flips the state (figures: results/notes.md).
+and stops after it stays at or below `end` for `end_patience` steps; `changed` asks the planner
+to act. A rank's state changes only once its window is full, so the median of 3 needs two slow
+(or two normal) steps in a row: a step boundary after the second, the planner acts on a large
+slowdown and on an end, which is fast enough to follow a straggle that starts or ends mid-run,
+while one noisy step never flips the state. A mild slowdown (below `at_once`) must last
+`patience` smoothed steps: on a shared machine, ranks drift 20% apart for a few steps now and
+then (figures: results/notes.md).
 """
 
 from __future__ import annotations
@@ -41,19 +43,24 @@ class StragglerDetector:
         tp_size: int,
         onset: float = 1.3,
         end: float = 1.15,
-        patience: int = 1,
+        patience: int = 3,
         window: int = 3,
         replan: float = 0.5,
         at_once: float = 1.6,
+        end_patience: int = 1,
     ):
         if not 1.0 <= end < onset:
             raise DetectError(f"thresholds: need 1 <= end ({end}) < onset ({onset})")
         if not at_once >= onset:
             raise DetectError(f"thresholds: need at_once ({at_once}) >= onset ({onset})")
-        if patience < 1 or window < 1:
-            raise DetectError(f"patience ({patience}) and window ({window}) must be >= 1")
+        if min(patience, window, end_patience) < 1:
+            raise DetectError(
+                f"patience ({patience}), end patience ({end_patience}) and window ({window}) "
+                "must be >= 1"
+            )
         self.tp_size, self.onset, self.end, self.at_once = tp_size, onset, end, at_once
         self.patience, self.replan, self.window = patience, replan, window
+        self.end_patience = end_patience
         self._slowdown = (1.0,) * tp_size  # the last update's
         self._history = [deque(maxlen=window) for _ in range(tp_size)]
         self._above = [0] * tp_size
@@ -104,16 +111,17 @@ class StragglerDetector:
                 self._above[rank] >= self.patience or factor >= self.at_once
             ):
                 onsets.add(rank)
-            elif rank in self.stragglers and self._below[rank] >= self.patience:
+            elif rank in self.stragglers and self._below[rank] >= self.end_patience:
                 ends.add(rank)
         self.stragglers = (self.stragglers | onsets) - ends
-        # A straggler whose slowdown moved a lot (2x -> 4x) needs a new plan; one falling back
-        # into the hysteresis band waits for its end instead.
+        # A straggler whose slowdown moved a lot (2x -> 4x) and settled there needs a new plan;
+        # one falling back into the hysteresis band waits for its end instead.
         if self._rebased and all(len(h) in (0, h.maxlen) for h in self._history):
             self._rebased = False
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
         drifted = not self._rebased and any(
             slowdown[r] >= self.onset
+            and self._steady(r)
             and abs(math.log(slowdown[r] / self._planned_for.get(r, slowdown[r])))
             > math.log1p(self.replan)
             for r in self.stragglers
@@ -122,6 +130,12 @@ class StragglerDetector:
         if changed:
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
         return Detection(slowdown, self.stragglers, changed, frozenset(onsets), frozenset(ends))
+
+    def _steady(self, rank: int) -> bool:
+        """The rank's window agrees within the replan band: a slowdown on its way from one
+        level to another (a straggle ending over two steps) is not yet a new level."""
+        history = self._history[rank]
+        return bool(history) and max(history) <= (1 + self.replan) * min(history)
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to detect as this one would (plain data)."""

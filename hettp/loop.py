@@ -8,6 +8,7 @@ back; a simulator can drive the same object with simulated timings.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,18 @@ class TimingReport:
     work: tuple[float, ...]  # the rank's active work (unit-weighted) in those steps
     step: float  # wall seconds per step
     fixed: tuple[float, ...] | None = None  # of compute, the part no split changes (None: 0)
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> TimingReport:
+        """The inverse of dataclasses.asdict (lists back to tuples)."""
+        fixed = saved.get("fixed")
+        return cls(
+            saved["iteration"],
+            tuple(saved["compute"]),
+            tuple(saved["work"]),
+            saved["step"],
+            tuple(fixed) if fixed is not None else None,
+        )
 
     @classmethod
     def median(cls, steps: Sequence[TimingReport]) -> TimingReport:
@@ -98,13 +111,24 @@ def step_model(
     )
 
 
+@dataclass(frozen=True)
+class Due:
+    """The planner must run, on `report` with `detection`."""
+
+    report: TimingReport  # the interval's median step, or at a change, the steps that showed it
+    detection: Detection | None
+    closes_interval: bool  # the fit learns from the report, and the next interval begins
+
+
 class ControlLoop:
-    """The decisions of one TP group. Every rank `detect`s on every step from the same gathered
-    timings, so all reach the same detection without sending it, and know alike when the
-    planner must run; only the deciding rank plans (`observe` with `decide=True`) and sends the
-    decision. Every rank then `learn`s from a report with the same verdict, so the cost fit,
-    and the factors read from it, stay the same everywhere. `report` does all three in one
-    process (tests, a simulator)."""
+    """The decisions of one TP group. Every rank passes every step's gathered timings to `step`,
+    which detects; the same timings give the same detection everywhere, so every rank knows
+    alike, without a message, when the planner must run: where the detection changed, and at
+    the end of each report interval (`interval` steps). Then only the deciding rank plans
+    (`observe` with `decide=True`) and sends the decision, and every rank `close`s the step
+    with the same verdict, so the cost fit, and the factors read from it, stay the same
+    everywhere. `run_step` does it all in one process (tests, a simulator); `report` takes one
+    report as a step and plans on it."""
 
     def __init__(
         self,
@@ -112,11 +136,53 @@ class ControlLoop:
         detector: StragglerDetector,
         migration_cost: MigrationCost | None = None,
         fit: ComputeFit | None = None,
+        interval: int = 10,
     ):
+        if interval < 1:
+            raise ValueError(f"report interval must be >= 1, got {interval}")
         self.planner, self.detector = planner, detector
         self.migration_cost = migration_cost
         self.fit = fit or ComputeFit()
         self.anchor = SlowdownAnchor(detector.tp_size, detector.window, detector.onset)
+        self.interval = interval
+        self._steps: list[TimingReport] = []  # this report interval's steps
+        self._warm = False  # a step was seen since this loop was created
+
+    def step(self, step: TimingReport) -> Due | None:
+        """One step's timings (every rank): detect where a planner decides; returns what to
+        plan on where the planner must run."""
+        warm = self._warm
+        self._warm = True
+        # The first step after a start or resume (allocations, the optimizer's lazy state)
+        # is no evidence of speed.
+        detection = self.detect(step) if self.planner is not None and warm else None
+        self._steps.append(step)
+        closes = len(self._steps) >= self.interval
+        if not closes and not (detection is not None and detection.changed):
+            return None
+        steps = self._steps if closes else self._steps[-self.detector.window :]
+        return Due(TimingReport.median(steps), detection, closes)
+
+    def close(self, due: Due, verdict: Verdict) -> None:
+        """After `observe` and the deciding rank's decision: learn from an interval's report."""
+        if due.closes_interval:
+            self.learn(due.report, verdict)
+            self._steps = []
+
+    def run_step(
+        self,
+        step: TimingReport,
+        plan: PartitionPlan | None,
+        shares: Sequence[float],
+        unit_bytes: Mapping[str, int] | None = None,
+    ) -> Verdict | None:
+        """One process: `step`, and where due, `observe` as the deciding rank, then `close`."""
+        due = self.step(step)
+        if due is None:
+            return None
+        verdict = self.observe(due.report, due.detection, plan, shares, True, unit_bytes)
+        self.close(due, verdict)
+        return verdict
 
     def factors(self, report: TimingReport) -> tuple[float | None, ...]:
         """Per rank, how many times slower than at full speed: anchored once the split has
@@ -132,7 +198,10 @@ class ControlLoop:
         if self.anchor.active and len(set(step.work)) == 1:
             self.anchor.clear()  # an even split again: the ranks' ratios need no anchor
         if self.anchor.active:
-            rows = self.anchor.step(step.compute)
+            modelled = None
+            if self.fit.fitted:
+                modelled = tuple(self.fit.factors(step.work, step.compute, step.fixed))
+            rows = self.anchor.step(step.compute, modelled)
         else:
             rows = [tuple(self.fit.factors(step.work, step.compute, step.fixed))]
         if not rows:
@@ -162,7 +231,19 @@ class ControlLoop:
         deciding rank sent."""
         factors = self.factors(report)
         model = decision = None
-        if decide and self.planner is not None and detection is not None:
+        # Revisit the plan only on settled evidence: not between a change and its anchor (the
+        # factors are read through a cost model that may not know the new split's costs yet),
+        # and not while the report and the detector disagree on who is slow (a straggle is
+        # starting or ending; the detector will say so within its window).
+        settled = (self.anchor.anchored or not self.anchor.active) and (
+            detection is not None and self._agrees(factors, detection)
+        )
+        if (
+            decide
+            and self.planner is not None
+            and detection is not None
+            and (settled or detection.changed)
+        ):
             model = step_model(
                 report,
                 factors,
@@ -174,6 +255,21 @@ class ControlLoop:
                 self.migration_cost.unit_bytes = dict(unit_bytes)
             decision = self.planner.decide(report.iteration, detection, model, plan, tuple(shares))
         return Verdict(factors, detection, model, decision)
+
+    def _agrees(self, factors, detection: Detection) -> bool:
+        """The report's factors put every straggler above the detector's end threshold and
+        every other rank below its onset."""
+        known = [f for f in factors if f is not None]
+        fastest = min(known) if known else 1.0
+        for rank, f in enumerate(factors):
+            if f is None:
+                continue
+            slow = f / fastest
+            if rank in detection.stragglers and slow < self.detector.end:
+                return False
+            if rank not in detection.stragglers and slow >= self.detector.onset:
+                return False
+        return True
 
     def learn(self, report: TimingReport, verdict: Verdict) -> None:
         """Add the report's ranks to the fit, each at the compute it would take at the fastest
@@ -193,11 +289,18 @@ class ControlLoop:
         self.learn(report, verdict)
         return verdict
 
+    def migrated(self, migration_seconds: float, predicted_transfer: float) -> None:
+        """A migration was applied: it took `migration_seconds` in all, its transfer predicted
+        at `predicted_transfer` (the migration cost learns its factor)."""
+        if self.migration_cost is not None:
+            self.migration_cost.learn(predicted_transfer, migration_seconds)
+
     def applied(self) -> None:
         """A decision changed the work split: anchor the slowdowns there, and re-base the
         detector's reference."""
         self.anchor.rebase(self.detector.current().slowdown)
         self.detector.rebase()
+        self._steps = []  # a report's steps share one split
 
     def state_dict(self) -> dict:
         return {
@@ -205,6 +308,10 @@ class ControlLoop:
             "detector": self.detector.state_dict(),
             "planner": self.planner.state_dict() if self.planner is not None else None,
             "anchor": self.anchor.state_dict(),
+            "steps": [dataclasses.asdict(step) for step in self._steps],
+            "migration_cost": (
+                self.migration_cost.state_dict() if self.migration_cost is not None else None
+            ),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -212,6 +319,9 @@ class ControlLoop:
         self.detector.load_state_dict(state["detector"])
         if state.get("anchor") is not None:
             self.anchor.load_state_dict(state["anchor"])
+        self._steps = [TimingReport.from_dict(step) for step in state.get("steps", ())]
+        if self.migration_cost is not None and state.get("migration_cost") is not None:
+            self.migration_cost.load_state_dict(state["migration_cost"])
         if self.planner is not None and state["planner"] is not None:
             self.planner.load_state_dict(state["planner"])
 

@@ -16,6 +16,7 @@ the ffn size allows (mlp_chunk); resized ranks' active widths are not aligned.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +161,12 @@ class Decision:
         return self.action in ("migrate", "hybrid-migrate")
 
 
+# A move at a report, the straggle unchanged, must gain this much of the predicted step: the
+# model's noise between reports stays below it, a first move made before the model knew the
+# per-call cost does not.
+REBALANCE_GAIN = 0.06
+
+
 class Planner:
     """Decides for one TP group. `migration_seconds(old, new)` predicts a transfer's time."""
 
@@ -229,8 +236,19 @@ class Planner:
 
     def _migrate_rule(self, iteration, detection, model, plan, shares, before):
         if not detection.changed:
-            return None
+            return self._rebalance(plan, model, before, detection, "migrate", shares)
         return self._migrate(plan, model, before, detection, "migrate", shares)
+
+    def _rebalance(self, plan, model, before, detection, action, shares):
+        """At a report with the straggle unchanged: the plan the model balances now, where it
+        gains more than REBALANCE_GAIN. The model learns after a move (the cost of the units a
+        rank was left with, the per-call part), so the first move's split is corrected."""
+        decision = self._migrate(
+            plan, model, before, detection, action, shares, min_gain=REBALANCE_GAIN
+        )
+        if decision is None:
+            return None
+        return dataclasses.replace(decision, reason=f"rebalance: {decision.reason}")
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers
@@ -263,6 +281,8 @@ class Planner:
                         (0.0,) * plan.tp_size, plan, model, before, "restore", "no straggler left"
                     )
                 return decision
+        if self._onset is None and not any(shares):
+            return self._rebalance(plan, model, before, detection, "hybrid-migrate", shares)
         if not stragglers or self._onset is None:
             return None
         target = proportional_plan(plan, _speeds(model, plan, self.unit_work))
@@ -295,10 +315,11 @@ class Planner:
             details,
         )
 
-    def _migrate(self, plan, model, before, detection, action, shares, why=None):
+    def _migrate(self, plan, model, before, detection, action, shares, why=None, min_gain=None):
         target = proportional_plan(plan, _speeds(model, plan, self.unit_work))
         after = model.step_time(plan_work(target, self.unit_work))
-        if target == plan or before - after <= self.min_gain * before:
+        min_gain = self.min_gain if min_gain is None else min_gain
+        if target == plan or before - after <= min_gain * before:
             return None
         stragglers = detection.stragglers
         why = why or (

@@ -9,6 +9,8 @@ change requires.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -156,22 +158,45 @@ REBUILD_FACTOR = 2.0
 
 class MigrationCost:
     """Predicted seconds of a plan change: the cheapest primitive's transfer of the units that
-    move, times `rebuild_factor`. `unit_bytes` (block -> one unit's payload: weights, fp32
-    masters and optimizer moments) is set by whoever knows the model's tensors."""
+    move, times a factor for what comes on top (packing, committing, rebuilding DDP and the
+    optimizer): `rebuild_factor` until a migration was applied here, then the median ratio of
+    the applied ones' whole time to their predicted transfer, so the planner weighs moves at
+    what they cost on this machine and model. `unit_bytes` (block -> one unit's payload:
+    weights, fp32 masters and optimizer moments) is set by whoever knows the model's
+    tensors."""
 
     def __init__(
         self,
         cost_model: CostModel | None = None,
         unit_bytes: dict[str, int] | None = None,
         rebuild_factor: float = REBUILD_FACTOR,
+        history: int = 8,
     ):
         self.cost_model = cost_model or CostModel()
         self.unit_bytes = dict(unit_bytes or {})
         self.rebuild_factor = rebuild_factor
+        self._ratios = deque(maxlen=history)  # applied migrations: seconds / predicted
+
+    @property
+    def factor(self) -> float:
+        return statistics.median(self._ratios) if self._ratios else self.rebuild_factor
+
+    def learn(self, predicted_transfer: float, seconds: float) -> None:
+        """An applied migration took `seconds` in all, its transfer predicted at
+        `predicted_transfer`."""
+        if predicted_transfer > 0 and seconds > 0:
+            self._ratios.append(seconds / predicted_transfer)
 
     def seconds(self, old: PartitionPlan, new: PartitionPlan) -> float:
         schedule = plan_transfer(old, new, lambda block: self.unit_bytes[block])
         if not schedule.moves:
             return 0.0
         _, predictions = self.cost_model.choose(schedule)
-        return self.rebuild_factor * min(predictions.values())
+        return self.factor * min(predictions.values())
+
+    def state_dict(self) -> dict:
+        return {"ratios": list(self._ratios)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ratios.clear()
+        self._ratios.extend(state["ratios"])

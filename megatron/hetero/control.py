@@ -62,11 +62,11 @@ class Controller:
                 config.patience,
                 config.window,
                 at_once=config.onset_at_once,
+                end_patience=config.end_patience,
             ),
             migration_cost,
+            interval=config.interval,
         )
-        self.window = config.window
-        self._steps: list[TimingReport] = []  # this report interval's steps
         self._work = None  # (plan, shares, this rank's work) the last work() call was for
 
     def begin_step(self, iteration: int) -> None:
@@ -77,28 +77,23 @@ class Controller:
     def end_step(
         self, iteration: int, wall_seconds: float, work, plan, shares, unit_bytes
     ) -> tuple[TimingReport, Verdict] | None:
-        """After the step: gather its timings (a few floats per rank) and detect; when the
-        detection changed, or every interval, report and decide. `work()` is this TP group's
-        per-rank active work (called when the split changed) and `unit_bytes()` what one unit
-        carries (called only where a decision is taken). Returns the report and the verdict
-        every rank agrees on."""
+        """After the step: gather its timings (a few floats per rank) and pass them to the
+        loop, which detects; where the planner must run, TP rank 0 plans and sends the decision.
+        `work()` is this TP group's per-rank active work (called when the split changed) and
+        `unit_bytes()` what one unit carries (called only where a decision is taken). Returns
+        the report and the verdict every rank agrees on, where the planner ran."""
         if self._work is None or self._work[0] is not plan or self._work[1] != shares:
             self._work = (plan, tuple(shares), work()[self.tp_rank])
         step = self._gather(
             iteration, self.timer.read(), self.timer.read_fixed(), wall_seconds, self._work[2]
         )
-        self._steps.append(step)
-        detection = self.loop.detect(step) if self.decides else None
-        due = len(self._steps) >= self.interval
-        # Every rank saw the same timings, so every rank knows alike that the planner must run.
-        if not due and not (detection is not None and detection.changed):
+        due = self.loop.step(step)  # the same on every rank: the same timings went in
+        if due is None:
             return None
-        # At a change, plan on the steps that showed it; at a report, on the whole interval.
-        report = TimingReport.median(self._steps if due else self._steps[-self.window :])
         decide = self.tp_rank == 0
         verdict = self.loop.observe(
-            report,
-            detection,
+            due.report,
+            due.detection,
             plan,
             shares,
             decide,
@@ -109,39 +104,23 @@ class Controller:
             dist.broadcast_object_list(
                 box, src=dist.get_global_rank(self.group, 0), group=self.group
             )
-            verdict = Verdict(verdict.factors, detection, verdict.model, box[0])
-        if due:
-            self.loop.learn(report, verdict)
-            self._steps = []
-        return report, verdict
+            verdict = dataclasses.replace(verdict, decision=box[0])
+        self.loop.close(due, verdict)
+        return due.report, verdict
 
     def applied(self) -> None:
-        """The verdict's decision was applied everywhere: re-base the detector, and start the
-        report interval over, so that a report's steps share one work split."""
+        """The verdict's decision was applied everywhere: anchor the slowdowns and re-base
+        the detector; the report interval starts over."""
         self.loop.applied()
-        self._steps = []
 
     def close(self) -> None:
         self.timer.remove()
 
     def state_dict(self) -> dict:
-        return {
-            "loop": self.loop.state_dict(),
-            "steps": [dataclasses.asdict(step) for step in self._steps],
-        }
+        return {"loop": self.loop.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.loop.load_state_dict(state["loop"])
-        self._steps = [
-            TimingReport(
-                s["iteration"],
-                tuple(s["compute"]),
-                tuple(s["work"]),
-                s["step"],
-                tuple(s["fixed"]) if s.get("fixed") is not None else None,
-            )
-            for s in state.get("steps", ())  # a checkpoint from before per-step detection
-        ]
 
     def _gather(self, iteration, compute, fixed, wall, work) -> TimingReport:
         """This TP group's step; with data parallelism, the slowest replica's at each TP

@@ -22,6 +22,7 @@ read from hettp.policy.POLICIES through the validated config.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from hettp.config import HetTPConfig
 from hettp.exchange import Migration, TransferError
@@ -302,7 +303,12 @@ class HetTPRuntime:
             if decision.migrates:
                 if self.resizer is not None:
                     self.resizer.resize(self.state, decision.shares)  # the move replaces it
+                start = time.perf_counter()
                 migration = self.repartition(decision.plan, iteration)
+                if self.controller is not None and migration.predictions:
+                    self.controller.loop.migrated(
+                        time.perf_counter() - start, min(migration.predictions.values())
+                    )
             elif self.resizer is not None:
                 self.resizer.resize(self.state, decision.shares)
         except TransferError as err:  # every rank raises it; all keep their state

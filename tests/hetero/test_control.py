@@ -40,7 +40,9 @@ def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, stea
         tmp_path, "migrate", ["--het-tp-policy", "migrate", *STRAGGLER, "--het-tp-timer", clock]
     )
     decisions = [r for r in records if r["kind"] == "decision"]
-    assert len(decisions) == 1, decisions
+    # one move, and at most one correction once the model knows what the new split costs
+    assert 1 <= len(decisions) <= 2, decisions
+    assert all(r["reason"].startswith("rebalance") for r in decisions[1:]), decisions
     first = decisions[0]
     # the straggle starts at step 20; detection runs every step, on the median of 3 steps:
     # acted on at the boundary after the second slow step, so step 22 runs on the new plan
@@ -56,7 +58,7 @@ def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, stea
         for i in sorted(ranks[0]["seen"])
         if i > 1 and ranks[0]["seen"][i][0] != ranks[0]["seen"][i - 1][0]
     ]
-    assert changed == [first["iteration"]]
+    assert changed == [r["iteration"] for r in decisions]
     assert "het-TP decision at iteration" in ranks[0]["stdout"]
     # lossless: the loss sequence of the run without a straggler
     want = steady[0][0]["losses"]
@@ -71,14 +73,25 @@ def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, stea
 
 @pytest.mark.parametrize("policy", ["migrate", "resize"])
 def test_a_straggle_that_ends_is_undone_at_the_second_normal_step(tmp_path, steady, policy):
-    burst = ["--het-tp-emulate", "persistent:rank=1,factor=3,start=12,stop=24"]
+    burst = ["--het-tp-emulate", "persistent:rank=1,factor=3,start=12,stop=21"]
     ranks, records = _run(tmp_path, policy, ["--het-tp-policy", policy, *burst])
-    actions = [(r["iteration"], r["action"]) for r in records if r["kind"] == "decision"]
+    decisions = [r for r in records if r["kind"] == "decision"]
+    actions = [(r["iteration"], r["action"]) for r in decisions]
     back = "migrate" if policy == "migrate" else "restore"
-    assert actions == [(13, policy), (25, back)], actions
-    # back on the even plan, unresized, from step 26 on
-    plan, shares = ranks[0]["seen"][26]
-    assert plan == ranks[0]["seen"][1][0] == steady[0][0]["seen"][26][0] and not any(shares or ())
+    # slow in steps 12-20: acted on at 13 and undone at 22; in between, at most the report of
+    # step 18 corrects the first split (the model then knows what few units cost)
+    assert actions[0] == (13, policy) and actions[-1] == (22, back), actions
+    assert all(r["reason"].startswith("rebalance") for r in decisions[1:-1]), decisions
+    assert [i for i, _ in actions[1:-1]] in ([], [18])
+    # back on the even plan, unresized, from step 23 on
+    plan, shares = ranks[0]["seen"][23]
+    assert not any(shares or ())
+    even = PartitionPlan.from_json(steady[0][0]["seen"][23][0])
+    assert all(
+        PartitionPlan.from_json(plan).counts(i, b) == even.counts(i, b)
+        for i in range(even.num_layers)
+        for b in ("attn", "mlp")
+    )
     assert ranks[0]["seen"] == ranks[1]["seen"]
 
 

@@ -40,7 +40,9 @@ def test_steady_noisy_cluster_never_triggers_a_decision():
 
 
 def test_persistent_straggler_onset_and_end_with_hysteresis():
-    detector = StragglerDetector(2, onset=1.3, end=1.15, patience=2, window=3, at_once=math.inf)
+    detector = StragglerDetector(
+        2, onset=1.3, end=1.15, patience=2, window=3, at_once=math.inf, end_patience=2
+    )
     trace = [[1, 1]] * 5 + [[1, 2]] * 10 + [[1, 1]] * 10
     results = _run(detector, _trace(trace, noise=0.05, seed=1))
     onsets = [i for i, r in enumerate(results) if r.onsets]
@@ -78,24 +80,41 @@ def test_single_noisy_report_waits_for_patience_a_large_slowdown_does_not():
         StragglerDetector(2, patience=2, window=1), [[1, 1.0], [1, 1.4], [1, 1.45], [1, 1.4]]
     )
     assert [sorted(r.onsets) for r in results] == [[], [], [1], []]  # 1.4x: the second report
-    # ends always wait for patience: one quiet report inside a straggle changes nothing
+    # ends wait for their patience: one quiet report inside a straggle changes nothing
     results = _run(
-        StragglerDetector(2, patience=2, window=1), [[1, 2], [1, 1.1], [1, 2], [1, 1.1], [1, 1]]
+        StragglerDetector(2, patience=2, window=1, end_patience=2),
+        [[1, 2], [1, 1.1], [1, 2], [1, 1.1], [1, 1]],
     )
     assert [sorted(r.ends) for r in results] == [[], [], [], [], [1]]
 
 
 def test_default_detector_acts_on_the_second_slow_or_normal_step_never_on_one():
-    detector = StragglerDetector(2)  # median of 3 steps, patience 1
+    detector = StragglerDetector(2)  # median of 3 steps
     # the first steps (warm-up) cannot flip the state before the window is full
     assert not any(r.changed for r in _run(detector, [[1, 3], [1, 3]]))
     detector = StragglerDetector(2)
-    trace = [[1, 1]] * 4 + [[1, 1.5]] + [[1, 1]] * 3 + [[1, 2.5]] * 6 + [[1, 1.0]] * 3
+    trace = [[1, 1]] * 4 + [[1, 1.7]] + [[1, 1]] * 3 + [[1, 2.5]] * 6 + [[1, 1.0]] * 3
     results = _run(detector, trace)
     # one noisy step (index 4) is ignored; the straggle from step 8 is acted on at step 9, and
     # its end (first normal step 14) at step 15
     assert [i for i, r in enumerate(results) if r.changed] == [9, 15]
     assert results[9].onsets == {1} and results[15].ends == {1}
+    # a mild slowdown waits for three smoothed steps (three steps at 1.35x, from index 3 on,
+    # are acted on at index 6); ranks 35% apart for two steps are not a straggle
+    results = _run(StragglerDetector(2), [[1, 1]] * 3 + [[1, 1.35]] * 2 + [[1, 1]] * 3)
+    assert not any(r.changed for r in results)
+    results = _run(StragglerDetector(2), [[1, 1]] * 3 + [[1, 1.35]] * 8)
+    assert [i for i, r in enumerate(results) if r.onsets] == [6]
+
+
+def test_a_straggle_ending_over_two_steps_is_one_end_not_a_drift():
+    """The first normal step after a slow phase may still read 1.3x (a core clocked down while
+    its rank slept): the window 3.0, 1.34, 1.0 is on its way down, not at a new level."""
+    results = _run(StragglerDetector(2), [[1, 1]] * 2 + [[1, 3]] * 5 + [[1, 1.34]] + [[1, 1]] * 3)
+    assert [(i, sorted(r.onsets), sorted(r.ends)) for i, r in enumerate(results) if r.changed] == [
+        (3, [1], []),
+        (9, [], [1]),
+    ]
 
 
 def test_detector_rejects_bad_input():
