@@ -96,7 +96,8 @@ class HetTPConfig:
     emulate: str | None = _flag(None, metavar="SCENARIO")
     """Emulated stragglers (CPU): none, persistent:rank=R,factor=F[,start=I][,stop=I],
     transient:rank=R,factor=F,start=I,length=N,period=P, rotating:factor=F,period=P,
-    multi:factors=8/6/4/2."""
+    multi:factors=8/6/4/2; each takes mode=sharded (default: the work the rank's units carry
+    is slowed) or mode=device (all of its compute, as a slow GPU)."""
 
     emulate_dilation: float = _flag(1.0, metavar="D")
     """CPU runs with more ranks than cores: stretch every sharded GEMM to D x its CPU time (x
@@ -272,6 +273,13 @@ class HetTPConfig:
             1.0 <= self.emulate_dilation < math.inf,
             f"--het-tp-emulate-dilation must be a finite number >= 1, got {self.emulate_dilation}",
         )
+        if scenario is not None and scenario.mode == "device":
+            _require(
+                self.timer == "cpu" and self.emulate_dilation == 1.0,
+                f"--het-tp-emulate '{self.emulate}': mode=device slows each rank between its "
+                "collectives by its own CPU time; it needs --het-tp-timer cpu and no "
+                "--het-tp-emulate-dilation (a core per rank)",
+            )
         if self.emulate_dilation > 1.0:
             _require(
                 not cuda_available,

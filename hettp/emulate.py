@@ -6,8 +6,12 @@
     rotating:factor=2,period=50[,start=0]                       rank (i - start) // period % tp
     multi:factors=8/6/4/2[,start=0]                             ranks 0.. at those factors
 
-A slowed rank sleeps (factor - 1) x the compute it just did (megatron/hetero/timing.py), so its
-injected delay shrinks when its work does, as a slow GPU's would. Iterations count from 1.
+Any of them takes `mode=sharded` (the default) or `mode=device`. A slowed rank waits (factor - 1)
+x the compute it just did (megatron/hetero/timing.py), so its injected delay shrinks when its
+work does, as a slow GPU's would: in `sharded` mode after each region of the work its units
+carry (the sharded modules and the optimizer step: what het-TP can move), in `device` mode
+before each collective and at the end of the step, for all the compute since the last one (the
+embedding, norms and loss too, as a slow GPU is slow at everything). Iterations count from 1.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ class ScenarioError(ValueError):
 
 _KEYS = {
     "none": set(),
-    "persistent": {"rank", "factor", "start", "stop"},
-    "transient": {"rank", "factor", "start", "length", "period"},
-    "rotating": {"factor", "period", "start"},
-    "multi": {"factors", "start"},
+    "persistent": {"rank", "factor", "start", "stop", "mode"},
+    "transient": {"rank", "factor", "start", "length", "period", "mode"},
+    "rotating": {"factor", "period", "start", "mode"},
+    "multi": {"factors", "start", "mode"},
 }
+MODES = ("sharded", "device")
 _REQUIRED = {
     "none": set(),
     "persistent": {"rank", "factor"},
@@ -56,6 +61,13 @@ class Scenario:
                     f"{flag} '{text}': '{item}' is not one of "
                     f"{sorted(_KEYS[kind]) or 'nothing'} (key=value)"
                 )
+            if key == "mode":
+                if value not in MODES:
+                    raise ScenarioError(
+                        f"{flag} '{text}': mode '{value}' is not one of {', '.join(MODES)}"
+                    )
+                params[key] = value
+                continue
             try:
                 params[key] = (
                     tuple(float(v) for v in value.split("/"))
@@ -86,6 +98,11 @@ class Scenario:
         if kind == "transient" and params["length"] > params["period"]:
             raise ScenarioError(f"{flag} '{text}': length exceeds period")
         return cls(kind, tp_size, tuple(sorted(params.items())))
+
+    @property
+    def mode(self) -> str:
+        """What a slowed rank's slowdown covers: "sharded" or "device" (module docstring)."""
+        return dict(self.params).get("mode", "sharded")
 
     def factor(self, rank: int, iteration: int) -> float:
         """How many times slower TP rank `rank` computes at `iteration` (1.0: full speed)."""

@@ -30,17 +30,19 @@ class TimingReport:
     work: tuple[float, ...]  # the rank's active work (unit-weighted) in those steps
     step: float  # wall seconds per step
     fixed: tuple[float, ...] | None = None  # of compute, the part no split changes (None: 0)
+    busy: tuple[float, ...] | None = None  # all of the rank's compute in the step, if known
 
     @classmethod
     def from_dict(cls, saved: dict) -> TimingReport:
         """The inverse of dataclasses.asdict (lists back to tuples)."""
-        fixed = saved.get("fixed")
+        fixed, busy = saved.get("fixed"), saved.get("busy")
         return cls(
             saved["iteration"],
             tuple(saved["compute"]),
             tuple(saved["work"]),
             saved["step"],
             tuple(fixed) if fixed is not None else None,
+            tuple(busy) if busy is not None else None,
         )
 
     @classmethod
@@ -49,30 +51,40 @@ class TimingReport:
         a burst's tail) does not make a report slow."""
         if not steps:
             raise ValueError("a report needs at least one step")
-        fixed = None
-        if all(s.fixed is not None for s in steps):
-            fixed = tuple(statistics.median(v) for v in zip(*(s.fixed for s in steps)))
+
+        def per_rank(name):
+            rows = [getattr(s, name) for s in steps]
+            if any(row is None for row in rows):
+                return None
+            return tuple(statistics.median(v) for v in zip(*rows))
+
         return cls(
             steps[-1].iteration,
-            tuple(statistics.median(v) for v in zip(*(s.compute for s in steps))),
-            tuple(statistics.median(v) for v in zip(*(s.work for s in steps))),
+            per_rank("compute"),
+            per_rank("work"),
             statistics.median(s.step for s in steps),
-            fixed,
+            per_rank("fixed"),
+            per_rank("busy"),
         )
 
     @classmethod
     def slowest_replica(cls, reports: Sequence[TimingReport]) -> TimingReport:
         """Data-parallel replicas at one TP position all-reduce their gradients, so they share
         one plan; the slowest of them sets everyone's pace, so that is the one to plan for."""
-        fixed = None
-        if all(r.fixed is not None for r in reports):
-            fixed = tuple(max(values) for values in zip(*(r.fixed for r in reports)))
+
+        def per_rank(name):
+            rows = [getattr(r, name) for r in reports]
+            if any(row is None for row in rows):
+                return None
+            return tuple(max(values) for values in zip(*rows))
+
         return cls(
             reports[0].iteration,
-            tuple(max(values) for values in zip(*(r.compute for r in reports))),
-            tuple(max(values) for values in zip(*(r.work for r in reports))),
+            per_rank("compute"),
+            per_rank("work"),
             max(r.step for r in reports),
-            fixed,
+            per_rank("fixed"),
+            per_rank("busy"),
         )
 
 

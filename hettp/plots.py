@@ -31,6 +31,7 @@ def plot(
     runs: Sequence[Run],
     speeds: dict[str, list[tuple[float, ...]]],
     baseline: dict,
+    bounds: dict[str, dict],
     step_png: str,
     loss_png: str,
 ) -> None:
@@ -83,7 +84,13 @@ def plot(
                 ax.plot(
                     its,
                     [
-                        1e3 * ideal_step(baseline["t_fast_s"], baseline["c_s"], s)
+                        1e3
+                        * ideal_step(
+                            baseline["t_fast_s"],
+                            bounds[scenario]["slowed_s"],
+                            s,
+                            bounds[scenario]["movable_s"],
+                        )
                         for s in speeds[scenario]
                     ],
                     "k--",

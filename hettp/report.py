@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from .planner import StepModel
 from .policy import VANILLA
 
 # Plain megatron-core, launched with no het-TP flag beyond the scenario's emulation: the speed
@@ -36,6 +37,8 @@ class Run:
     step_s: dict[int, float] = field(default_factory=dict)
     loss: dict[int, float] = field(default_factory=dict)
     compute: list[tuple[int, list[float]]] = field(default_factory=list)  # (iteration, per rank)
+    busy: list[tuple[int, list[float]]] = field(default_factory=list)  # all compute, per rank
+    fixed: list[tuple[int, list[float]]] = field(default_factory=list)  # of compute, unmovable
     decisions: list[dict] = field(default_factory=list)
     tokens_per_step: int = 0
 
@@ -51,6 +54,11 @@ class Run:
                 run.loss[r["iteration"]] = float(r["lm_loss"])
             elif kind == "timing":
                 run.compute.append((r["iteration"], [float(c) for c in r["compute_s"]]))
+                for name in ("busy", "fixed"):
+                    if r.get(f"{name}_s") is not None:
+                        getattr(run, name).append(
+                            (r["iteration"], [float(c) for c in r[f"{name}_s"]])
+                        )
             elif kind == "decision":
                 run.decisions.append(r)
             elif kind == "run":
@@ -73,11 +81,11 @@ class Run:
         times = [self.step_s[i] for i in self.window(varying)]
         return statistics.fmean(times) if varying else statistics.median(times)
 
-    def sharded_compute(self) -> list[float]:
-        """Per-rank sharded compute per step, median over the second half's reports."""
-        late = [c for it, c in self.compute if it > self.iterations // 2] or [
-            c for _, c in self.compute
-        ]
+    def sharded_compute(self, kind: str = "compute") -> list[float]:
+        """Per-rank compute per step in the timed regions (kind "compute"), of it the part no
+        split moves ("fixed"), or all of it ("busy"), median over the second half's reports."""
+        records = getattr(self, kind)
+        late = [c for it, c in records if it > self.iterations // 2] or [c for _, c in records]
         if not late:
             raise ValueError(
                 f"{self.path}: no timing records (is --het-tp-interval larger than the run?)"
@@ -89,8 +97,17 @@ class Run:
         return self.loss[self.iterations]
 
 
-def ideal_step(t_fast: float, c: float, speeds: Sequence[float]) -> float:
-    return (t_fast - c) + c * len(speeds) / sum(speeds)
+def ideal_step(
+    t_fast: float, slowed: float, speeds: Sequence[float], movable: float | None = None
+) -> float:
+    """The step with the units split in proportion to speed: `slowed` is a rank's compute per
+    step at full speed that its slowdown stretches, `movable` the part of it that moves with
+    its units (default: all); the rest of the step is unchanged."""
+    movable = slowed if movable is None else movable
+    model = StepModel(
+        t_fast - slowed, tuple(1.0 / s for s in speeds), movable, max(0.0, slowed - movable)
+    )
+    return model.step_time(model.balanced_work(len(speeds)))
 
 
 def measured_speeds(
@@ -137,11 +154,15 @@ def compare(
     factors: dict[str, list[tuple[float, ...]]],
     varying: dict[str, bool],
     real: set[str] = frozenset(),
+    device: set[str] = frozenset(),
 ) -> dict:
     """Rows per (scenario, policy) and the baseline. `factors[scenario]` holds the emulated
     slowdown per rank for iterations 1..n; scenarios in `real` get speeds measured from their
     timed vanilla runs instead. T_fast and every row's speedup, E and R are against the plain
-    vanilla runs (PLAIN) where the comparison has them."""
+    vanilla runs (PLAIN) where the comparison has them. Scenarios in `device` slow all of a
+    rank's compute (the emulation's device mode): their bound stretches all of it, where the
+    others' stretches the timed compute only; in both, the part of it no split moves (the
+    optimizer step) stays on each rank."""
     by_key: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
         by_key.setdefault((run.scenario, run.policy), []).append(run)
@@ -164,8 +185,20 @@ def compare(
         "c_over_t_fast": c / t_fast,
         "compute_per_rank_s": per_rank,
     }
+    movable = c
+    if all(r.fixed for r in timed_base):
+        fixed = [
+            statistics.median(v) for v in zip(*(r.sharded_compute("fixed") for r in timed_base))
+        ]
+        baseline["fixed_s"] = max(fixed)
+        movable = c - baseline["fixed_s"]
+    if device:  # a slow device is slow at all of its compute: the bound stretches that
+        if not all(r.busy for r in timed_base):
+            raise ValueError("device-mode scenarios need busy times from the timed vanilla runs")
+        busy = [statistics.median(v) for v in zip(*(r.sharded_compute("busy") for r in timed_base))]
+        baseline["busy_s"] = max(busy)
 
-    rows, all_speeds, speeds_from = [], {}, {}
+    rows, all_speeds, speeds_from, bounds = [], {}, {}, {}
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
     for scenario in scenarios:
         vanilla = baseline_of(scenario)
@@ -196,7 +229,9 @@ def compare(
         all_speeds[scenario] = speeds
         speeds_from[scenario] = "measured" if measured_from else "emulated"
         window = vanilla[0].window(vary)
-        ideal_per_it = [ideal_step(t_fast, c, speeds[i - 1]) for i in window]
+        slowed = baseline["busy_s"] if scenario in device else c
+        bounds[scenario] = {"slowed_s": slowed, "movable_s": movable}
+        ideal_per_it = [ideal_step(t_fast, slowed, speeds[i - 1], movable) for i in window]
         t_ideal = statistics.fmean(ideal_per_it)
         t_vanilla = statistics.median(r.step_time(vary) for r in vanilla)
         slowed = [i for i, s in enumerate(speeds, 1) if min(s) < 1.0]
@@ -247,7 +282,13 @@ def compare(
                     "runs": [r.path for r in group],
                 }
             )
-    return {"baseline": baseline, "rows": rows, "speeds": all_speeds, "speeds_from": speeds_from}
+    return {
+        "baseline": baseline,
+        "rows": rows,
+        "speeds": all_speeds,
+        "speeds_from": speeds_from,
+        "bounds": bounds,
+    }
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:

@@ -29,6 +29,11 @@ class ScenarioSpec:
     def real(self) -> bool:
         return self.neighbor_rank is not None
 
+    def device(self, tp_size: int) -> bool:
+        """Emulated in device mode: all of a slowed rank's compute is slowed."""
+        emulation = self.emulation(tp_size)
+        return emulation is not None and emulation.mode == "device"
+
     def emulation(self, tp_size: int) -> Scenario | None:
         return (
             Scenario.parse(self.emulate, tp_size, f"scenario '{self.name}'")
@@ -120,6 +125,11 @@ def builtin(tp_size: int, iterations: int) -> dict[str, ScenarioSpec]:
             "several",
             "multi:factors=2/1.5",
             about="ranks 0 and 1 slow at once, 2x and 1.5x",
+        ),
+        ScenarioSpec(
+            "device-3x",
+            "persistent:rank=1,factor=3,mode=device",
+            about="rank 1 3x slower at all of its compute, as a slow GPU (needs a core per rank)",
         ),
     ]
     return {s.name: s for s in specs}

@@ -346,6 +346,11 @@ def parse(argv):
             f"real-contention scenarios need a core per rank: {world} ranks, {len(_cores())} cores"
         )
     a.dilation = _dilation(p, a.dilation, world, len(_cores()))
+    if a.dilation > 1 and any(s.device(a.tp) for s in a.scenario_list):
+        p.error(
+            f"--dilation {a.dilation:g}: device-mode scenarios slow each rank by its own CPU "
+            "time between collectives and need a core per rank (--dilation 1)"
+        )
     if a.dilation > 1 and any(s.real for s in a.scenario_list):
         p.error(
             f"--dilation {a.dilation:g} stretches CPU time, which a busy neighbour does not "
@@ -447,7 +452,8 @@ def main(argv=None) -> int:
     dilation = provenance.get("dilation", a.dilation)  # how the runs ran, not this machine
     factors = {s.name: s.factors(a.tp, a.iters) for s in a.scenario_list}
     varying = {s.name: s.varying(a.tp, a.iters) for s in a.scenario_list}
-    result = compare(runs, factors, varying, {s.name for s in a.scenario_list if s.real})
+    device = {s.name for s in a.scenario_list if s.emulate and s.emulation(a.tp).mode == "device"}
+    result = compare(runs, factors, varying, {s.name for s in a.scenario_list if s.real}, device)
     machine = (
         f"{platform.node()}: {len(os.sched_getaffinity(0))} cores "
         f"({platform.processor() or platform.machine()}), Python "
@@ -519,6 +525,7 @@ def main(argv=None) -> int:
         runs,
         result["speeds"],
         result["baseline"],
+        result["bounds"],
         os.path.join(a.out, "step_time.png"),
         os.path.join(a.out, "loss.png"),
     )

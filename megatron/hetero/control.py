@@ -41,7 +41,8 @@ class Controller:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.scenario = config.scenario
-        self.timer = ComputeTimer(model, config.timer, config.emulate_dilation)
+        device = config.scenario is not None and config.scenario.mode == "device"
+        self.timer = ComputeTimer(model, config.timer, config.emulate_dilation, device)
         planner = None  # without a decision to take, the ranks are only timed
         migration_cost = MigrationCost(cost_model) if config.migrates else None
         if config.decides and unit_work is not None:
@@ -84,8 +85,11 @@ class Controller:
         the report and the verdict every rank agrees on, where the planner ran."""
         if self._work is None or self._work[0] is not plan or self._work[1] != shares:
             self._work = (plan, tuple(shares), work()[self.tp_rank])
+        self.timer.end_step()
         step = self._gather(
-            iteration, self.timer.read(), self.timer.read_fixed(), wall_seconds, self._work[2]
+            iteration,
+            [self.timer.read(), self._work[2], wall_seconds, self.timer.read_fixed()],
+            self.timer.read_busy(),
         )
         due = self.loop.step(step)  # the same on every rank: the same timings went in
         if due is None:
@@ -122,13 +126,14 @@ class Controller:
     def load_state_dict(self, state: dict) -> None:
         self.loop.load_state_dict(state["loop"])
 
-    def _gather(self, iteration, compute, fixed, wall, work) -> TimingReport:
-        """This TP group's step; with data parallelism, the slowest replica's at each TP
-        position (replicas share a plan)."""
-        mine = torch.tensor([compute, work, wall, fixed], dtype=torch.float64, device=comm_device())
+    def _gather(self, iteration, row, busy) -> TimingReport:
+        """This TP group's step from each rank's `row` (compute, work, wall, fixed) and `busy`;
+        with data parallelism, the slowest replica's at each TP position (replicas share a
+        plan)."""
+        mine = torch.tensor([*row, busy], dtype=torch.float64, device=comm_device())
         rows = [torch.empty_like(mine) for _ in range(self.tp_size)]
         dist.all_gather(rows, mine, group=self.group)
-        table = torch.stack(rows)  # [tp, (compute, work, wall, fixed)]
+        table = torch.stack(rows)  # [tp, (compute, work, wall, fixed, busy)]
         tables = [table]
         if self.dp_size > 1:
             tables = [torch.empty_like(table) for _ in range(self.dp_size)]
@@ -143,6 +148,7 @@ class Controller:
                     tuple(r[1] for r in rows),
                     max(r[2] for r in rows),
                     tuple(r[3] for r in rows),
+                    tuple(r[4] for r in rows),
                 )
             )
         return TimingReport.slowest_replica(reports)

@@ -107,7 +107,7 @@ class EventLog:
 
     def timing(self, report, verdict) -> None:
         """A timing report (JSONL only): per-rank compute per step (and of it, the part no split
-        changes), work, fitted slowdown
+        changes; and all of the rank's compute, busy), work, fitted slowdown
         factor, and the detector's smoothed slowdowns."""
         if self.metrics is not None:
             detection = verdict.detection
@@ -116,6 +116,7 @@ class EventLog:
                 iteration=report.iteration,
                 compute_s=list(report.compute),
                 fixed_s=list(report.fixed) if report.fixed is not None else None,
+                busy_s=list(report.busy) if report.busy is not None else None,
                 work=list(report.work),
                 factor=list(verdict.factors),
                 step_s=report.step,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 
 import torch
@@ -68,21 +69,35 @@ class _PausingWork:
         return getattr(self._work, name)
 
 
+# The collectives a step's compute is cut by: megatron-core's TP, DP and loss reductions, and the
+# controller's own gather and broadcast. megatron-core looks them up at each call, so its calls
+# go through the wrappers.
+_COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
+
+
 class _CollectivePatch:
-    """torch.distributed.all_reduce wrapped so that it pauses running wall-clock timers while it
-    waits, for as long as such timers exist. megatron-core looks the function up at each call,
-    so its TP collectives go through the wrapper."""
+    """torch.distributed's collectives wrapped, for as long as timers need it: a collective
+    pauses the running timers while it waits (wall-clock timers must not count the wait), and
+    device-mode timers slow the compute since the last collective just before it."""
 
     def __init__(self):
-        self.timers = []  # timers whose regions' wall time must not count collective waits
-        self.original = original = dist.all_reduce
+        self.timers = []  # registered timers
+        self.originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+        self.wrappers = {name: self._wrap(original) for name, original in self.originals.items()}
+        for name, wrapper in self.wrappers.items():
+            setattr(dist, name, wrapper)
 
-        def all_reduce(*args, **kwargs):
+    def _wrap(self, original):
+        def collective(*args, **kwargs):
             with self.paused():
+                for timer in self.timers:
+                    timer.before_collective()
                 work = original(*args, **kwargs)
+                for timer in self.timers:
+                    timer.after_collective()
             return _PausingWork(work, self) if kwargs.get("async_op") else work
 
-        self.wrapper = dist.all_reduce = all_reduce
+        return collective
 
     @contextlib.contextmanager
     def paused(self):
@@ -96,17 +111,19 @@ class _CollectivePatch:
                 timer.resume()
 
     def restore(self) -> None:
-        """Put the original back, unless something wrapped all_reduce after us (then ours stays
-        in its chain, with no timers: a pass-through)."""
-        if dist.all_reduce is self.wrapper:
-            dist.all_reduce = self.original
+        """Put the originals back, unless something wrapped one after us (then ours stays in
+        its chain, with no timers: a pass-through)."""
+        for name, wrapper in self.wrappers.items():
+            if getattr(dist, name) is wrapper:
+                setattr(dist, name, self.originals[name])
 
 
 _PATCH = None  # the installed _CollectivePatch while a timer needs it; None otherwise
 
 
 def _register(timer) -> None:
-    """Leave collective waits out of `timer`'s regions; the first such timer installs the patch."""
+    """Let collectives pause `timer` and slow it in device mode; the first such timer installs
+    the patch."""
     global _PATCH
     if _PATCH is None:
         _PATCH = _CollectivePatch()
@@ -114,7 +131,7 @@ def _register(timer) -> None:
 
 
 def _unregister(timer) -> None:
-    """Undo _register(timer); the last timer out restores torch.distributed.all_reduce."""
+    """Undo _register(timer); the last timer out restores torch.distributed."""
     global _PATCH
     if _PATCH is None or timer not in _PATCH.timers:
         return
@@ -131,28 +148,40 @@ SHARDED_MODULES = ("linear_qkv", "core_attention", "linear_proj", "linear_fc1", 
 
 
 class ComputeTimer:
-    """Seconds this rank spent computing in its sharded linears since `reset()`.
+    """Seconds this rank spent computing since `reset()`: in the work its units carry, and of
+    that, in regions started with `fixed=True`; and all of its compute in the step (`busy`).
 
     clock "cpu": the thread's CPU time (blind to waiting, and to time-sharing a core, so also
-    to real contention); "wall": perf_counter with TP collectives' waits left out (sees real
+    to real contention); "wall": perf_counter with collectives' waits left out (sees real
     contention; meant for no more ranks than cores). On GPU, CUDA events.
 
-    `remove()` it when done: a wall-clock or dilated timer keeps torch.distributed.all_reduce
-    wrapped while it exists."""
+    `device`: emulated slowdowns slow all of the rank's compute (the emulation's device mode),
+    not only the timed regions.
 
-    def __init__(self, model, clock: str = "cpu", dilation: float = 1.0):
+    `remove()` it when done: a wall-clock, dilated or device-mode timer keeps
+    torch.distributed's collectives wrapped while it exists."""
+
+    def __init__(self, model, clock: str = "cpu", dilation: float = 1.0, device: bool = False):
         if clock not in ("cpu", "wall"):
             raise ValueError(f"unknown timer clock '{clock}'")
         if not 1.0 <= dilation < math.inf or (dilation > 1.0 and clock != "cpu"):
             raise ValueError(f"dilation {dilation} needs the cpu clock and must be >= 1")
+        if device and (clock != "cpu" or dilation > 1.0):
+            raise ValueError("the device emulation mode needs the cpu clock and no dilation")
         self.factor = 1.0  # emulated slowdown of this rank (CPU only)
         self.cuda = torch.cuda.is_available()
         if dilation > 1.0 and self.cuda:
             raise RuntimeError("dilation emulates a device per rank on CPU; GPUs have one")
         self.clock = clock
         self.dilation = dilation
+        self.device = device
+        # A rank pinned to one core, with no dilation, has that core to itself (the launcher
+        # gave every rank one): its emulated delays spin there rather than sleep, so the core
+        # neither idles (a virtual CPU that idles computes slower for a while after) nor
+        # oversleeps.
+        self.spin = dilation == 1.0 and len(os.sched_getaffinity(0)) == 1
         self._now = time.perf_counter if clock == "wall" else time.thread_time
-        if (clock == "wall" or dilation > 1.0) and not self.cuda:
+        if (clock == "wall" or dilation > 1.0 or device) and not self.cuda:
             _register(self)
         self._seconds = 0.0
         self._fixed = 0.0  # of which in regions started with fixed=True
@@ -162,6 +191,11 @@ class ComputeTimer:
         self._t0 = None
         self._w0 = 0.0
         self._paused = 0.0  # wall seconds of the running region spent in collectives
+        self._paused_clock = 0.0  # the same on the timer's clock
+        self._step0 = time.thread_time()  # CPU time at reset()
+        self._spun = 0.0  # CPU seconds of emulated delays spun since reset()
+        self._emulated = 0.0  # seconds of emulated delay since reset()
+        self._mark = self._step0  # device mode: CPU time at the last collective
         self._handles = []
         for layer in unwrap_model(model).decoder.layers:
             for block in (layer.self_attention, layer.mlp):
@@ -181,9 +215,11 @@ class ComputeTimer:
             )
         self.factor = factor
         self._seconds, self._fixed, self._events = 0.0, 0.0, []
+        self._step0 = self._mark = time.thread_time()
+        self._spun = self._emulated = 0.0
 
     def read(self) -> float:
-        """Seconds of compute since `reset()`."""
+        """Seconds of compute in the timed regions since `reset()`."""
         if self._events:
             torch.cuda.synchronize()
             for a, b, fixed in self._events:
@@ -198,6 +234,18 @@ class ComputeTimer:
         self.read()
         return self._fixed
 
+    def read_busy(self) -> float:
+        """All of this rank's compute since `reset()`: its thread's CPU time with the emulated
+        delays counted as compute (on GPU: the timed regions only)."""
+        if self.cuda:
+            return self.read()
+        return time.thread_time() - self._step0 - self._spun + self._emulated
+
+    def end_step(self) -> None:
+        """Device mode: slow the compute since the last collective, as that of a step's tail."""
+        self.before_collective()
+        self.after_collective()
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -208,10 +256,20 @@ class ComputeTimer:
         return self._t0 is not None
 
     def pause(self) -> None:
-        self._paused_at = time.perf_counter()
+        self._paused_at = (time.perf_counter(), self._now())
 
     def resume(self) -> None:
-        self._paused += time.perf_counter() - self._paused_at
+        wall, clock = self._paused_at
+        self._paused += time.perf_counter() - wall
+        self._paused_clock += self._now() - clock
+
+    def before_collective(self) -> None:
+        if self.device and self.factor > 1.0:
+            self._delay((self.factor - 1.0) * (time.thread_time() - self._mark))
+
+    def after_collective(self) -> None:
+        if self.device:
+            self._mark = time.thread_time()
 
     # ---- marks ------------------------------------------------------------------------
 
@@ -223,7 +281,8 @@ class ComputeTimer:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
         else:
-            self._t0, self._w0, self._paused = self._now(), time.perf_counter(), 0.0
+            self._t0, self._w0 = self._now(), time.perf_counter()
+            self._paused = self._paused_clock = 0.0
 
     def stop(self) -> None:
         if self._t0 is None:
@@ -234,16 +293,28 @@ class ComputeTimer:
             self._events.append((self._t0, end, self._in_fixed))
         else:
             wall = time.perf_counter() - self._w0 - self._paused
-            elapsed = wall if self.clock == "wall" else self._now() - self._t0
+            elapsed = wall if self.clock == "wall" else self._now() - self._t0 - self._paused_clock
             seconds = elapsed * self.factor * self.dilation
             if self.dilation > 1.0:
                 if seconds > wall:
                     self._sleep(seconds - wall)
-            elif self.factor > 1.0:
-                self._sleep((self.factor - 1.0) * elapsed)
+            elif self.factor > 1.0 and not self.device:
+                self._delay((self.factor - 1.0) * elapsed)
             self._seconds += seconds
             self._fixed += seconds if self._in_fixed else 0.0
         self._t0 = None
+
+    def _delay(self, seconds: float) -> None:
+        """An emulated delay: spun on a core of the rank's own, else slept."""
+        self._emulated += seconds
+        if not self.spin:
+            self._sleep(seconds)
+            return
+        cpu = time.thread_time()
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            pass
+        self._spun += time.thread_time() - cpu
 
     def _sleep(self, seconds: float) -> None:
         """Sleep `seconds` on average: time.sleep overshoots by tens of microseconds a call,

@@ -37,7 +37,8 @@ def clock(monkeypatch):
     monkeypatch.setattr(timing, "time", fake)
     # a timer a test leaves registered does not outlive it: no patch, all_reduce as it was
     monkeypatch.setattr(timing, "_PATCH", None)
-    monkeypatch.setattr(timing.dist, "all_reduce", timing.dist.all_reduce)
+    for name in timing._COLLECTIVES:
+        monkeypatch.setattr(timing.dist, name, getattr(timing.dist, name))
     return clock
 
 
@@ -62,10 +63,10 @@ def collectives(clock, monkeypatch):
     return fake
 
 
-def _timer(clock_name="cpu", dilation=1.0):
+def _timer(clock_name="cpu", dilation=1.0, device=False):
     model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[]))
-    timer = ComputeTimer(model, clock_name, dilation)
-    timer.cuda = False
+    timer = ComputeTimer(model, clock_name, dilation, device)
+    timer.cuda, timer.spin = False, False  # the scripted clock sleeps; it cannot spin
     return timer
 
 
@@ -163,7 +164,7 @@ def test_a_wall_timer_wraps_all_reduce_until_it_is_removed(clock, collectives):
     original = timing.dist.all_reduce
     timer = _timer("wall")
     assert timing.dist.all_reduce is not original
-    assert timing.dist.all_reduce is timing._PATCH.wrapper
+    assert timing.dist.all_reduce is timing._PATCH.wrappers["all_reduce"]
     timer.remove()
     assert timing.dist.all_reduce is original
     assert timing._PATCH is None  # nothing left behind
@@ -215,3 +216,67 @@ def test_the_optimizer_step_is_timed_and_slowed_as_a_ranks_own_work(clock):
     clock.work(cpu=0.010, wall=0.010)
     runtime.after_optimizer_step()
     assert timer.read() == pytest.approx(0.020) and clock.slept == [0.010]
+
+
+def test_device_mode_slows_all_compute_between_collectives(clock, collectives):
+    """A slow device is slow at everything: the CPU time between two collectives (inside a
+    timed region or not) is stretched just before the second, and the step's tail at its end;
+    the delay inside a region is not counted twice."""
+    timer = _timer(device=True)
+    timer.reset(factor=3.0)
+    clock.work(0.004, 0.004)  # untimed: the embedding, say
+    timer.start()
+    clock.work(0.010, 0.010)  # a row-parallel linear ...
+    timing.dist.all_reduce(None)  # ... and its all-reduce: 2 x 14 ms of delay first
+    timer.stop()
+    clock.work(0.006, 0.006)  # norms, the loss
+    timer.end_step()  # the tail: 2 x 6 ms
+    assert clock.slept == [pytest.approx(0.028), pytest.approx(0.012)]
+    assert timer.read() == pytest.approx(0.030)  # the region: 3 x its 10 ms
+    assert timer.read_busy() == pytest.approx(3 * 0.020)  # all of it, 3x
+    timer.reset(factor=1.0)  # unslowed: no delay, busy is the CPU time
+    clock.work(0.005, 0.005)
+    timing.dist.all_reduce(None)
+    timer.end_step()
+    assert len(clock.slept) == 2 and timer.read_busy() == pytest.approx(0.005)
+    timer.remove()
+
+
+def test_device_mode_needs_the_cpu_clock_without_dilation(clock):
+    with pytest.raises(ValueError, match="device emulation mode needs the cpu clock"):
+        _timer("wall", device=True)
+    with pytest.raises(ValueError, match="device emulation mode needs the cpu clock"):
+        _timer(dilation=2.0, device=True)
+
+
+def test_the_patch_wraps_every_collective_a_step_is_cut_by(clock, collectives):
+    originals = {name: getattr(timing.dist, name) for name in timing._COLLECTIVES}
+    timer = _timer(device=True)
+    assert all(getattr(timing.dist, n) is not o for n, o in originals.items())
+    timer.remove()
+    assert all(getattr(timing.dist, n) is o for n, o in originals.items())
+
+
+def test_sharded_mode_busy_counts_the_emulated_delay(clock):
+    timer = _timer()
+    timer.reset(factor=2.0)
+    clock.work(0.005, 0.005)  # untimed, not slowed in sharded mode
+    _region(timer, clock, 0.010, 0.010)
+    assert clock.slept == [pytest.approx(0.010)]
+    assert timer.read_busy() == pytest.approx(0.015 + 0.010)
+
+
+def test_a_rank_with_a_core_of_its_own_spins_its_delays():
+    """Real clocks: the delay lasts its time in wall clock, and its CPU time does not count
+    as the rank's compute."""
+    import time
+
+    model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[]))
+    timer = ComputeTimer(model)
+    timer.cuda, timer.spin = False, True
+    timer.reset(factor=2.0)
+    start = time.perf_counter()
+    timer._delay(0.02)
+    assert time.perf_counter() - start >= 0.02
+    assert timer.read_busy() == pytest.approx(0.02, abs=0.005)  # the delay, not the spinning
+    timer.remove()

@@ -112,10 +112,22 @@ def test_emulation_alone_asks_for_timing():
         ),
         ({"emulate": "persistent:rank=1,factor=2"}, "--het-tp-emulate is implemented for CPU runs"),
         ({"plan": "attn=4,4;mlp=128,128"}, "--het-tp-plan: plan attn: counts [4, 4] sum to 8"),
+        (
+            {"emulate": "persistent:rank=1,factor=2,mode=device", "timer": "wall"},
+            "mode=device slows each rank between its collectives by its own CPU time; it needs "
+            "--het-tp-timer cpu and no --het-tp-emulate-dilation",
+        ),
+        (
+            {"emulate": "persistent:rank=1,factor=2,mode=gpu"},
+            "--het-tp-emulate 'persistent:rank=1,factor=2,mode=gpu': mode 'gpu' is not one of "
+            "sharded, device",
+        ),
+        ({"patience": 0}, "--het-tp-patience must be positive, got 0"),
+        ({"end_patience": 0}, "--het-tp-end-patience must be positive, got 0"),
     ],
 )
 def test_errors_name_the_flag(kwargs, message):
-    cuda = "emulate" in kwargs
+    cuda = kwargs.get("emulate") == "persistent:rank=1,factor=2"
     with pytest.raises(ConfigError, match=None) as err:
         HetTPConfig(**kwargs).validated(SHAPE, cuda_available=cuda)
     assert message in str(err.value)

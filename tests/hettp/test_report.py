@@ -13,7 +13,7 @@ from hettp.scenarios import builtin, resolve
 from hettp.transfer import minimum_bytes, plan_transfer
 
 
-def _records(steps, losses=None, compute=None, decisions=(), interval=5, tokens=(4, 128)):
+def _records(steps, losses=None, compute=None, decisions=(), interval=5, tokens=(4, 128), **parts):
     """JSONL-like records of one run: step seconds per iteration from 1, compute per rank per
     report (constant), decisions as given."""
     out = [{"kind": "run", "args": {"global_batch_size": tokens[0], "seq_length": tokens[1]}}]
@@ -26,6 +26,7 @@ def _records(steps, losses=None, compute=None, decisions=(), interval=5, tokens=
                     "kind": "timing",
                     "iteration": i,
                     "compute_s": compute(i) if callable(compute) else compute,
+                    **{f"{name}_s": value for name, value in parts.items()},
                 }
             )
     out.extend({"kind": "decision", **d} for d in decisions)
@@ -53,7 +54,9 @@ def test_builtin_scenarios_scale_with_the_run_and_parse():
         "episode",
         "slow-rank-0",
         "several",
+        "device-3x",
     }
+    assert specs["device-3x"].device(4) and not specs["rare-3x"].device(4)
     assert specs["rare-3x"].factors(4, 1)[0] == (1.0, 1.0, 1.0, 3.0)  # the last rank
     assert specs["episode"].factors(4, 60)[19][1] == 2.5 and specs["episode"].varying(4, 60)
     assert specs["episode"].factors(4, 60)[40][1] == 1.0  # over after two thirds of the run
@@ -249,3 +252,28 @@ def test_plain_vanilla_is_the_baseline_and_timed_vanilla_gives_c_and_real_speeds
             {"none": False, "busy": False},
             real={"busy"},
         )
+
+
+def test_the_bound_keeps_each_ranks_unmovable_part_and_stretches_what_the_mode_slows():
+    """T_fast 1.0 s; per rank 0.8 s timed compute of which 0.2 s the optimizer step (stays on
+    each rank), 0.9 s of compute in all; rank 1 3x slow at TP=2."""
+    # sharded mode: 0.2 s unslowed; f_r (0.2 + 0.6 w_r) balanced over w_0 + w_1 = 2
+    assert ideal_step(1.0, 0.8, (1.0, 1 / 3), movable=0.6) == pytest.approx(0.2 + 1.2)
+    assert ideal_step(1.0, 0.8, (1.0, 1 / 3)) == pytest.approx(0.2 + 0.8 * 2 / (4 / 3))
+    # a rank too slow to finish even its unmovable part gets no units: all on rank 0
+    assert ideal_step(1.0, 0.8, (1.0, 0.1), movable=0.2) == pytest.approx(0.2 + 6.0)
+    n = 10
+    parts = {"fixed": [0.2, 0.2], "busy": [0.9, 0.9]}
+    runs = [
+        _run("none", "none", [1.0] * n, compute=[0.8, 0.8], **parts),
+        _run("slow", "none", [2.6] * n, compute=[0.8, 2.4], **parts),
+        _run("dev", "none", [2.8] * n, compute=[0.8, 2.4], **parts),
+    ]
+    factors = {"none": [(1.0, 1.0)] * n, "slow": [(1.0, 3.0)] * n, "dev": [(1.0, 3.0)] * n}
+    result = compare(runs, factors, {"none": False, "slow": False, "dev": False}, device={"dev"})
+    assert result["baseline"]["fixed_s"] == pytest.approx(0.2)
+    assert result["baseline"]["busy_s"] == pytest.approx(0.9)
+    rows = {r["scenario"]: r for r in result["rows"]}
+    assert rows["slow"]["t_ideal_s"] == pytest.approx(ideal_step(1.0, 0.8, (1, 1 / 3), 0.6))
+    assert rows["dev"]["t_ideal_s"] == pytest.approx(ideal_step(1.0, 0.9, (1, 1 / 3), 0.6))
+    assert result["bounds"]["dev"] == {"slowed_s": 0.9, "movable_s": pytest.approx(0.6)}
