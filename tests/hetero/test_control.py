@@ -96,6 +96,22 @@ def test_a_straggle_that_ends_is_undone_at_the_second_normal_step(tmp_path, stea
     assert ranks[0]["seen"] == ranks[1]["seen"]
 
 
+def test_device_mode_slows_all_of_a_ranks_compute_and_is_acted_on(tmp_path, steady):
+    device = ["--het-tp-emulate", "persistent:rank=1,factor=3,start=10,mode=device"]
+    ranks, records = _run(tmp_path, "device", ["--het-tp-policy", "migrate", *device])
+    timing = {r["iteration"]: r for r in records if r["kind"] == "timing"}
+    # before the onset every rank's busy time is its own compute; after it, rank 1's all 3x
+    # (its timed compute too), while the steady run's ranks stay alike
+    before, after = timing[10]["busy_s"], timing[11]["busy_s"]
+    assert before[1] == pytest.approx(before[0], rel=0.3)
+    assert after[1] / after[0] == pytest.approx(3.0, rel=0.2)
+    assert timing[11]["compute_s"][1] / timing[11]["compute_s"][0] == pytest.approx(3.0, rel=0.2)
+    steady_busy = [r["busy_s"] for r in steady[1] if r["kind"] == "timing"]
+    assert all(b[1] == pytest.approx(b[0], rel=0.3) for b in steady_busy[1:])
+    decisions = [r for r in records if r["kind"] == "decision"]
+    assert decisions and decisions[0]["iteration"] == 11 and decisions[0]["action"] == "migrate"
+
+
 def test_a_steady_cluster_sees_no_decision(steady):
     ranks, records = steady
     assert not [r for r in records if r["kind"] == "decision"]
