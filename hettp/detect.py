@@ -67,6 +67,7 @@ class StragglerDetector:
         self._below = [0] * tp_size
         self.stragglers: frozenset = frozenset()
         self._planned_for: dict = {}  # straggler -> slowdown the last decision used
+        self._planned_own: dict = {}  # straggler -> its own smoothed value then
         self._rebased = False
 
     def rebase(self) -> None:
@@ -111,7 +112,11 @@ class StragglerDetector:
                 self._above[rank] >= self.patience or factor >= self.at_once
             ):
                 onsets.add(rank)
-            elif rank in self.stragglers and self._below[rank] >= self.end_patience:
+            elif (
+                rank in self.stragglers
+                and self._below[rank] >= self.end_patience
+                and self._sped_up(rank, smoothed[rank])
+            ):
                 ends.add(rank)
         self.stragglers = (self.stragglers | onsets) - ends
         # A straggler whose slowdown moved a lot (2x -> 4x) and settled there needs a new plan;
@@ -119,6 +124,7 @@ class StragglerDetector:
         if self._rebased and all(len(h) in (0, h.maxlen) for h in self._history):
             self._rebased = False
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
+            self._planned_own = {r: smoothed[r] for r in self.stragglers}
         drifted = not self._rebased and any(
             slowdown[r] >= self.onset
             and self._steady(r)
@@ -129,7 +135,16 @@ class StragglerDetector:
         changed = bool(onsets or ends or drifted)
         if changed:
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
+            self._planned_own = {r: smoothed[r] for r in self.stragglers}
         return Detection(slowdown, self.stragglers, changed, frozenset(onsets), frozenset(ends))
+
+    def _sped_up(self, rank: int, own: float | None) -> bool:
+        """An end needs the straggler itself to have shed at least half its planned slowdown,
+        not only the others to have slowed down to it (a rank descheduled for a few steps)."""
+        planned, then = self._planned_for.get(rank), self._planned_own.get(rank)
+        if own is None or planned is None or then is None or planned < self.onset:
+            return True  # nothing to go by, or nothing slow to shed (recovered at a re-base)
+        return own <= then / (1.0 + (planned - 1.0) / 2.0)
 
     def _steady(self, rank: int) -> bool:
         """The rank's window agrees within the replan band: a slowdown on its way from one
@@ -145,6 +160,7 @@ class StragglerDetector:
             "below": list(self._below),
             "stragglers": sorted(self.stragglers),
             "planned_for": {str(r): v for r, v in self._planned_for.items()},
+            "planned_own": {str(r): v for r, v in self._planned_own.items()},
             "rebased": self._rebased,
             "slowdown": list(self._slowdown),
         }
@@ -161,5 +177,6 @@ class StragglerDetector:
         self._above, self._below = list(state["above"]), list(state["below"])
         self.stragglers = frozenset(state["stragglers"])
         self._planned_for = {int(r): v for r, v in state["planned_for"].items()}
+        self._planned_own = {int(r): v for r, v in state.get("planned_own", {}).items()}
         self._rebased = state["rebased"]
         self._slowdown = tuple(state.get("slowdown", (1.0,) * self.tp_size))

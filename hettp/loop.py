@@ -123,6 +123,9 @@ def step_model(
     )
 
 
+WARMUP_STEPS = 3  # steps after a start or resume that detection leaves out
+
+
 @dataclass(frozen=True)
 class Due:
     """The planner must run, on `report` with `detection`."""
@@ -158,15 +161,15 @@ class ControlLoop:
         self.anchor = SlowdownAnchor(detector.tp_size, detector.window, detector.onset)
         self.interval = interval
         self._steps: list[TimingReport] = []  # this report interval's steps
-        self._warm = False  # a step was seen since this loop was created
+        self._seen = 0  # steps seen since this loop was created
 
     def step(self, step: TimingReport) -> Due | None:
         """One step's timings (every rank): detect where a planner decides; returns what to
         plan on where the planner must run."""
-        warm = self._warm
-        self._warm = True
-        # The first step after a start or resume (allocations, the optimizer's lazy state)
-        # is no evidence of speed.
+        warm = self._seen >= WARMUP_STEPS
+        self._seen += 1
+        # The first steps after a start or resume (allocations, the optimizer's lazy state,
+        # caches) are no evidence of speed.
         detection = self.detect(step) if self.planner is not None and warm else None
         self._steps.append(step)
         closes = len(self._steps) >= self.interval

@@ -44,7 +44,7 @@ def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     straight = _run(tmp_path, "straight", "migrate", 12)
     # saved by --save-interval at the boundary of the first decision: rank 1 is 3x slow from
-    # the start; the first step is warm-up, so the detector's window of 3 is full at step 4
+    # the start; the first 3 steps are warm-up, so the detector's window of 3 is full at step 6
     first = _run(
         tmp_path,
         "first",
@@ -53,15 +53,15 @@ def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
         "--save",
         ckpt,
         "--save-interval",
-        "4",
+        "6",
         "--exit-interval",
-        "4",
+        "6",
     )
     resumed = _run(tmp_path, "resumed", "migrate", 12, "--load", ckpt)
 
     # every migration the controller decided wrote its repartition record, at the minimum bytes
     moves = _records(first, "repartition")
-    assert [d["iteration"] for d in _records(first, "decision")] == [4]
+    assert [d["iteration"] for d in _records(first, "decision")] == [6]
     assert [r["iteration"] for r in moves] == [d["iteration"] for d in _records(first, "decision")]
     assert moves and all(r["bytes"] == r["min_bytes"] > 0 for r in moves)
     migrated = PartitionPlan.from_json(moves[-1]["plan"])
@@ -69,33 +69,33 @@ def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
 
     # the resumed run starts in the migrated plan, says so, and does not move again
     plans = _records(resumed, "plan")
-    assert [(p["iteration"], p["why"]) for p in plans] == [(4, "resumed from the checkpoint")]
+    assert [(p["iteration"], p["why"]) for p in plans] == [(6, "resumed from the checkpoint")]
     assert PartitionPlan.from_json(plans[0]["plan"]) == migrated
-    assert "het-TP plan at iteration 4 (resumed from the checkpoint)" in resumed["stdout"]
+    assert "het-TP plan at iteration 6 (resumed from the checkpoint)" in resumed["stdout"]
     assert _records(resumed, "repartition") == [] and _records(resumed, "decision") == []
-    for step in range(5, 13):
+    for step in range(7, 13):
         assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5)
 
 
 def test_a_resized_run_resumes_with_its_shares_and_priorities(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    straight = _run(tmp_path, "straight", "resize", 10)
-    _run(tmp_path, "first", "resize", 5, "--save", ckpt)
-    resumed = _run(tmp_path, "resumed", "resize", 10, "--load", ckpt)
+    straight = _run(tmp_path, "straight", "resize", 12)
+    _run(tmp_path, "first", "resize", 7, "--save", ckpt)  # resized at 6 (after the warm-up)
+    resumed = _run(tmp_path, "resumed", "resize", 12, "--load", ckpt)
     shares = [d["shares"] for d in _records(straight, "decision")]
     assert shares and shares[0][1] > 0  # the straggler was resized at the first report
     resizes = _records(resumed, "resize")
     assert [(r["iteration"], r["why"], r["shares"]) for r in resizes] == [
-        (5, "resumed from the checkpoint", shares[0])
+        (7, "resumed from the checkpoint", shares[0])
     ]
     assert _records(resumed, "decision") == []
     # lossy, but the same skipped units from the same priorities: the same trajectory
-    for step in range(6, 11):
+    for step in range(8, 13):
         assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5)
 
     # under another policy the saved state does not describe the run: it starts afresh, says
     # so, and acts on the straggle itself (a restored detector would take it as handled)
-    other = _run(tmp_path, "other", "migrate", 10, "--load", ckpt)
+    other = _run(tmp_path, "other", "migrate", 16, "--load", ckpt)  # 3 warm-up steps
     assert (
         "het-TP state of the checkpoint not resumed: it was saved under other het-TP "
         "flags" in other["stdout"]
