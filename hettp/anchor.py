@@ -5,7 +5,9 @@ change any rank's speed. So after each change the first `window` steps anchor ev
 slowdown there is the one it had just before, and each later step scales that by its compute
 over the anchor's. A straggle that starts or ends inside the anchor window would spoil a median
 over it, so a rank's anchor is the median of the window's steps that stay within `band` of its
-first, the step nearest the change. A model of compute against work (hettp/costfit.py) is then
+first, the step nearest the change. One that starts or ends right at the change cannot be told
+from it by continuity: there a fitted cost model that puts the rank on the other side of the
+detector's hysteresis band overrules it. A model of compute against work (hettp/costfit.py) is then
 needed only where ranks with different works are compared before any change, and to plan: read
 through a model, a rank left with few units and per-call overheads that do not shrink with them
 looks slow after it has recovered, or fast while it is slow.
@@ -26,10 +28,16 @@ def _relative(factors: Factors) -> Factors:
 
 
 class SlowdownAnchor:
-    def __init__(self, tp_size: int, window: int, band: float = 1.3):
-        if window < 1 or band <= 1.0:
-            raise ValueError(f"need window >= 1 and band > 1, got {window} and {band}")
+    def __init__(
+        self, tp_size: int, window: int, band: float = 1.3, normal: float = 1.15, slow: float = 1.6
+    ):
+        if window < 1 or band <= 1.0 or not 1.0 <= normal < slow:
+            raise ValueError(
+                f"need window >= 1, band > 1 and 1 <= normal < slow, got {window}, {band}, "
+                f"{normal} and {slow}"
+            )
         self.tp_size, self.window, self.band = tp_size, window, band
+        self.normal, self.slow = normal, slow
         self._before: Factors | None = None  # slowdowns when the split last changed
         self._base: Factors | None = None  # the anchor window's median compute per rank
         self._pending: list[tuple[float, ...]] = []  # steps since the change, until anchored
@@ -77,15 +85,19 @@ class SlowdownAnchor:
         return [self.factors(c) for c in steps]
 
     def _overrule(self) -> None:
-        """Where the fitted model and continuity disagree by more than `band` at the anchor, a
-        speed changed at the change itself: take the model's slowdown there."""
+        """Where continuity and the fitted model put a rank on opposite sides of the detector's
+        hysteresis band (one at or below `normal`, the other at or above `slow`), a straggle
+        began or ended at the change itself: take the model's slowdown there. A model that is
+        merely off (1.4x for a rank with few units, seen on this VM) changes nothing."""
         before = list(self._before)
         for r, b in enumerate(before):
             seen = [self._modelled[i][r] for i in self._same(r) if self._modelled[i][r]]
             if b is None or not seen:
                 continue
             model = statistics.median(seen)
-            if max(model, b) > self.band * min(model, b):
+            if (b >= self.slow and model <= self.normal) or (
+                b <= self.normal and model >= self.slow
+            ):
                 before[r] = model
         self._before = tuple(before)
 

@@ -158,7 +158,9 @@ class ControlLoop:
         self.planner, self.detector = planner, detector
         self.migration_cost = migration_cost
         self.fit = fit or ComputeFit()
-        self.anchor = SlowdownAnchor(detector.tp_size, detector.window, detector.onset)
+        self.anchor = SlowdownAnchor(
+            detector.tp_size, detector.window, detector.onset, detector.end, detector.at_once
+        )
         self.interval = interval
         self._steps: list[TimingReport] = []  # this report interval's steps
         self._seen = 0  # steps seen since this loop was created
