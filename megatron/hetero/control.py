@@ -34,7 +34,6 @@ class Controller:
         unit_work: dict | None,
         cost_model: CostModel | None = None,
     ):
-        self.interval = config.interval
         self.group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = dist.get_rank(self.group)
         self.tp_size = dist.get_world_size(self.group)
