@@ -21,7 +21,8 @@ from collections.abc import Sequence
 Factors = tuple[float | None, ...]
 
 
-def _relative(factors: Factors) -> Factors:
+def relative(factors: Factors) -> Factors:
+    """Slowdowns against the fastest rank (None stays None)."""
     known = [f for f in factors if f is not None and f > 0]
     fastest = min(known) if known else 1.0
     return tuple(None if f is None else f / fastest for f in factors)
@@ -75,7 +76,7 @@ class SlowdownAnchor:
             return [self.factors(compute)]
         self._pending.append(tuple(compute))
         if modelled is not None:
-            self._modelled.append(_relative(modelled))
+            self._modelled.append(relative(modelled))
         if len(self._pending) < self.window:
             return []
         self._base = tuple(self._anchor(r) for r in range(self.tp_size))

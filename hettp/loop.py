@@ -2,8 +2,8 @@
 model -> planner. Detection runs every step on a few floats per rank; the planner runs when the
 detection changes or at a report (every `--het-tp-interval` steps, the steps' medians), where
 the cost fit also learns. The Megatron controller (megatron/hetero/control.py) gathers the
-timings over the process groups, calls `ControlLoop.detect` and `observe` and applies what comes
-back; a simulator can drive the same object with simulated timings.
+timings over the process groups, calls `ControlLoop.step`, `observe` and `close` and applies what
+comes back; a simulator can drive the same object with simulated timings.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .anchor import SlowdownAnchor
+from .anchor import SlowdownAnchor, relative
 from .costfit import ComputeFit
 from .detect import Detection, StragglerDetector
 from .plan import PartitionPlan
@@ -51,38 +51,30 @@ class TimingReport:
         a burst's tail) does not make a report slow."""
         if not steps:
             raise ValueError("a report needs at least one step")
-
-        def per_rank(name):
-            rows = [getattr(s, name) for s in steps]
-            if any(row is None for row in rows):
-                return None
-            return tuple(statistics.median(v) for v in zip(*rows))
-
-        return cls(
-            steps[-1].iteration,
-            per_rank("compute"),
-            per_rank("work"),
-            statistics.median(s.step for s in steps),
-            per_rank("fixed"),
-            per_rank("busy"),
-        )
+        return cls._combine(steps, steps[-1].iteration, statistics.median)
 
     @classmethod
     def slowest_replica(cls, reports: Sequence[TimingReport]) -> TimingReport:
         """Data-parallel replicas at one TP position all-reduce their gradients, so they share
         one plan; the slowest of them sets everyone's pace, so that is the one to plan for."""
+        return cls._combine(reports, reports[0].iteration, max)
+
+    @classmethod
+    def _combine(cls, reports: Sequence[TimingReport], iteration: int, reduce) -> TimingReport:
+        """Reports reduced per rank (and the step time) with `reduce`; a per-rank field one of
+        them lacks is left out."""
 
         def per_rank(name):
             rows = [getattr(r, name) for r in reports]
             if any(row is None for row in rows):
                 return None
-            return tuple(max(values) for values in zip(*rows))
+            return tuple(reduce(values) for values in zip(*rows))
 
         return cls(
-            reports[0].iteration,
+            iteration,
             per_rank("compute"),
             per_rank("work"),
-            max(r.step for r in reports),
+            reduce([r.step for r in reports]),
             per_rank("fixed"),
             per_rank("busy"),
         )
@@ -276,12 +268,9 @@ class ControlLoop:
     def _agrees(self, factors, detection: Detection) -> bool:
         """The report's factors put every straggler above the detector's end threshold and
         every other rank below its onset."""
-        known = [f for f in factors if f is not None]
-        fastest = min(known) if known else 1.0
-        for rank, f in enumerate(factors):
-            if f is None:
+        for rank, slow in enumerate(relative(factors)):
+            if slow is None:
                 continue
-            slow = f / fastest
             if rank in detection.stragglers and slow < self.detector.end:
                 return False
             if rank not in detection.stragglers and slow >= self.detector.onset:
