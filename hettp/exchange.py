@@ -1,82 +1,56 @@
 """Executes a transfer schedule over a process group, transactionally.
 
-Every rank packs what it sends into one byte buffer per destination (copies: its own tensors
-are not touched), the chosen primitive moves the buffers into staging buffers, receivers verify
-a checksum per buffer, and all ranks vote. Only when every rank of the group packed, exchanged
-and verified everything do the received payloads come back to the caller, who commits them;
-otherwise every rank raises TransferError naming the failed ranks and stages, with its own
-state as it was. Ranks vote after packing (so nothing is sent when a rank could not pack) and
-after verifying; a rank whose exchange failed still reaches the vote, so no peer blocks on it.
+Every rank sends what it owes each destination in the layout of hettp.wire, receivers stage
+it in one buffer per source and verify its checksum, and all ranks vote. Only when every rank
+of the group packed, exchanged and verified everything do the received payloads come back to
+the caller, who commits them; otherwise every rank raises TransferError naming the failed ranks
+and stages, with its own state as it was (senders only read their tensors). A rank whose pack
+or exchange failed still reaches the vote, so no peer blocks on it.
+
+Point-to-point, the usual choice, streams: receives are posted first, then a sender hands each
+message to the process group as soon as it is ready, straight from its own tensor where that
+is contiguous, so packing the next one overlaps sending the last. A rank that fails to pack
+sends zeros in place of what it could not, and the vote aborts. The collectives need whole
+buffers: their ranks pack, vote (nothing was sent yet), then exchange.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .plan import PartitionPlan
 from .transfer import TransferSchedule, UnitMove, minimum_bytes
+from .wire import (
+    MESSAGE_BYTES,
+    BundleLayout,
+    TensorSpec,
+    as_bytes,
+    checksum_bytes,
+    pack,
+    payload_nbytes,
+    word_sum,
+)
 
-_ALIGN = 8  # bytes; keeps every tensor in a buffer aligned for a dtype view
+__all__ = [
+    "Migration",
+    "TensorSpec",
+    "TransferError",
+    "TransferResult",
+    "measure_costs",
+    "payload_nbytes",
+    "run_transfer",
+]
+
 STAGES = ("pack", "exchange", "verify")
 
 
 class TransferError(RuntimeError):
     """A transfer was aborted on every rank; no rank changed its state."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
-
-    @property
-    def padded(self) -> int:
-        return -(-self.nbytes // _ALIGN) * _ALIGN
-
-
-def payload_nbytes(specs: Sequence[TensorSpec]) -> int:
-    return sum(s.padded for s in specs)
-
-
-def _pack(
-    tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], out: torch.Tensor, offset: int
-) -> int:
-    for tensor, spec in zip(tensors, specs, strict=True):
-        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise ValueError(
-                f"payload tensor {tuple(tensor.shape)}/{tensor.dtype} does not match "
-                f"{spec.shape}/{spec.dtype}"
-            )
-        raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        out[offset : offset + raw.numel()].copy_(raw)
-        offset += spec.padded
-    return offset
-
-
-def _unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec], offset: int):
-    tensors = []
-    for spec in specs:
-        tensors.append(buffer[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape))
-        offset += spec.padded
-    return tensors, offset
-
-
-def _checksum(buffer: torch.Tensor) -> torch.Tensor:
-    """Wrapping sum of the buffer's 8-byte words, as 8 bytes: catches lost and corrupted data
-    at memory speed (buffers are multiples of 8 bytes)."""
-    return buffer.view(torch.int64).sum().reshape(1).view(torch.uint8)
 
 
 @dataclass
@@ -86,6 +60,7 @@ class TransferResult:
     payload_bytes: int  # the units' own bytes: the minimum the plan change requires
     wire_bytes: int  # what the buffers carried: payload + alignment + one checksum per buffer
     seconds: float
+    stages: dict[str, float] = field(default_factory=dict)  # STAGES -> seconds on this rank
 
 
 @dataclass(frozen=True)
@@ -112,74 +87,197 @@ def run_transfer(
     schedule: TransferSchedule,
     group,
     primitive: str,
-    payload: Callable[[UnitMove], Sequence[torch.Tensor]],
+    payload: Callable[[tuple[UnitMove, ...]], Sequence[torch.Tensor]],
     specs: Callable[[UnitMove], Sequence[TensorSpec]],
     device: torch.device | str = "cpu",
     step: int | None = None,
     fault: Callable[[str], None] | None = None,
+    message_bytes: int = MESSAGE_BYTES,
 ) -> TransferResult:
     """Move every unit of `schedule` within `group` (ranks are group ranks).
 
-    payload(move) gives the sender's tensors for a unit, specs(move) their shapes and dtypes
-    (known to every rank). `fault(stage)`, for tests, may raise at each stage.
+    specs(move) gives the shapes and dtypes of a unit's tensors (known to every rank);
+    payload(run) the sender's tensors for a run of moves (hettp.wire.runs), each its units'
+    tensors joined along the spec's axis: a view of the sender's shard where it can be.
+    `fault(stage)`, for tests, may raise at each stage; `message_bytes`, for tests, sets
+    where small segments stop sharing a message.
     """
     rank = dist.get_rank(group)
     start = time.perf_counter()
-    bundles = schedule.bundles()
-    sizes = {
-        pair: sum(payload_nbytes(specs(m)) for m in moves) + 8 for pair, moves in bundles.items()
+    layouts = {
+        pair: BundleLayout.of(moves, specs, message_bytes)
+        for pair, moves in schedule.bundles().items()
     }
     failures: list[str] = []
+    stages: dict[str, float] = {}
+    sums: dict[int, torch.Tensor] = {}
 
-    # 1. pack into per-destination buffers (copies)
-    send: dict[int, torch.Tensor] = {}
-    try:
-        if fault:
-            fault("pack")
-        for (src, dst), moves in bundles.items():
-            if src != rank:
-                continue
-            buffer = torch.zeros(sizes[(src, dst)], dtype=torch.uint8, device=device)
-            offset = 0
-            for move in moves:
-                offset = _pack(payload(move), specs(move), buffer, offset)
-            buffer[-8:] = _checksum(buffer[:-8])
-            send[dst] = buffer
-    except Exception as err:  # noqa: BLE001 - every failure aborts the transaction
-        failures.append(f"pack: {type(err).__name__}: {err}")
-    _vote(failures, group, device, step)  # nothing was sent yet: abort cheaply
-
-    # 2. exchange into staging buffers
-    recv = {
-        src: torch.empty(sizes[(src, dst)], dtype=torch.uint8, device=device)
-        for (src, dst) in bundles
-        if dst == rank
-    }
-    try:
-        _EXCHANGES[primitive](schedule, group, rank, send, recv, sizes, device)
-        if fault:
+    if primitive == "p2p":
+        recv, sums = _stream(layouts, group, rank, payload, device, fault, failures, stages)
+    else:
+        send: dict[int, torch.Tensor] = {}
+        try:
+            if fault:
+                fault("pack")
+            for (src, dst), layout in layouts.items():
+                if src == rank:
+                    send[dst] = _packed(layout, payload, device)
+        except Exception as err:  # noqa: BLE001 - every failure aborts the transaction
+            failures.append(f"pack: {type(err).__name__}: {err}")
+        stages["pack"] = time.perf_counter() - start
+        _vote(failures, group, device, step)
+        mark = time.perf_counter()
+        recv = {
+            src: torch.empty(layout.size, dtype=torch.uint8, device=device)
+            for (src, dst), layout in layouts.items()
+            if dst == rank
+        }
+        sizes = {pair: layout.size for pair, layout in layouts.items()}
+        try:
+            _EXCHANGES[primitive](schedule, group, rank, send, recv, sizes, device)
+        except Exception as err:  # noqa: BLE001
+            failures.append(f"exchange: {type(err).__name__}: {err}")
+        stages["exchange"] = time.perf_counter() - mark
+    if fault:
+        try:
             fault("exchange")
-    except Exception as err:  # noqa: BLE001
-        failures.append(f"exchange: {type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001
+            failures.append(f"exchange: {type(err).__name__}: {err}")
 
-    # 3. verify and unpack
+    # verify and unpack
+    mark = time.perf_counter()
     received = {}
     try:
         if fault:
             fault("verify")
         for src, buffer in recv.items():
-            if not torch.equal(buffer[-8:], _checksum(buffer[:-8])):
+            total = sums[src] if src in sums else word_sum(buffer[:-8])
+            if not torch.equal(buffer[-8:], checksum_bytes(total)):
                 raise ValueError(f"checksum mismatch on the buffer from rank {src}")
-            offset = 0
-            for move in bundles[(src, rank)]:
-                received[move], offset = _unpack(buffer, specs(move), offset)
+            received.update(layouts[(src, rank)].unpack(buffer))
     except Exception as err:  # noqa: BLE001
         failures.append(f"verify: {type(err).__name__}: {err}")
+    stages["verify"] = time.perf_counter() - mark
 
     _vote(failures, group, device, step)
     return TransferResult(
-        received, primitive, schedule.total_bytes, sum(sizes.values()), time.perf_counter() - start
+        received,
+        primitive,
+        schedule.total_bytes,
+        sum(layout.size for layout in layouts.values()),
+        time.perf_counter() - start,
+        stages,
     )
+
+
+def _packed(layout: BundleLayout, payload, device) -> torch.Tensor:
+    """A whole bundle in one buffer, its checksum in the last 8 bytes."""
+    buffer = torch.empty(layout.size, dtype=torch.uint8, device=device)
+    run, tensors = None, []
+    for segment in layout.segments:
+        if segment.run is not run:
+            run, tensors = segment.run, list(payload(segment.run))
+        pack(segment, tensors[segment.index], buffer)
+    buffer[-8:] = checksum_bytes(word_sum(buffer[:-8]))
+    return buffer
+
+
+def _stream(layouts, group, rank, payload, device, fault, failures, stages):
+    """Point-to-point, packing overlapped with sending (see the module docstring). Returns the
+    staging buffers and, per source, the sum of what arrived, taken as each message landed."""
+    start = time.perf_counter()
+    recv, arrivals = {}, {}
+    try:
+        for (src, dst), layout in layouts.items():
+            if dst == rank:
+                buffer = torch.empty(layout.size, dtype=torch.uint8, device=device)
+                peer = _global(group, src)
+                spans = [(m.lo, m.hi) for m in layout.messages] + [(layout.size - 8, layout.size)]
+                recv[src] = buffer
+                arrivals[src] = [
+                    (dist.irecv(buffer[lo:hi], peer, group=group, tag=tag), lo, hi)
+                    for tag, (lo, hi) in enumerate(spans)
+                ]
+    except Exception as err:  # noqa: BLE001
+        failures.append(f"exchange: {type(err).__name__}: {err}")
+
+    works, packing = [], 0.0
+    for (src, dst), layout in layouts.items():
+        if src == rank:
+            t0 = time.perf_counter()
+            out = _Outbox(layout, _global(group, dst), group, works, device)
+            try:
+                if failures:
+                    raise RuntimeError("an earlier stage failed on this rank")
+                if fault:
+                    fault("pack")
+                out.send_all(payload)
+            except Exception as err:  # noqa: BLE001 - every failure aborts the transaction
+                if not any(f.startswith("pack") for f in failures):
+                    failures.append(f"pack: {type(err).__name__}: {err}")
+                out.fill()
+            packing += time.perf_counter() - t0
+
+    sums = {}
+    try:
+        for src, pieces in arrivals.items():  # in order: sum each while later ones arrive
+            buffer, total = recv[src], torch.zeros((), dtype=torch.int64, device=device)
+            for work, lo, hi in pieces[:-1]:
+                work.wait()
+                total += word_sum(buffer[lo:hi])
+            pieces[-1][0].wait()
+            sums[src] = total
+        for work in works:
+            work.wait()
+    except Exception as err:  # noqa: BLE001
+        failures.append(f"exchange: {type(err).__name__}: {err}")
+    stages.update(pack=packing, exchange=time.perf_counter() - start - packing)
+    return recv, sums
+
+
+class _Outbox:
+    """One destination's messages, each sent as soon as it is ready; the checksum last."""
+
+    def __init__(self, layout: BundleLayout, peer: int, group, works: list, device):
+        self.layout, self.peer, self.group, self.works, self.device = (
+            layout,
+            peer,
+            group,
+            works,
+            device,
+        )
+        self.sent = 0  # messages handed to the process group
+        self.keep: list[torch.Tensor] = []  # staging buffers in flight
+
+    def _send(self, data: torch.Tensor) -> None:
+        self.works.append(dist.isend(data, self.peer, group=self.group, tag=self.sent))
+        self.keep.append(data)
+        self.sent += 1
+
+    def send_all(self, payload) -> None:
+        total = torch.zeros((), dtype=torch.int64, device=self.device)
+        run, tensors = None, []
+        for message in self.layout.messages:
+            pieces = []
+            for segment in message.segments:
+                if segment.run is not run:  # runs are consecutive: one payload call each
+                    run, tensors = segment.run, list(payload(segment.run))
+                pieces.append((segment, tensors[segment.index]))
+            data = as_bytes(pieces[0][1], pieces[0][0].spec) if len(pieces) == 1 else None
+            if data is None:
+                data = torch.empty(message.hi - message.lo, dtype=torch.uint8, device=self.device)
+                for segment, tensor in pieces:
+                    pack(segment, tensor, data, base=message.lo)
+            total += word_sum(data)
+            self._send(data)
+        self._send(checksum_bytes(total).clone())
+
+    def fill(self) -> None:
+        """After a failure: zeros for every message not sent yet, so the receiver completes."""
+        spans = [m.hi - m.lo for m in self.layout.messages] + [8]
+        filler = torch.zeros(max(spans[self.sent :]), dtype=torch.uint8, device=self.device)
+        while self.sent < len(spans):
+            self._send(filler[: spans[self.sent]])
 
 
 def _vote(failures, group, device, step):
@@ -199,18 +297,6 @@ def _vote(failures, group, device, step):
 
 def _global(group, rank):
     return dist.get_global_rank(group, rank) if group is not None else rank
-
-
-def _p2p(schedule, group, rank, send, recv, sizes, device):
-    ops = [
-        dist.P2POp(dist.isend, buf, _global(group, dst), group) for dst, buf in sorted(send.items())
-    ]
-    ops += [
-        dist.P2POp(dist.irecv, buf, _global(group, src), group) for src, buf in sorted(recv.items())
-    ]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
 
 
 def _all_to_all(schedule, group, rank, send, recv, sizes, device):
@@ -262,7 +348,6 @@ def _broadcast(schedule, group, rank, send, recv, sizes, device):
 
 
 _EXCHANGES = {
-    "p2p": _p2p,
     "all_to_all": _all_to_all,
     "scatter": _scatter,
     "broadcast": _broadcast,
@@ -292,7 +377,7 @@ def measure_costs(group, device="cpu", sizes=(1024, 4 << 20), repeats=5):
         for _ in range(repeats):
             dist.barrier(group=group)
             t0 = time.perf_counter()
-            run_transfer(schedule, group, primitive, lambda m: data, lambda m: spec[size], device)
+            run_transfer(schedule, group, primitive, lambda run: data, lambda m: spec[size], device)
             times.append(time.perf_counter() - t0)
         times = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)

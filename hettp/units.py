@@ -34,6 +34,18 @@ class UnitLayout:
         ]
         return pieces[0] if self.parts == 1 else torch.cat(pieces, dim=self.axis)
 
+    def run(
+        self, local: torch.Tensor, num_local_units: int, positions: Sequence[int]
+    ) -> torch.Tensor:
+        """The units at `positions` as one tensor, their payloads joined along the axis: a view
+        of `local` when they are consecutive and the layout has one part."""
+        first = positions[0] if positions else 0
+        if self.parts == 1 and list(positions) == list(range(first, first + len(positions))):
+            return local.narrow(self.axis, first * self.width, len(positions) * self.width)
+        return torch.cat(
+            [self.payload(local, num_local_units, p) for p in positions], dim=self.axis
+        )
+
     def assemble(self, payloads: Sequence[torch.Tensor], template: torch.Tensor) -> torch.Tensor:
         """A local shard from unit payloads in local order; `template` gives the other dims."""
         if not payloads:

@@ -24,6 +24,7 @@ import time
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("pack", "exchange", "verify")  # hettp.exchange.STAGES; the parent imports no torch
 
 
 def plan_changes(tp, mlp_units):
@@ -107,7 +108,9 @@ def worker(rank, world, port, opts, out_path):
                 dist.all_reduce(payload, group=group)
                 reduce_times.append(time.perf_counter() - t1)
             times = torch.tensor(
-                [total, result.seconds, statistics.median(reduce_times)], dtype=torch.float64
+                [total, result.seconds, statistics.median(reduce_times)]
+                + [result.stages.get(stage, 0.0) for stage in STAGES],
+                dtype=torch.float64,
             )
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             row = rows.setdefault(
@@ -120,11 +123,14 @@ def worker(rank, world, port, opts, out_path):
                     "total": [],
                     "transfer": [],
                     "all_reduce": [],
+                    **{stage: [] for stage in STAGES},
                 },
             )
             row["total"].append(times[0].item())
             row["transfer"].append(times[1].item())
             row["all_reduce"].append(times[2].item())
+            for i, stage in enumerate(STAGES):
+                row[stage].append(times[3 + i].item())
     fitted = measure_costs(group)
     if rank == 0:
         with open(out_path, "w") as f:
@@ -166,21 +172,25 @@ def main(argv=None):
         f"(gloo), MLP units of {opts.granularity} neurons; medians of {opts.repeats} rounds"
     )
     print(
-        f"{'plan change':58s} {'units':>6s} {'MB':>7s} {'via':>10s} {'transfer ms':>11s} "
-        f"{'total ms':>9s} {'all_reduce ms':>13s} {'transfer/AR':>11s} {'total/AR':>8s}"
+        f"{'plan change':40s} {'units':>5s} {'MB':>7s} {'via':>4s} {'pack':>6s} {'exch':>6s} "
+        f"{'verify':>6s} {'transfer':>8s} {'total':>7s} {'AR':>6s} {'transfer/AR':>11s} "
+        f"{'total/AR':>8s}"
     )
     for name, row in data["rows"].items():
         transfer = statistics.median(row["transfer"]) * 1e3
         total = statistics.median(row["total"]) * 1e3
         reduce = statistics.median(row["all_reduce"]) * 1e3
+        stages = [statistics.median(row.get(stage, [0.0])) * 1e3 for stage in STAGES]
         print(
-            f"{name:58s} {row['units']:6d} {row['bytes'] / 1e6:7.2f} {row['primitive']:>10s} "
-            f"{transfer:11.1f} {total:9.1f} {reduce:13.1f} {transfer / reduce:11.2f} "
+            f"{name:40s} {row['units']:5d} {row['bytes'] / 1e6:7.2f} {row['primitive']:>4s} "
+            + " ".join(f"{ms:6.1f}" for ms in stages)
+            + f" {transfer:8.1f} {total:7.1f} {reduce:6.1f} {transfer / reduce:11.2f} "
             f"{total / reduce:8.2f}"
         )
     print(
-        "transfer = pack + exchange + verify; total adds the commit and the rebuild of the DDP "
-        "wrapper and optimizer; AR = one all_reduce of the same bytes on the TP group."
+        "ms; transfer = pack + exchange + verify (each the slowest rank's, plus the votes "
+        "between them); total adds the commit and the rebuild of the DDP wrapper and "
+        "optimizer; AR = one all_reduce of the same bytes on the TP group."
     )
     print("cost model fitted on this machine (call s, alpha s/message, beta bytes/s):")
     for name, c in data["cost_model"].items():

@@ -27,7 +27,15 @@ from hettp.transfer import CostModel, plan_transfer
 from . import cpu_compat
 from .layers import UnitBlock
 from .model import unwrap_model
-from .unit_state import OptimizerView, payload, permute, state_keys, unit_specs, unit_tensors
+from .unit_state import (
+    OptimizerView,
+    payload,
+    permute,
+    run_payload,
+    state_keys,
+    unit_specs,
+    unit_tensors,
+)
 
 
 def het_blocks(module) -> dict:
@@ -149,16 +157,17 @@ class HetPartition:
         pieces = {key: unit_tensors(b, optimizer, keys) for key, b in blocks.items()}
         positions = {key: {u: i for i, u in enumerate(b.units)} for key, b in blocks.items()}
 
-        def move_payload(move):
-            key = (move.layer, move.block)
-            return payload(pieces[key], len(positions[key]), positions[key][move.unit])
+        def run_of_moves(moves):
+            key = (moves[0].layer, moves[0].block)
+            where = positions[key]
+            return run_payload(pieces[key], len(where), [where[m.unit] for m in moves])
 
         with cpu_compat.suspended():  # pure torch from here; the CPU device mode only slows it
             result = run_transfer(
                 schedule,
                 self.group,
                 primitive,
-                move_payload,
+                run_of_moves,
                 lambda move: specs[move.block],
                 device=comm_device(),
                 step=step,

@@ -77,6 +77,12 @@ def payload(pieces, num_local_units, position):
     return [layout.payload(tensor, num_local_units, position) for tensor, layout in pieces]
 
 
+def run_payload(pieces, num_local_units, positions):
+    """The units at `positions` of every (tensor, layout) in `pieces`, joined along each
+    layout's axis (views where they are consecutive): what hettp.exchange sends for a run."""
+    return [layout.run(tensor, num_local_units, positions) for tensor, layout in pieces]
+
+
 def permute(pieces, old_units, new_units):
     """Put every (tensor, layout) of `pieces` into the order `new_units`, in place."""
     position = {u: i for i, u in enumerate(old_units)}
@@ -91,6 +97,6 @@ def unit_specs(block, state_keys) -> list[TensorSpec]:
     specs = []
     for _, _, param, layout in block.unit_tensors():
         shape = layout.payload_shape(param.shape)
-        specs.append(TensorSpec(shape, param.dtype))
-        specs.extend(TensorSpec(shape, torch.float32) for _ in state_keys)
+        specs.append(TensorSpec(shape, param.dtype, layout.axis))
+        specs.extend(TensorSpec(shape, torch.float32, layout.axis) for _ in state_keys)
     return specs

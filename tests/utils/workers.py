@@ -411,26 +411,53 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
 
 def exchange_primitives(world_cases: list) -> dict:
     """run_transfer with every primitive on synthetic schedules; returns what each rank got
-    and the cost model measured on this group."""
+    (or the error it raised) and the cost model measured on this group. A case is (name,
+    primitive, moves, message_bytes, (faulty rank, stage) or None)."""
     import torch
     import torch.distributed as dist
 
-    from hettp.exchange import TensorSpec, measure_costs, run_transfer
+    from hettp.exchange import TensorSpec, TransferError, measure_costs, run_transfer
     from hettp.transfer import TransferSchedule, UnitMove
 
     dist.init_process_group("gloo")
     n, rank = dist.get_world_size(), dist.get_rank()
-    specs = [TensorSpec((3, 5), torch.float32), TensorSpec((7,), torch.int64)]
+    # a weight-like tensor joined along its columns (axis 1), and ids joined along axis 0
+    specs = [TensorSpec((3, 5), torch.float32, axis=1), TensorSpec((7,), torch.int64)]
 
-    def payload(move):  # what the sender holds for a unit: depends only on the move
+    def unit(move):  # what the sender holds for a unit: depends only on the move
         base = float(move.layer * 1000 + move.unit * 10 + move.src)
         return [torch.full((3, 5), base), torch.arange(7, dtype=torch.int64) + move.unit]
 
+    def payload(run):  # a run's units joined along each spec's axis
+        return [
+            torch.cat(tensors, dim=spec.axis)
+            for tensors, spec in zip(zip(*(unit(m) for m in run)), specs)
+        ]
+
+    def faulty(case_fault):
+        def fault(stage):
+            if case_fault and case_fault == (rank, stage):
+                raise RuntimeError(f"injected {stage} fault")
+
+        return fault
+
     got = {}
-    for primitive, moves in world_cases:
+    for name, primitive, moves, message_bytes, case_fault in world_cases:
         schedule = TransferSchedule(n, tuple(UnitMove(*m, 15 * 4 + 7 * 8) for m in moves))
-        result = run_transfer(schedule, None, primitive, payload, lambda m: specs)
-        got[primitive] = {
+        try:
+            result = run_transfer(
+                schedule,
+                None,
+                primitive,
+                payload,
+                lambda m: specs,
+                fault=faulty(case_fault),
+                message_bytes=message_bytes,
+            )
+        except TransferError as err:
+            got[name] = str(err)
+            continue
+        got[name] = {
             (m.layer, m.unit, m.src, m.dst): [t.clone() for t in tensors]
             for m, tensors in result.received.items()
         }
