@@ -258,6 +258,12 @@ class HetTPConfig:
             f"--het-tp-onset-at-once ({self.onset_at_once}) must be >= --het-tp-onset "
             f"({self.onset})",
         )
+        _require(
+            tp > 1 or not (p.decides and self.resize is None),
+            f"--het-tp-policy {self.policy} decides how units are split over the TP group, "
+            "and --tensor-model-parallel-size 1 has nothing to split: use TP > 1 or drop the "
+            "policy",
+        )
         scenario = None
         if self.emulate is not None:
             _require(

@@ -16,6 +16,7 @@ embedding, norms and loss too, as a slow GPU is slow at everything). Iterations 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -82,8 +83,11 @@ class Scenario:
         if missing:
             raise ScenarioError(f"{flag} '{text}': {kind} needs {', '.join(sorted(missing))}")
         factors = params.get("factors", (params.get("factor", 1.0),))
-        if any(f < 1.0 for f in factors):
-            raise ScenarioError(f"{flag} '{text}': slowdown factors must be >= 1")
+        if not all(1.0 <= f < math.inf for f in factors):  # nan fails both comparisons
+            raise ScenarioError(
+                f"{flag} '{text}': slowdown factors must be finite numbers >= 1, got "
+                f"{'/'.join(f'{f:g}' for f in factors)}"
+            )
         if "rank" in params and not 0 <= params["rank"] < tp_size:
             raise ScenarioError(
                 f"{flag} '{text}': rank {params['rank']} is not a TP rank (TP size {tp_size})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import tempfile
 
 import torch
 
@@ -367,6 +368,8 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             f"(its vocabulary has {BYTE_LEVEL_VOCAB_SIZE} entries; omit --vocab-size)",
         )
     if args.data_path:
+        from .dataset_files import DatasetFileError, check_indexed_dataset
+
         for prefix in parse_data_path(args.data_path)[0]:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             _require(
@@ -374,6 +377,10 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
                 f"--data-path {prefix}: no {' or '.join(prefix + e for e in missing)} "
                 "(build one with scripts/preprocess_data.py)",
             )
+            try:
+                check_indexed_dataset(prefix)
+            except DatasetFileError as err:
+                raise ArgumentError(f"--data-path {prefix}: {err}") from None
         split = [s for s in args.split.replace(" ", "").replace("/", ",").split(",") if s]
         _require(
             len(split) <= 3
@@ -400,7 +407,27 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         _require(
             args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}"
         )
+    if args.save is not None:
+        _check_writable(args.save)
+    if args.load is not None and not os.path.isdir(args.load):
+        # A missing --load is a typo that would silently start from scratch, except in
+        # Megatron's auto-resume pattern (--load and --save the same folder), whose first run
+        # finds nothing yet.
+        _require(
+            args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load),
+            f"--load {args.load}: no such directory (to start from scratch, drop --load)",
+        )
     return het_tp
+
+
+def _check_writable(folder: str) -> None:
+    """--save must take files now, not fail at the first save hours into the run."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise ArgumentError(f"--save {folder}: not writable ({err.strerror or err})") from None
 
 
 # Megatron-LM features the het-TP layers do not implement: (args attribute, what it is).

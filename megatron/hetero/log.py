@@ -199,6 +199,8 @@ class Logger:
         )
         if loaded_from:
             self.info(f"> loaded checkpoint from {loaded_from} at iteration {iteration}")
+        elif args.load:
+            self.info(f"> no checkpoint under --load {args.load} yet: starting from iteration 0")
         if self.metrics is not None:
             self.metrics.write(
                 "run",

@@ -157,7 +157,11 @@ def test_het_tp_flags():
     )
     assert not config.het_tp and config.timed
     with pytest.raises(ArgumentError, match="--het-tp-emulate is implemented for CPU runs"):
-        _het_tp("--het-tp-policy migrate --het-tp-emulate none", cuda=True)
+        _het_tp(
+            "--tensor-model-parallel-size 2 --het-tp-policy migrate --het-tp-emulate none",
+            world_size=2,
+            cuda=True,
+        )
     config = _het_tp(
         "--tensor-model-parallel-size 2 --het-tp-policy migrate --het-tp-emulate-dilation 3",
         world_size=2,
@@ -283,8 +287,9 @@ def test_data_path_must_exist(tmp_path):
     )
     with pytest.raises(ArgumentError, match=rf"--data-path {tmp_path}/d: no {tmp_path}/d.idx"):
         validate_args(args, 1, cuda_available=False)
-    (tmp_path / "d.idx").write_bytes(b"")
-    validate_args(args, 1, cuda_available=False)
+    (tmp_path / "d.idx").write_bytes(b"")  # there, but not an index
+    with pytest.raises(ArgumentError, match=rf"--data-path {tmp_path}/d: {tmp_path}/d.idx is"):
+        validate_args(args, 1, cuda_available=False)
 
 
 def test_data_path_blends():
@@ -351,3 +356,51 @@ def test_missing_required_flag_is_named():
     assert proc.returncode == 2
     assert "the following arguments are required" in proc.stderr and "--hidden-size" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_load_and_save_are_checked_at_start(tmp_path):
+    missing = str(tmp_path / "typo")
+    with pytest.raises(ArgumentError, match=f"--load {missing}: no such directory"):
+        _args(f"--load {missing}")
+    # Megatron's auto-resume pattern: the first run's --load (= --save) does not exist yet
+    _args(f"--load {missing} --save {missing}")
+    assert os.path.isdir(missing) and os.listdir(missing) == []  # created, probe removed
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ArgumentError, match=f"--save {blocker}/ckpt: not writable"):
+        _args(f"--save {blocker}/ckpt")
+
+
+def test_early_errors_exit_2_with_one_line(tmp_path, capsys):
+    from tests.hetero.test_data import _corpus, _damage
+
+    prefix = _corpus(tmp_path, capsys)
+    _damage(prefix + ".bin", "truncate")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    base = BASE.split()
+    cases = [
+        (base + ["--load", str(tmp_path / "typo")], 1, "--load"),
+        (base + ["--save", f"{blocker}/ckpt"], 1, "not writable"),
+        (
+            base
+            + ["--tensor-model-parallel-size", "2", "--het-tp-policy", "migrate"]
+            + ["--het-tp-emulate", "persistent:rank=1,factor=nan"],
+            2,
+            "slowdown factors must be finite numbers >= 1, got nan",
+        ),
+        (base + ["--het-tp-policy", "migrate"], 1, "--tensor-model-parallel-size 1 has nothing"),
+        (
+            [a for a in base if a not in ("--mock-data", "--vocab-size", "255")]
+            + ["--data-path", prefix],
+            1,
+            f"{prefix}.bin is corrupt",
+        ),
+    ]
+    for argv, world, message in cases:
+        proc = _run_cli(argv, world_size=world)
+        assert proc.returncode == 2, (message, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error:"), proc.stderr
+        assert message in lines[0], lines[0]
+        assert "Traceback" not in proc.stderr + proc.stdout

@@ -164,3 +164,12 @@ def test_adding_a_policy_touches_the_table_and_the_planner(monkeypatch):
 def test_compared_policies_are_the_baseline_and_the_deciders():
     assert compared_policies() == [VANILLA, "resize", "migrate", "hybrid", "zero"]
     assert POLICIES[VANILLA].vanilla
+
+
+@pytest.mark.parametrize("policy", [p.name for p in POLICIES.values() if p.decides])
+def test_a_deciding_policy_at_tp_1_is_refused_by_name(policy):
+    _, args = _parse(["--het-tp-policy", policy])
+    config = HetTPConfig.from_args(args)
+    with pytest.raises(ConfigError, match=f"--het-tp-policy {policy} decides .* TP > 1"):
+        config.validated(dataclasses.replace(SHAPE, tp_size=1))
+    assert config.validated(SHAPE).decides  # the same flags at TP=2 are fine
