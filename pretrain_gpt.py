@@ -11,6 +11,7 @@ names it.
 """
 
 import os
+import sys
 import warnings
 
 # Megatron-LM's launch scripts set this so TP communication is ordered before compute on GPU.
@@ -24,10 +25,15 @@ from megatron.hetero.arguments import parse_args  # noqa: E402
 
 def main(argv=None):
     args = parse_args(argv)
+    from megatron.hetero.stopping import NonFiniteError
     from megatron.hetero.training import pretrain, shutdown
 
     try:
         pretrain(args)
+    except NonFiniteError as err:  # every rank stops at the same step: status 1, one line
+        if int(os.environ.get("RANK", "0")) == 0:
+            sys.stderr.write(f"pretrain_gpt.py: error: {err}\n")
+        sys.exit(1)
     finally:
         shutdown()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import tempfile
 
@@ -114,6 +115,24 @@ def _add_training_args(parser):
         "Makes initial weights independent of the TP size.",
     )
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument(
+        "--exit-duration-in-mins",
+        type=float,
+        default=None,
+        help="Save (with --save) and exit once training has run this long.",
+    )
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="On SIGTERM or SIGINT (to any rank): finish the step, save (with --save), exit 0.",
+    )
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        action="store_false",
+        dest="check_for_nan_in_loss_and_grad",
+        help="Train on when the loss or gradient norm is NaN or Inf (by default the run "
+        "stops there, non-zero, before anything is saved).",
+    )
 
 
 def _add_learning_rate_args(parser):
@@ -406,6 +425,11 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     if args.exit_interval is not None:
         _require(
             args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}"
+        )
+    if args.exit_duration_in_mins is not None:
+        _require(
+            0 < args.exit_duration_in_mins < math.inf,
+            f"--exit-duration-in-mins must be a positive number, got {args.exit_duration_in_mins}",
         )
     if args.save is not None:
         _check_writable(args.save)

@@ -30,7 +30,9 @@ from . import checkpointing, cpu_compat
 from .data import build_datasets, build_loader, build_tokenizer, get_batch
 from .log import Logger
 from .model import build_gpt_model, transformer_config
+from .partition import comm_device
 from .runtime import HetTPRuntime, SavedPlan, TrainState
+from .stopping import ExitWatch, check_finite
 
 
 @dataclasses.dataclass
@@ -311,32 +313,43 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
     losses, eval_losses = {}, {}
     saved_at = None
     state.model.train()
-    while iteration < args.train_iters:
-        lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
-        if runtime is not None:
-            runtime.begin_step(iteration + 1)
-        start = time.perf_counter()
-        loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime)
-        elapsed = time.perf_counter() - start
-        iteration += 1
-        consumed += args.global_batch_size
-        losses[iteration] = loss
-        logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
-        # The step boundary: decisions first, so that a checkpoint taken here holds them (as
-        # in upstream's train(), where the hook runs right after the step).
-        if runtime is not None:
-            runtime.end_step(iteration, elapsed)  # a migration replaces state.model/optimizer
-        if on_step_end is not None:
-            on_step_end(iteration, state, runtime)
+    watch = ExitWatch(args.exit_signal_handler, args.exit_duration_in_mins, comm_device())
+    watch.install()
+    try:
+        while iteration < args.train_iters:
+            lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
+            if runtime is not None:
+                runtime.begin_step(iteration + 1)
+            start = time.perf_counter()
+            loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime)
+            elapsed = time.perf_counter() - start
+            iteration += 1
+            consumed += args.global_batch_size
+            losses[iteration] = loss
+            logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
+            if args.check_for_nan_in_loss_and_grad:
+                check_finite(iteration, loss, grad_norm)  # before any decision or save
+            # The step boundary: decisions first, so that a checkpoint taken here holds them
+            # (as in upstream's train(), where the hook runs right after the step).
+            if runtime is not None:
+                runtime.end_step(iteration, elapsed)  # a migration replaces model/optimizer
+            if on_step_end is not None:
+                on_step_end(iteration, state, runtime)
 
-        if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
-            eval_losses[iteration] = evaluate(args, state.model, valid_ds)
-            logger.evaluation(iteration, eval_losses[iteration])
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            saved_at = save(iteration)
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
-            break
+            if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
+                eval_losses[iteration] = evaluate(args, state.model, valid_ds)
+                logger.evaluation(iteration, eval_losses[iteration])
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                saved_at = save(iteration)
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
+                break
+            why = watch.due()
+            if why is not None:
+                logger.info(f"exiting program at iteration {iteration}: {why}")
+                break
+    finally:
+        watch.close()
 
     if args.save and saved_at != iteration and iteration > 0:
         save(iteration)

@@ -16,7 +16,7 @@ from megatron.hetero.arguments import (
     parse_data_path,
     validate_args,
 )
-from tests.utils import BASE, ROOT
+from tests.utils import BASE, ROOT, damage, make_corpus
 
 
 def _args(extra="", world_size=1, cuda=False):
@@ -371,11 +371,9 @@ def test_load_and_save_are_checked_at_start(tmp_path):
         _args(f"--save {blocker}/ckpt")
 
 
-def test_early_errors_exit_2_with_one_line(tmp_path, capsys):
-    from tests.hetero.test_data import _corpus, _damage
-
-    prefix = _corpus(tmp_path, capsys)
-    _damage(prefix + ".bin", "truncate")
+def test_early_errors_exit_2_with_one_line(tmp_path):
+    prefix = make_corpus(tmp_path)
+    damage(prefix + ".bin", "truncate")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     base = BASE.split()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron.hetero.data import PretrainingSampler, build_tokenizer
-from tests.utils import ROOT
+from tests.utils import ROOT, damage, make_corpus
 
 
 def test_dp_ranks_split_each_global_batch_like_megatron():
@@ -117,42 +117,24 @@ def test_preprocess_errors_are_clear(tmp_path, capsys):
     assert status == 1 and "bad.jsonl:1: no key 'text' (--json-keys)" in err
 
 
-def _corpus(tmp_path, capsys):
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"text": f"document {i} " * 5}) + "\n" for i in range(4)))
-    status, _, err = _preprocess(
-        capsys, "--input", str(src), "--output-prefix", str(tmp_path / "c"), "--append-eod"
-    )
-    assert status == 0, err
-    return str(tmp_path / "c_text_document")
-
-
-def _damage(path, how):
-    data = bytearray(open(path, "rb").read())
-    if how == "truncate":
-        data = data[: len(data) - 3]
-    elif how == "header":
-        data[:4] = b"\xff" * 4
-    elif how == "lengths":  # the sequence count in the header no longer matches the file
-        data[18] ^= 0x40
-    open(path, "wb").write(bytes(data))
-
-
 @pytest.mark.parametrize(
     "ext,how,message",
     [
         (".bin", "truncate", ".bin is corrupt: "),
         (".idx", "truncate", ".idx is corrupt: "),
         (".idx", "header", ".idx is corrupt: not a megatron-core index"),
-        (".idx", "lengths", ".idx is corrupt: "),
+        (".idx", "sequence count", ".idx is corrupt: "),
     ],
 )
-def test_a_damaged_dataset_file_is_named_before_training(tmp_path, capsys, ext, how, message):
+def test_a_damaged_dataset_file_is_named_before_training(tmp_path, ext, how, message):
     from megatron.hetero.dataset_files import DatasetFileError, check_indexed_dataset
 
-    prefix = _corpus(tmp_path, capsys)
+    prefix = make_corpus(tmp_path)
     check_indexed_dataset(prefix)  # intact: no error
-    _damage(prefix + ext, how)
+    if how == "sequence count":  # the header's count no longer matches the file
+        damage(prefix + ext, "flip", offset=18)
+    else:
+        damage(prefix + ext, how)
     with pytest.raises(DatasetFileError) as err:
         check_indexed_dataset(prefix)
     assert str(err.value).startswith(prefix + ext + " is corrupt"), err.value

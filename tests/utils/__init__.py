@@ -4,6 +4,8 @@ Test modules import from here only, never from one another. Worker functions kee
 tests.utils.workers (the fork server preloads it; ranks unpickle them by that name)."""
 
 from tests.utils import workers
+from tests.utils.files import damage, make_corpus
+from tests.utils.jobs import Job, run_job
 from tests.utils.models import BASE, COMMON, GQA, MHA, close
 from tests.utils.paths import ROOT
 from tests.utils.ranks import PRELOAD, run_ranks
@@ -22,6 +24,7 @@ from tests.utils.workers import (
 
 __all__ = [
     "BASE",
+    "Job",
     "COMMON",
     "GQA",
     "MHA",
@@ -29,9 +32,12 @@ __all__ = [
     "ROOT",
     "close",
     "compat_paths",
+    "damage",
     "exchange_primitives",
     "het_numerics",
+    "make_corpus",
     "preloaded",
+    "run_job",
     "run_ranks",
     "train",
     "train_like_upstream",

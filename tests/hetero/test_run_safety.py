@@ -1,0 +1,104 @@
+"""Run safety on real gloo ranks, launched as a job (one process per rank, as srun starts them):
+a non-finite loss stops the run before anything is saved, and a signal or the time budget
+ends it cleanly with a checkpoint that resumes on the same trajectory."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from tests.utils import Job, run_job
+
+FLAGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --mock-data --vocab-size 255 --eval-iters 0 "
+    "--log-interval 1 --hidden-dropout 0 --attention-dropout 0 --tensor-model-parallel-size 2"
+).split()
+
+
+def _train_records(path):
+    if not os.path.exists(path):
+        return {}
+    records = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("kind") == "train":
+                records[record["iteration"]] = record
+    return records
+
+
+def _tracker(folder):
+    with open(os.path.join(folder, "latest_checkpointed_iteration.txt")) as f:
+        return int(f.read())
+
+
+def test_a_nan_loss_stops_the_run_non_zero_with_the_last_checkpoint_kept(tmp_path):
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    argv = FLAGS + ["--lr", "1e6", "--train-iters", "8", "--save", ckpt, "--save-interval", "1"]
+    ranks = run_job(argv + ["--metrics-file", metrics], 2)
+    records = _train_records(metrics)
+    bad = min(i for i, r in records.items() if r["lm_loss"] == "nan")  # written as a string
+    assert bad >= 2 and max(records) == bad  # it stopped at the first non-finite step
+    assert [r.returncode for r in ranks] == [1, 1], [r.stderr for r in ranks]
+    lines = ranks[0].stderr.strip().splitlines()
+    assert lines[-1].startswith(f"pretrain_gpt.py: error: iteration {bad}: lm loss is nan")
+    assert "Traceback" not in ranks[0].stderr + ranks[1].stderr
+    assert _tracker(ckpt) == bad - 1  # the last good step's checkpoint, nothing after it
+    assert sorted(os.listdir(ckpt)) == [f"iter_{i:07d}" for i in range(1, bad)] + [
+        "latest_checkpointed_iteration.txt"
+    ]
+
+    # the opt-out trains on to the end
+    ranks = run_job(
+        argv[:-4] + ["--no-check-for-nan-in-loss-and-grad", "--metrics-file", metrics + "2"], 2
+    )
+    assert [r.returncode for r in ranks] == [0, 0]
+    assert max(_train_records(metrics + "2")) == 8
+
+
+def test_sigterm_to_one_rank_saves_at_that_step_and_resumes_on_the_same_losses(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    # The schedule must not depend on --train-iters: the runs below stop at different ones.
+    argv = FLAGS + ["--lr", "1e-3", "--lr-decay-iters", "1000", "--exit-signal-handler"]
+    metrics = str(tmp_path / "interrupted.jsonl")
+    job = Job(argv + ["--train-iters", "1000", "--save", ckpt, "--metrics-file", metrics], 2)
+    deadline = time.monotonic() + 120
+    while len(_train_records(metrics)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.signal(1)  # as Slurm would, but to one rank only: the others must stop with it
+    ranks = job.wait(120)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    interrupted = _train_records(metrics)
+    stopped = max(interrupted)
+    assert 3 <= stopped < 1000
+    assert f"exiting program at iteration {stopped}: SIGTERM received by rank 1" in ranks[0].stdout
+    assert _tracker(ckpt) == stopped
+
+    total = stopped + 3
+    resumed_file, reference_file = str(tmp_path / "resumed.jsonl"), str(tmp_path / "ref.jsonl")
+    ranks = run_job(
+        argv
+        + ["--train-iters", str(total), "--load", ckpt, "--save", ckpt]
+        + ["--metrics-file", resumed_file],
+        2,
+    )
+    assert [r.returncode for r in ranks] == [0, 0]
+    ranks = run_job(argv + ["--train-iters", str(total), "--metrics-file", reference_file], 2)
+    assert [r.returncode for r in ranks] == [0, 0]
+    reference, resumed = _train_records(reference_file), _train_records(resumed_file)
+    assert sorted(resumed) == list(range(stopped + 1, total + 1))
+    for step in range(1, total + 1):
+        got = (interrupted if step <= stopped else resumed)[step]["lm_loss"]
+        want = reference[step]["lm_loss"]
+        assert abs(got - want) <= 1e-6 * abs(want), (step, got, want)
+
+
+def test_the_time_budget_ends_the_run_with_a_checkpoint(tmp_path):
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    argv = FLAGS + ["--lr", "1e-3", "--train-iters", "1000", "--save", ckpt]
+    ranks = run_job(argv + ["--exit-duration-in-mins", "0.0001", "--metrics-file", metrics], 2)
+    assert [r.returncode for r in ranks] == [0, 0]
+    assert "--exit-duration-in-mins 0.0001 reached" in ranks[0].stdout
+    assert _tracker(ckpt) == max(_train_records(metrics)) == 1
