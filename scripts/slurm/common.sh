@@ -11,6 +11,9 @@
 #   MODEL_ARGS  Megatron model/optimizer flags (default: a small GPT on mock data)
 #   EXTRA_ARGS  appended to every pretrain_gpt.py command line (default --log-interval 5)
 #   OUT         metrics and logs folder    (default $HETTP_DIR/logs/slurm-$SLURM_JOB_ID)
+#   SAVE        checkpoint folder: --save and --load (auto-resume), and a save on the SIGTERM
+#               that `#SBATCH --signal=TERM@120` sends 2 minutes before the time limit
+#               (default: none; het_tp*.sbatch and vanilla.sbatch only)
 #   MASTER_PORT rendezvous port            (default: derived from the job id)
 HETTP_DIR=${HETTP_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 if [ -z "${PYTHON:-}" ]; then
@@ -24,6 +27,7 @@ EMULATE=${EMULATE:-}
 MODEL_ARGS=${MODEL_ARGS:---num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 --attention-dropout 0}
 EXTRA_ARGS=${EXTRA_ARGS:---log-interval 5}
 OUT=${OUT:-$HETTP_DIR/logs/slurm-${SLURM_JOB_ID:-dry}}
+SAVE=${SAVE:-}
 export HETTP_DIR PYTHON OUT
 export PYTHONPATH=$HETTP_DIR${PYTHONPATH:+:$PYTHONPATH}
 
@@ -50,6 +54,14 @@ hettp_args() {
     ARGS+=(--het-tp-policy "$policy" --het-tp-interval "$INTERVAL")
     [ -n "$emulate" ] && ARGS+=(--het-tp-emulate "$emulate")
   fi
+  return 0
+}
+
+# A job that may be stopped by its time limit: checkpoints in $SAVE (resumed from by the next
+# job), and a clean save-and-exit on the SIGTERM Slurm sends ahead of the limit.
+hettp_checkpoint_args() {
+  ARGS+=(--exit-signal-handler)
+  [ -n "$SAVE" ] && ARGS+=(--save "$SAVE" --load "$SAVE")
   return 0
 }
 

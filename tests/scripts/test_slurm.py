@@ -120,6 +120,12 @@ def test_sbatch_dry_runs_print_the_resolved_commands():
         assert flag in out.stdout, out.stdout
     for line in ("MASTER_ADDR=cn3", "MASTER_PORT=20777", "RANK=2", "WORLD_SIZE=4"):
         assert f"export {line}" in out.stdout
+    assert "--exit-signal-handler" in out.stdout and "--save" not in out.stdout
+    saving = _dry("het_tp.sbatch", SAVE="/tmp/hettp-ckpt")
+    assert "--exit-signal-handler --save /tmp/hettp-ckpt --load /tmp/hettp-ckpt" in saving.stdout
+    for script in ("het_tp.sbatch", "het_tp_torchrun.sbatch", "vanilla.sbatch"):
+        with open(os.path.join(SLURM, script)) as f:  # SIGTERM 2 minutes before the limit
+            assert "#SBATCH --signal=TERM@120\n" in f.read(), script
     vanilla = _dry("vanilla.sbatch")
     assert vanilla.returncode == 0 and "--het-tp" not in vanilla.stdout
     torchrun = _dry("het_tp_torchrun.sbatch", GPUS_PER_NODE="4")
