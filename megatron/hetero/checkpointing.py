@@ -109,9 +109,11 @@ def save_checkpoint(
     scheduler,
     args,
     runtime=None,
+    staging: str | None = None,
 ) -> str:
     """`runtime`: the het-TP runtime, whose plan (common) and per-TP-rank state (priorities,
-    detector) the checkpoint keeps, so a resumed run starts where this one stands."""
+    detector) the checkpoint keeps, so a resumed run starts where this one stands. `staging`:
+    this job's name for the folder being written (SaveLock.staging), the same on every rank."""
     state = _sharded_state(model, optimizer, scheduler, with_rng=True, is_loading=False)
     if runtime is not None:
         state["het_tp_state"] = _per_tp_rank("het_tp_state", runtime.state_dict())
@@ -124,7 +126,7 @@ def save_checkpoint(
     state["args"]["het_tp_state"] = runtime is not None
 
     final = checkpoint_dir(root, iteration)
-    staging = final + ".tmp"
+    staging = staging or final + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)

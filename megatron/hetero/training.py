@@ -26,12 +26,13 @@ from megatron.core.transformer.module import Float16Module
 
 from hettp.metrics import MetricsWriter
 
-from . import checkpointing, cpu_compat
+from . import checkpointing, child_processes, cpu_compat
 from .data import build_datasets, build_loader, build_tokenizer, get_batch
 from .log import Logger
 from .model import build_gpt_model, transformer_config
 from .partition import comm_device
 from .runtime import HetTPRuntime, SavedPlan, TrainState
+from .save_lock import SaveLock, SaveLockError
 from .stopping import ExitWatch, check_finite
 
 
@@ -45,8 +46,10 @@ class TrainResult:
 
 
 def initialize(args) -> None:
-    """Process group, megatron-core parallel state, seeds. CPU shims first when there is no CUDA."""
+    """Process group, megatron-core parallel state, seeds. CPU shims first when there is no CUDA;
+    child processes (checkpoint writers, loader workers) set to die with this rank."""
     cpu_compat.activate()
+    child_processes.install()
     if not dist.is_initialized():
         _default_single_process_env()
         if torch.cuda.is_available():
@@ -258,7 +261,34 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     """
     runtime = HetTPRuntime.from_args(args)
     initialize(args)
-    rank = dist.get_rank()
+    # Claim --save before anything is built or written there (metrics default to it too).
+    lock, lock_warning = _claim_save_folder(args.save) if args.save else (None, None)
+    try:
+        return _pretrain(args, runtime, lock, lock_warning, on_step_end)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim_save_folder(folder):
+    """Rank 0 takes the --save lock; every rank learns the outcome (and raises alike)."""
+    outcome = [None]
+    if dist.get_rank() == 0:
+        lock = SaveLock(folder)
+        try:
+            outcome = [(lock.holder, lock.acquire())]
+        except (SaveLockError, OSError) as err:
+            outcome = [str(err) if isinstance(err, SaveLockError) else f"--save {folder}: {err}"]
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], str):
+        raise SaveLockError(outcome[0])
+    holder, warning = outcome[0]
+    if dist.get_rank() == 0:
+        return lock, warning
+    return SaveLock(folder, holder), warning  # not held: its staging names only
+
+
+def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
     saved = SavedPlan.from_dict(checkpointing.saved_plan(args.load)) if runtime else None
     state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime, saved)
@@ -271,16 +301,21 @@ def pretrain(args, on_step_end=None) -> TrainResult:
         if restored is not None:
             iteration, consumed = restored
 
+    rank = dist.get_rank()
     metrics_file = args.metrics_file or _default_metrics_file(args)
     if rank == 0:
         metrics_file = os.path.abspath(metrics_file)
     metrics = MetricsWriter(metrics_file) if rank == 0 else None
     logger = Logger(args, metrics)
     logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
+    if lock_warning:
+        logger.info(f"WARNING: {lock_warning}")
     try:
         if runtime is not None:
             runtime.attach(state, iteration, logger.events)
-        result = _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end)
+        result = _train(
+            args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end, lock
+        )
     finally:
         if runtime is not None:
             runtime.close()
@@ -289,7 +324,7 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     return dataclasses.replace(result, metrics_file=metrics_file if rank == 0 else None)
 
 
-def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end):
+def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end, lock):
     """The loop of pretrain(): train, evaluate, save, until --train-iters or --exit-interval."""
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -306,6 +341,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
             state.scheduler,
             args,
             runtime,
+            staging=lock.staging(checkpointing.checkpoint_dir(args.save, iteration)),
         )
         logger.saved(iteration, path)
         return iteration

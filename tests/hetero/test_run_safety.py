@@ -102,3 +102,59 @@ def test_the_time_budget_ends_the_run_with_a_checkpoint(tmp_path):
     assert [r.returncode for r in ranks] == [0, 0]
     assert "--exit-duration-in-mins 0.0001 reached" in ranks[0].stdout
     assert _tracker(ckpt) == max(_train_records(metrics)) == 1
+
+
+def test_a_second_job_on_the_same_save_folder_is_refused_and_the_first_ones_checkpoints_load(
+    tmp_path,
+):
+    ckpt = str(tmp_path / "ckpt")
+    argv = FLAGS + ["--lr", "1e-3", "--save", ckpt, "--save-interval", "2"]
+    first = Job(argv + ["--train-iters", "1000", "--metrics-file", str(tmp_path / "a.jsonl")], 2)
+    tracker = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(tracker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = run_job(argv + ["--train-iters", "4", "--metrics-file", str(tmp_path / "b.jsonl")], 2)
+    assert [r.returncode for r in second] == [2, 2], [r.stderr[-2000:] for r in second]
+    line = second[0].stderr.strip().splitlines()[-1]
+    holder = first.procs[0].pid
+    assert line.startswith(f"pretrain_gpt.py: error: --save {ckpt} is in use by another job")
+    assert f"PID {holder} on " in line and "Traceback" not in second[0].stderr
+    assert not os.path.exists(tmp_path / "b.jsonl")  # refused before writing anything
+    children = [pid for proc in first.procs for pid in _children(proc.pid)]
+    assert children  # the checkpoint writer's results Manager, at least
+    first.kill()  # SIGKILL: no clean-up; its lock stays behind, stale
+    deadline = time.monotonic() + 10  # ...but no process of it: they die with their rank
+    while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+    saved = _tracker(ckpt)
+    third = run_job(
+        argv
+        + ["--train-iters", str(saved + 2), "--load", ckpt, "--metrics-file", metrics(tmp_path)],
+        2,
+    )
+    assert [r.returncode for r in third] == [0, 0], [r.stderr[-2000:] for r in third]
+    assert f"WARNING: took over the stale lock of PID {holder} on " in third[0].stdout
+    assert f"loaded checkpoint from {ckpt} at iteration {saved}" in third[0].stdout
+    assert sorted(_train_records(metrics(tmp_path))) == [saved + 1, saved + 2]
+    assert not os.path.exists(os.path.join(ckpt, ".hettp-save.lock"))  # released at the end
+
+
+def metrics(tmp_path):
+    return str(tmp_path / "c.jsonl")
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found

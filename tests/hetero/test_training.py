@@ -196,13 +196,15 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
     argv = MODEL + ["--train-iters", "6", "--save", str(ckpt), "--save-interval", "3"]
     result = run_ranks(train_with_failing_save, 1, argv, 6)[0]
     assert result["error"] == "disk full (injected)"
-    # the tracker still names the last complete checkpoint; the broken one stays in staging
+    # the tracker still names the last complete checkpoint; the broken one stays in staging,
+    # in a folder named after the job
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert (ckpt / "iter_0000006.tmp").is_dir() and not (ckpt / "iter_0000006").exists()
+    (staging,) = ckpt.glob("iter_0000006.tmp-*")
+    assert staging.is_dir() and not (ckpt / "iter_0000006").exists()
     resumed = run_ranks(train, 1, argv + ["--load", str(ckpt)])[0]
     assert sorted(resumed["losses"]) == [4, 5, 6]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
-    assert not (ckpt / "iter_0000006.tmp").exists()
+    assert not staging.exists()  # the next job holding the folder cleared the dead staging
 
 
 def test_loading_into_a_different_model_names_the_flags(tmp_path):

@@ -69,7 +69,7 @@ class Job:
             if proc.poll() is None:
                 proc.kill()
         for proc in self.procs:
-            proc.communicate()
+            proc.communicate(timeout=60)  # a child holding its pipes would hang us here
 
 
 def run_job(argv: list[str], nproc: int, timeout: float = 240.0, env=None) -> list[Finished]:

@@ -1,0 +1,75 @@
+"""One job per --save folder (megatron/hetero/save_lock.py): pure file-system cases, no ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from megatron.hetero.save_lock import LOCK_FILE, Holder, SaveLock, SaveLockError
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _other(**changes) -> Holder:
+    return dataclasses.replace(Holder.me(), token="other-job", **changes)
+
+
+def test_a_live_holder_is_named_and_the_folder_refused(tmp_path):
+    first = SaveLock(str(tmp_path))
+    assert first.acquire() is None and first.held
+    with open(tmp_path / LOCK_FILE) as f:
+        assert json.load(f)["pid"] == os.getpid()
+    second = SaveLock(str(tmp_path), _other())  # this process is alive: the lock is held
+    with pytest.raises(SaveLockError) as err:
+        second.acquire()
+    assert f"in use by another job (PID {os.getpid()} on {socket.gethostname()}" in str(err.value)
+    assert not second.held
+    second.release()  # not its lock: stays
+    assert (tmp_path / LOCK_FILE).exists()
+    first.release()
+    assert sorted(os.listdir(tmp_path)) == []  # nothing left behind, no private temp files
+    assert SaveLock(str(tmp_path), _other()).acquire() is None  # free again
+
+
+@pytest.mark.parametrize(
+    "gone",
+    [
+        {"pid": "dead"},  # same host, the process ended
+        {"started": "1"},  # same host, the PID now belongs to another process
+        {"host": "no-such-host.invalid"},  # a host that no longer resolves
+    ],
+    ids=["dead-pid", "reused-pid", "host-gone"],
+)
+def test_a_stale_lock_is_taken_over_with_a_warning_and_its_staging_removed(tmp_path, gone):
+    if gone.get("pid") == "dead":
+        gone = {"pid": _dead_pid()}
+    crashed = SaveLock(str(tmp_path), _other(**gone))
+    crashed.acquire()
+    (tmp_path / "iter_0000004.tmp-other-job").mkdir()  # it died while saving
+    (tmp_path / "iter_0000002").mkdir()  # a finished checkpoint: kept
+    lock = SaveLock(str(tmp_path))
+    warning = lock.acquire()
+    assert lock.held and warning.startswith("took over the stale lock of PID")
+    assert "removed its unfinished checkpoints iter_0000004.tmp-other-job" in warning
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "iter_0000002"]
+    staging = lock.staging(str(tmp_path / "iter_0000006"))
+    assert staging.endswith(f"iter_0000006.tmp-{lock.holder.token}")
+
+
+def test_a_live_remote_holder_is_respected_and_an_unreadable_lock_refused(tmp_path):
+    SaveLock(str(tmp_path), _other(host="localhost", pid=1)).acquire()
+    with pytest.raises(SaveLockError, match=r"in use by another job \(PID 1 on localhost"):
+        SaveLock(str(tmp_path)).acquire()
+    (tmp_path / LOCK_FILE).write_text("{not json")
+    with pytest.raises(SaveLockError, match="is unreadable; delete it"):
+        SaveLock(str(tmp_path)).acquire()
