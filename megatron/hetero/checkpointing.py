@@ -18,6 +18,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from . import ckpt_integrity
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 # Flags that fix tensor shapes: a checkpoint only loads into a model built with the same values.
@@ -133,6 +135,8 @@ def save_checkpoint(
     dist.barrier()
     dist_checkpointing.save(state, staging)
     dist.barrier()
+    ckpt_integrity.write_manifest(staging)  # collective; rank 0 writes it
+    dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(staging, final)
@@ -142,6 +146,15 @@ def save_checkpoint(
         os.replace(tracker + ".tmp", tracker)
     dist.barrier()
     return final
+
+
+def verify_latest(root: str | None) -> str | None:
+    """Before anything of the newest checkpoint under `root` is read: its manifest and safe
+    metadata (ckpt_integrity.verify; collective). Returns a warning, or None."""
+    iteration = latest_iteration(root) if root else None
+    if iteration is None:
+        return None
+    return ckpt_integrity.verify(checkpoint_dir(root, iteration))
 
 
 def saved_plan(root: str | None) -> dict | None:

@@ -290,6 +290,7 @@ def _claim_save_folder(folder):
 
 def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    load_warning = checkpointing.verify_latest(args.load)  # before any of it is read
     saved = SavedPlan.from_dict(checkpointing.saved_plan(args.load)) if runtime else None
     state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime, saved)
 
@@ -308,8 +309,9 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     metrics = MetricsWriter(metrics_file) if rank == 0 else None
     logger = Logger(args, metrics)
     logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
-    if lock_warning:
-        logger.info(f"WARNING: {lock_warning}")
+    for warning in (lock_warning, load_warning):
+        if warning:
+            logger.info(f"WARNING: {warning}")
     try:
         if runtime is not None:
             runtime.attach(state, iteration, logger.events)

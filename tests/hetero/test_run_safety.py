@@ -158,3 +158,76 @@ def _children(pid: int) -> list[int]:
             if int(fields[1]) == pid and fields[0] != "Z":
                 found.append(int(entry))
     return found
+
+
+class _Evil:
+    """A pickle that runs a shell command when loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _rewrite_manifest(folder, name):
+    """What an attacker who can write the folder does: list the new file's digest."""
+    import hashlib
+
+    with open(os.path.join(folder, "manifest.json")) as f:
+        manifest = json.load(f)
+    with open(os.path.join(folder, name), "rb") as f:
+        data = f.read()
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def test_load_refuses_damaged_and_crafted_checkpoints_by_name(tmp_path):
+    import pickle
+    import shutil
+
+    from tests.utils import damage
+
+    ckpt = str(tmp_path / "ckpt")
+    argv = FLAGS + ["--lr", "1e-3", "--metrics-file", str(tmp_path / "m.jsonl")]
+    assert [r.returncode for r in run_job(argv + ["--train-iters", "2", "--save", ckpt], 2)] == [
+        0,
+        0,
+    ]
+    good = os.path.join(ckpt, "iter_0000002")
+    assert os.path.exists(os.path.join(good, "manifest.json"))
+    pristine = str(tmp_path / "pristine")
+    shutil.copytree(good, pristine)
+
+    def load(expect):
+        ranks = run_job(argv + ["--train-iters", "3", "--load", ckpt], 2)
+        assert [r.returncode for r in ranks] == [expect] * 2, [r.stderr[-2000:] for r in ranks]
+        return ranks
+
+    # 4 KiB of 0xFF in the middle of a .distcp file: refused, naming it
+    shard = os.path.join(good, "__1_0.distcp")
+    damage(shard, "ff")
+    line = load(1)[0].stderr.strip().splitlines()[-1]
+    assert line == (
+        f"pretrain_gpt.py: error: {shard} is damaged: its SHA-256 differs from the manifest's"
+    )
+
+    # a crafted .metadata, manifest rewritten to match: refused, and nothing of it ran
+    shutil.rmtree(good)
+    shutil.copytree(pristine, good)
+    marker = tmp_path / "pwned"
+    with open(os.path.join(good, ".metadata"), "wb") as f:
+        pickle.dump(_Evil(str(marker)), f)
+    _rewrite_manifest(good, ".metadata")
+    line = load(1)[0].stderr.strip().splitlines()[-1]
+    assert f"{good}/.metadata refused: needs posix.system" in line, line
+    assert not marker.exists()
+
+    # a checkpoint from before manifests loads, with a warning
+    shutil.rmtree(good)
+    shutil.copytree(pristine, good)
+    os.remove(os.path.join(good, "manifest.json"))
+    out = load(0)[0].stdout
+    assert f"WARNING: {good} has no manifest.json (saved before manifests): not verified" in out
+    assert "loaded checkpoint from" in out

@@ -1,0 +1,157 @@
+"""What --load trusts in a checkpoint folder, checked before any of it is read.
+
+Integrity: every save writes `manifest.json`, the size and SHA-256 of each file, hashed by all
+ranks in parallel (each a share of the files, read back from the page cache right after they
+were written). `--load` recomputes them the same way and refuses a folder where a file is
+missing, unlisted, of another size or another digest, naming it. A checkpoint saved before
+manifests existed loads with a warning.
+
+Safety: torch's dist-checkpoint reader unpickles `.metadata` with plain pickle, which runs
+whatever a crafted file asks for. It is therefore first read with an unpickler that only
+resolves the classes dist-checkpoint metadata is made of (`SAFE_GLOBALS`); a file that needs
+anything else is refused by name and nothing of it runs. The other pickles of a checkpoint are
+read by torch with `weights_only=True` already (`common.pt`, the byte items inside `.distcp`
+files). A manifest is not a signature: someone who can write the folder can rewrite it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+
+MANIFEST = "manifest.json"
+METADATA = ".metadata"
+_CHUNK = 8 << 20
+
+SAFE_GLOBALS = {
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan",
+        "TensorWriteData",
+        "WriteItem",
+        "WriteItemType",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "collections": {"OrderedDict"},
+}
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint file asks to run code or is damaged; nothing of it was restored."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name in SAFE_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"needs {module}.{name}, which checkpoint metadata never does")
+
+
+def check_metadata(path: str) -> None:
+    """Raise UnsafeCheckpointError if the pickle at `path` needs anything beyond SAFE_GLOBALS."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        _RestrictedUnpickler(io.BytesIO(data)).load()
+    except Exception as err:  # noqa: BLE001 - any failure: the file is not loaded
+        raise UnsafeCheckpointError(f"{path} refused: {err}") from None
+
+
+def _digest(path: str) -> dict:
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": sha.hexdigest()}
+
+
+def _digests(folder: str, names: list[str]) -> dict:
+    """{name: digest} of `names`, each rank hashing every world-th file; the same dict on every
+    rank. A file that cannot be read gets {"error": ...}."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = {}
+    for name in names[rank::world]:
+        try:
+            mine[name] = _digest(os.path.join(folder, name))
+        except OSError as err:
+            mine[name] = {"error": err.strerror or str(err)}
+    if world == 1:
+        return mine
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {name: d for part in parts for name, d in part.items()}
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n != MANIFEST)
+
+
+def write_manifest(folder: str) -> None:
+    """Every rank: hash the files of a just-written checkpoint; rank 0 writes the manifest."""
+    names = _files(folder) if (not dist.is_initialized() or dist.get_rank() == 0) else None
+    if dist.is_initialized():
+        box = [names]
+        dist.broadcast_object_list(box, src=0)
+        names = box[0]
+    digests = _digests(folder, names)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(os.path.join(folder, MANIFEST), "w") as f:
+            json.dump({"version": 1, "files": digests}, f, indent=0, sort_keys=True)
+
+
+def verify(folder: str) -> str | None:
+    """Every rank: raise UnsafeCheckpointError naming the first damaged, missing, unlisted or
+    unsafe file; returns a warning for a checkpoint without a manifest, else None."""
+    warning = None
+    manifest_path = os.path.join(folder, MANIFEST)
+    if os.path.exists(manifest_path):
+        try:
+            with open(manifest_path) as f:
+                listed = json.load(f)["files"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise UnsafeCheckpointError(f"{manifest_path} is unreadable ({err})") from None
+        present = _files(folder)
+        extra = sorted(set(present) - set(listed))
+        if extra:
+            raise UnsafeCheckpointError(
+                f"{os.path.join(folder, extra[0])} is not in the checkpoint's manifest"
+            )
+        got = _digests(folder, sorted(listed))
+        for name in sorted(listed):
+            want, have = listed[name], got.get(name, {})
+            if "error" in have:
+                why = have["error"]
+            elif have.get("size") != want.get("size"):
+                why = f"{have.get('size')} bytes, the manifest says {want.get('size')}"
+            elif have.get("sha256") != want.get("sha256"):
+                why = "its SHA-256 differs from the manifest's"
+            else:
+                continue
+            raise UnsafeCheckpointError(f"{os.path.join(folder, name)} is damaged: {why}")
+    else:
+        warning = f"{folder} has no {MANIFEST} (saved before manifests): not verified"
+    if os.path.exists(os.path.join(folder, METADATA)):
+        check_metadata(os.path.join(folder, METADATA))
+    return warning
