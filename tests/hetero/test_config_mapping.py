@@ -10,6 +10,7 @@ from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
 from megatron.hetero.data import build_tokenizer, dataset_config
 from megatron.hetero.model import transformer_config
 from megatron.hetero.training import optimizer_config, scheduler_kwargs
+from tests.utils import make_corpus
 
 BASE = (
     "--num-layers 3 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -96,10 +97,10 @@ def test_lr_schedule_matches_megatron_scheduler(style):
 
 
 def test_data_flags_reach_dataset_config(tmp_path):
-    for prefix in ("a/x", "b/y"):
-        (tmp_path / prefix).parent.mkdir(exist_ok=True)
-        for ext in (".bin", ".idx"):
-            (tmp_path / (prefix + ext)).write_bytes(b"")
+    prefixes = []
+    for name in ("a", "b"):  # validation reads the index headers: real (tiny) datasets
+        (tmp_path / name).mkdir()
+        prefixes.append(make_corpus(tmp_path / name))
     args = _args(f"--eod-mask-loss --data-cache-path {tmp_path} --seed 7")
     cfg = dataset_config(args, build_tokenizer(args.tokenizer_type, args.vocab_size))
     assert cfg.eod_mask_loss and cfg.path_to_cache == str(tmp_path) and cfg.random_seed == 7
@@ -107,12 +108,12 @@ def test_data_flags_reach_dataset_config(tmp_path):
     args = build_parser().parse_args(
         (
             BASE.replace("--mock-data --vocab-size 255", "")
-            + f" --data-path 0.3 {tmp_path}/a/x 0.7 {tmp_path}/b/y --split 90,10,0"
+            + f" --data-path 0.3 {prefixes[0]} 0.7 {prefixes[1]} --split 90,10,0"
         ).split()
     )
     validate_args(args, 1, cuda_available=False)
     cfg = dataset_config(args, build_tokenizer(args.tokenizer_type, args.vocab_size))
-    assert cfg.blend == ([f"{tmp_path}/a/x", f"{tmp_path}/b/y"], [0.3, 0.7])
+    assert cfg.blend == (prefixes, [0.3, 0.7])
     assert cfg.split == "90,10,0"
     assert args.tokenizer_type == "ByteLevelTokenizer"
 
