@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from tests.utils.paths import ROOT
-from tests.utils.ranks import _free_port
+from tests.utils.ranks import _free_port, rank_env
 
 
 @dataclass
@@ -27,23 +27,13 @@ class Job:
         port = _free_port()
         self.procs = []
         for rank in range(nproc):
-            rank_env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(nproc),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-                **(env or {}),
-            )
             self.procs.append(
                 subprocess.Popen(
                     [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
-                    env=rank_env,
+                    env={**os.environ, **rank_env(rank, nproc, port), **(env or {})},
                     cwd=ROOT,
                 )
             )

@@ -30,8 +30,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, kwargs, out_dir):
-    os.environ.update(
+def rank_env(rank: int, world_size: int, port: int) -> dict:
+    """What torchrun or srun give a rank of a single-node job, one thread each."""
+    return dict(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -40,6 +41,10 @@ def _entry(rank, world_size, port, fn, args, kwargs, out_dir):
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
+
+
+def _entry(rank, world_size, port, fn, args, kwargs, out_dir):
+    os.environ.update(rank_env(rank, world_size, port))
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
