@@ -72,7 +72,14 @@ def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
     assert [(p["iteration"], p["why"]) for p in plans] == [(6, "resumed from the checkpoint")]
     assert PartitionPlan.from_json(plans[0]["plan"]) == migrated
     assert "het-TP plan at iteration 6 (resumed from the checkpoint)" in resumed["stdout"]
-    assert _records(resumed, "repartition") == [] and _records(resumed, "decision") == []
+    # Nothing moves because of the resume: a restored detector sees no new straggle. The loop
+    # may still correct the split at its first report (12), as an unresumed run may at any
+    # report: a rebalance, never an onset's migration.
+    decisions = _records(resumed, "decision")
+    assert all(d["iteration"] == 12 and d["reason"].startswith("rebalance") for d in decisions)
+    assert [r["iteration"] for r in _records(resumed, "repartition")] == [
+        d["iteration"] for d in decisions
+    ]
     for step in range(7, 13):
         assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5)
 
