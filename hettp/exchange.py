@@ -16,6 +16,7 @@ buffers: their ranks pack, vote (nothing was sent yet), then exchange.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -173,11 +174,8 @@ def run_transfer(
 def _packed(layout: BundleLayout, payload, device) -> torch.Tensor:
     """A whole bundle in one buffer, its checksum in the last 8 bytes."""
     buffer = torch.empty(layout.size, dtype=torch.uint8, device=device)
-    run, tensors = None, []
-    for segment in layout.segments:
-        if segment.run is not run:
-            run, tensors = segment.run, list(payload(segment.run))
-        pack(segment, tensors[segment.index], buffer)
+    for segment, tensor in layout.filled(payload):
+        pack(segment, tensor, buffer)
     buffer[-8:] = checksum_bytes(word_sum(buffer[:-8]))
     return buffer
 
@@ -192,11 +190,10 @@ def _stream(layouts, group, rank, payload, device, fault, failures, stages):
             if dst == rank:
                 buffer = torch.empty(layout.size, dtype=torch.uint8, device=device)
                 peer = _global(group, src)
-                spans = [(m.lo, m.hi) for m in layout.messages] + [(layout.size - 8, layout.size)]
                 recv[src] = buffer
                 arrivals[src] = [
                     (dist.irecv(buffer[lo:hi], peer, group=group, tag=tag), lo, hi)
-                    for tag, (lo, hi) in enumerate(spans)
+                    for tag, (lo, hi) in enumerate(layout.spans)
                 ]
     except Exception as err:  # noqa: BLE001
         failures.append(f"exchange: {type(err).__name__}: {err}")
@@ -239,13 +236,10 @@ class _Outbox:
     """One destination's messages, each sent as soon as it is ready; the checksum last."""
 
     def __init__(self, layout: BundleLayout, peer: int, group, works: list, device):
-        self.layout, self.peer, self.group, self.works, self.device = (
-            layout,
-            peer,
-            group,
-            works,
-            device,
-        )
+        self.layout = layout
+        self.peer, self.group = peer, group
+        self.works = works  # shared by every outbox of the transfer: waited on together
+        self.device = device
         self.sent = 0  # messages handed to the process group
         self.keep: list[torch.Tensor] = []  # staging buffers in flight
 
@@ -256,13 +250,9 @@ class _Outbox:
 
     def send_all(self, payload) -> None:
         total = torch.zeros((), dtype=torch.int64, device=self.device)
-        run, tensors = None, []
+        filled = self.layout.filled(payload)
         for message in self.layout.messages:
-            pieces = []
-            for segment in message.segments:
-                if segment.run is not run:  # runs are consecutive: one payload call each
-                    run, tensors = segment.run, list(payload(segment.run))
-                pieces.append((segment, tensors[segment.index]))
+            pieces = list(itertools.islice(filled, len(message.segments)))
             data = as_bytes(pieces[0][1], pieces[0][0].spec) if len(pieces) == 1 else None
             if data is None:
                 data = torch.empty(message.hi - message.lo, dtype=torch.uint8, device=self.device)
@@ -274,10 +264,10 @@ class _Outbox:
 
     def fill(self) -> None:
         """After a failure: zeros for every message not sent yet, so the receiver completes."""
-        spans = [m.hi - m.lo for m in self.layout.messages] + [8]
-        filler = torch.zeros(max(spans[self.sent :]), dtype=torch.uint8, device=self.device)
-        while self.sent < len(spans):
-            self._send(filler[: spans[self.sent]])
+        sizes = [hi - lo for lo, hi in self.layout.spans]
+        filler = torch.zeros(max(sizes[self.sent :]), dtype=torch.uint8, device=self.device)
+        while self.sent < len(sizes):
+            self._send(filler[: sizes[self.sent]])
 
 
 def _vote(failures, group, device, step):

@@ -119,6 +119,20 @@ class BundleLayout:
             messages.append(_message(group))
         return cls(tuple(segments), tuple(messages), offset + 8)
 
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The byte ranges sent one by one point-to-point: each message, then the checksum."""
+        return [(m.lo, m.hi) for m in self.messages] + [(self.size - 8, self.size)]
+
+    def filled(self, payload: Callable[[tuple[UnitMove, ...]], Sequence[torch.Tensor]]):
+        """(segment, the sender's tensor for it) in layout order; payload(run) is called once
+        per run (a run's segments are consecutive)."""
+        run, tensors = None, []
+        for segment in self.segments:
+            if segment.run is not run:
+                run, tensors = segment.run, list(payload(segment.run))
+            yield segment, tensors[segment.index]
+
     def unpack(self, buffer: torch.Tensor) -> dict[UnitMove, list[torch.Tensor]]:
         """Per move, views into `buffer` of its tensors (strided where a run joined them)."""
         out: dict[UnitMove, list[torch.Tensor]] = {}

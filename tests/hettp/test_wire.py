@@ -120,3 +120,20 @@ def test_unit_layout_run_is_a_view_when_units_are_consecutive():
     gated = UnitLayout(axis=0, width=1, parts=2)  # SwiGLU: gate rows, then up rows
     rows = torch.arange(8, dtype=torch.float32).reshape(4, 2)  # 2 units: gate 0 1, up 2 3
     assert torch.equal(gated.run(rows, 2, [0, 1]), rows[[0, 2, 1, 3]])
+
+
+def test_each_run_is_asked_for_once_and_spans_end_with_the_checksum():
+    layout = BundleLayout.of(MOVES, lambda m: SPECS[m.block], message_bytes=40)
+    asked = []
+
+    def payload(run):
+        asked.append(run)
+        return _payload(run)
+
+    pairs = list(layout.filled(payload))
+    assert asked == runs(MOVES)  # one call per run, in order
+    assert [s for s, _ in pairs] == list(layout.segments)
+    assert all(tuple(t.shape) == s.spec.shape for s, t in pairs)
+    assert layout.spans == [(m.lo, m.hi) for m in layout.messages] + [
+        (layout.size - 8, layout.size)
+    ]
