@@ -13,11 +13,13 @@ if [ ! -f "$dir/pretrain_gpt.py" ] || [ ! -d "$dir/megatron/training" ]; then
   echo "apply.sh: $dir is not a Megatron-LM checkout (no pretrain_gpt.py, megatron/training)" >&2
   exit 2
 fi
-tag=$(git -C "$dir" describe --tags --exact-match 2>/dev/null || true)
-if [ "$tag" != core_v0.16.1 ]; then
-  echo "apply.sh: warning: $dir is at '${tag:-an untagged commit}'; the patch is for core_v0.16.1" >&2
+if git -C "$dir" rev-parse --show-toplevel >/dev/null 2>&1; then
+  tag=$(git -C "$dir" describe --tags --exact-match 2>/dev/null || true)
+  if [ "$tag" != core_v0.16.1 ]; then
+    echo "apply.sh: warning: $dir is at '${tag:-an untagged commit}'; the patch is for core_v0.16.1" >&2
+  fi
 fi
 (cd "$dir" && git apply --check "$patch")
 if [ "$check" = 1 ]; then echo "apply.sh: the patch applies cleanly to $dir"; exit 0; fi
 (cd "$dir" && git apply "$patch")
-echo "apply.sh: patched $dir (pretrain_gpt.py, gpt_builders.py, megatron/training/training.py)"
+echo "apply.sh: patched $dir (pretrain_gpt.py, gpt_builders.py, megatron/training/training.py, megatron/training/checkpointing.py)"

@@ -254,10 +254,30 @@ def _rebuild(state, replaced):
             new_sub.grad_scaler = old_sub.grad_scaler
     state.scheduler.optimizer = optimizer
     state.scheduler.step(increment=0)  # current lr / wd onto the new parameter groups
-    state.config.no_sync_func = model.no_sync
+    _rebind_hooks(state.config, old_ddp, model)
     if state.config.grad_scale_func is not None:
         state.config.grad_scale_func = optimizer.scale_loss
     state.model, state.optimizer = model, optimizer
+
+
+# The config's hooks the schedule calls on the DDP wrapper (set by whoever built it: this
+# trainer sets no_sync_func, upstream's train() the grad/param sync ones with overlap).
+SYNC_HOOKS = ("no_sync_func", "grad_sync_func", "param_sync_func")
+
+
+def _rebind_hooks(config, old_ddp, new_ddp) -> None:
+    """Each hook that is a method of the old wrapper (alone or in a per-chunk list) becomes the
+    same method of the new one; a hook left unset stays unset."""
+
+    def rebound(hook):
+        if isinstance(hook, list):
+            return [rebound(h) for h in hook]
+        if getattr(hook, "__self__", None) is old_ddp:
+            return getattr(new_ddp, hook.__name__)
+        return hook
+
+    for name in SYNC_HOOKS:
+        setattr(config, name, rebound(getattr(config, name, None)))
 
 
 def _param_set(sub):

@@ -7,16 +7,22 @@ chunk and optimizer (all megatron-core objects):
     pretrain_gpt.py   extra_args_provider=het_tp.extra_args_provider(<upstream's provider>)
     gpt_builders.py   het_tp_runtime = het_tp.create_runtime(args) (checks the --het-tp group);
                       spec = het_tp.layer_spec(het_tp_runtime, spec); after GPTModel(...):
-                      het_tp_runtime.install(model)
-    training.py       train(): het_tp_hook = het_tp.StepHook.create(model, optimizer,
+                      het_tp.install(het_tp_runtime, model, args) (starts in the plan of the
+                      checkpoint at --load, if any)
+    training.py       pretrain(): model, optimizer = het_tp.current(model, optimizer) after
+                      train(), so the final save and evaluation use what a migration rebuilt;
+                      train(): het_tp_hook = het_tp.StepHook.create(model, optimizer,
                       opt_param_scheduler, config); hook.begin_step(iteration + 1) before
                       train_step(); model, optimizer = hook.end_step(iteration) after it;
                       train_step(): het_tp.before_optimizer_step(model) /
                       het_tp.after_optimizer_step(model) around optimizer.step()
+    checkpointing.py  save_checkpoint(): het_tp.add_checkpoint_state(state_dict, model): the
+                      plan (common) and each TP rank's runtime state; StepHook.create takes the
+                      state back after upstream's load_checkpoint
 
 The runtime travels with the model chunk it was installed on (runtime.runtime_of), so nothing
 here is global. Supported there as here: one model chunk (no virtual pipeline), no distributed
-optimizer.
+optimizer, megatron-core's local layers, torch_dist checkpoints.
 """
 
 from __future__ import annotations
@@ -25,8 +31,53 @@ import time
 
 from hettp.config import HetTPConfig
 
+from . import checkpointing
 from .arguments import ArgumentError
-from .runtime import HetTPRuntime, TrainState, runtime_of
+from .runtime import HetTPRuntime, SavedPlan, TrainState, runtime_of
+
+# Upstream flags het-TP layers cannot honour: (attribute, refused when, what to do). Checked
+# before any model is built; each is refused by name instead of silently replaced.
+_REFUSED = (
+    (
+        "transformer_impl",
+        lambda v: v == "transformer_engine",
+        "--transformer-impl transformer_engine: het-TP builds megatron-core's local layers; "
+        "pass --transformer-impl local",
+    ),
+    ("spec", lambda v: v is not None, "--spec: het-TP replaces the layer spec by its own"),
+    ("qk_layernorm", bool, "--qk-layernorm: het-TP's layers have no query/key layernorm yet"),
+    (
+        "heterogeneous_layers_config_path",
+        lambda v: v is not None,
+        "--heterogeneous-layers-config-path: het-TP needs one layer spec for every layer",
+    ),
+    (
+        "experimental_attention_variant",
+        lambda v: v is not None,
+        "--experimental-attention-variant: het-TP shards standard self-attention only",
+    ),
+    (
+        "ckpt_format",
+        lambda v: v not in (None, "torch_dist"),
+        "--ckpt-format {value}: its per-rank files would hold this plan's uneven shards, "
+        "which no other plan or vanilla can load; use --ckpt-format torch_dist",
+    ),
+    (
+        "cuda_graph_impl",
+        lambda v: v not in (None, "none"),
+        "--cuda-graph-impl {value}: captured graphs would keep the pre-migration layers",
+    ),
+    (
+        "enable_cuda_graph",
+        bool,
+        "--enable-cuda-graph: captured graphs would keep the pre-migration layers",
+    ),
+    (
+        "external_cuda_graph",
+        bool,
+        "--external-cuda-graph: captured graphs would keep the pre-migration layers",
+    ),
+)
 
 
 def extra_args_provider(other=None):
@@ -41,19 +92,110 @@ def extra_args_provider(other=None):
     return provider
 
 
+def _refusal(args) -> str | None:
+    for attr, refused, message in _REFUSED:
+        value = getattr(args, attr, None)
+        if refused(value):
+            return message.format(value=value)
+    if getattr(args, "ckpt_assume_constant_structure", False):
+        return (
+            "--ckpt-assume-constant-structure: a migration changes which rank holds which "
+            "shard, so the structure of the checkpoint is not constant"
+        )
+    return None
+
+
 def create_runtime(args) -> HetTPRuntime | None:
     """The het-TP runtime for upstream's args (None when no het-TP flag asks for anything);
     a bad flag exits with one line naming it, before any model exists."""
     try:
-        return HetTPRuntime.from_args(args)
+        runtime = HetTPRuntime.from_args(args)
+        if runtime is not None and runtime.config.het_tp:
+            refused = _refusal(args)
+            if refused is not None:
+                raise ArgumentError(refused)
     except ArgumentError as err:
         raise SystemExit(f"het-TP: error: {err}") from None
+    return runtime
 
 
 def layer_spec(runtime: HetTPRuntime | None, spec):
     """The runtime's het-TP layer spec, or upstream's own `spec` when it has none."""
     het = runtime.layer_spec() if runtime is not None else None
     return het if het is not None else spec
+
+
+def _checkpoint_to_resume(args) -> str | None:
+    """The checkpoint folder upstream's load_checkpoint will read from --load, if any."""
+    root = getattr(args, "load", None)
+    if not root or getattr(args, "finetune", False):
+        return None
+    iteration = getattr(args, "ckpt_step", None) or checkpointing.latest_iteration(root)
+    return checkpointing.checkpoint_dir(root, iteration) if iteration is not None else None
+
+
+def _common_state(path: str) -> dict:
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(path)
+
+
+def install(runtime: HetTPRuntime | None, model, args) -> None:
+    """Right after GPTModel(...): the runtime owns the units and starts in the plan of the
+    checkpoint upstream will load (when it fits), else --het-tp-plan, else the even split."""
+    if runtime is None:
+        return
+    saved = None
+    path = _checkpoint_to_resume(args)
+    if path is not None and runtime.config.het_tp:
+        saved = SavedPlan.from_dict(_common_state(path).get("het_tp_plan"))
+    runtime.install(model, saved)
+
+
+def _saved_tp_size(common: dict) -> int | None:
+    saved = common.get("args")
+    if isinstance(saved, dict):
+        return saved.get("tensor_model_parallel_size")
+    return getattr(saved, "tensor_model_parallel_size", None)
+
+
+def _load_runtime_state(runtime: HetTPRuntime, args) -> None:
+    """The runtime's per-TP-rank state from the checkpoint upstream just loaded (when it was
+    saved by a het-TP run of the same TP size); collective, like upstream's load."""
+    path = _checkpoint_to_resume(args)
+    if path is None or not getattr(args, "iteration", 0):
+        return
+    common = _common_state(path)
+    if "het_tp_plan" not in common or _saved_tp_size(common) != args.tensor_model_parallel_size:
+        return
+    from megatron.core import dist_checkpointing
+
+    request = {"het_tp_state": checkpointing.per_tp_rank("het_tp_state", runtime.state_dict())}
+    runtime.load_state_dict(dist_checkpointing.load(request, path)["het_tp_state"])
+
+
+def add_checkpoint_state(state_dict: dict, model) -> None:
+    """In upstream's save_checkpoint: the plan the checkpoint is saved in (common) and each TP
+    rank's runtime state, under the keys this project's trainer uses; vanilla ignores both."""
+    runtime = runtime_of(model)
+    if runtime is None or runtime.state is None:
+        return
+    saved = runtime.checkpoint_plan()
+    state_dict["het_tp_plan"] = saved.to_dict() if saved is not None else None
+    state_dict["het_tp_state"] = checkpointing.per_tp_rank("het_tp_state", runtime.state_dict())
+
+
+def current(model, optimizer):
+    """What upstream's pretrain() should use after train(): the model chunks and optimizer a
+    migration rebuilt (the ones given when nothing was rebuilt, or without het-TP)."""
+    runtime = runtime_of(model)
+    if runtime is None or runtime.state is None:
+        return model, optimizer
+    return [runtime.state.model], runtime.state.optimizer
+
+
+def _asks_for_het_tp(args) -> bool:
+    return HetTPConfig.from_args(args).active
 
 
 class StepHook:
@@ -67,12 +209,22 @@ class StepHook:
     @classmethod
     def create(cls, model, optimizer, scheduler, config) -> StepHook | None:
         """The hook of the runtime installed on `model` (None: vanilla upstream)."""
+        from megatron.training import get_args
+
+        args = get_args()
         runtime = runtime_of(model)
         if runtime is None:
+            if getattr(args, "use_legacy_models", False) and _asks_for_het_tp(args):
+                raise SystemExit(
+                    "het-TP: error: --use-legacy-models builds no megatron-core GPTModel for "
+                    "het-TP to shard: drop it"
+                )
             return None
         if len(model) != 1:
             raise SystemExit("het-TP: error: one model chunk is supported (no virtual pipeline)")
-        runtime.attach(TrainState(model[0], optimizer, scheduler, config))
+        _load_runtime_state(runtime, args)
+        state = TrainState(model[0], optimizer, scheduler, config)
+        runtime.attach(state, iteration=getattr(args, "iteration", 0) or 0)
         return cls(runtime)
 
     def begin_step(self, iteration: int) -> None:

@@ -12,16 +12,15 @@ import subprocess
 
 import pytest
 
-from tests.utils import ROOT, run_ranks, train_like_upstream
+from tests.utils import ROOT
 
 PATCH = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1.patch")
-PATCHED = ("pretrain_gpt.py", "gpt_builders.py", "megatron/training/training.py")
-MODEL = (
-    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
-    "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
-    "--global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 "
-    "--attention-dropout 0 --train-iters 12 --log-interval 100"
-).split()
+PATCHED = (
+    "pretrain_gpt.py",
+    "gpt_builders.py",
+    "megatron/training/training.py",
+    "megatron/training/checkpointing.py",
+)
 
 
 def test_extra_args_provider_adds_the_group_after_upstreams():
@@ -116,31 +115,6 @@ def test_create_runtime_counts_query_groups_as_upstream_does():
     assert upstream.layer_spec(None, "theirs") == "theirs"  # vanilla keeps upstream's spec
 
 
-def test_hook_migrates_losslessly_in_upstreams_loop():
-    straggler = run_ranks(
-        train_like_upstream,
-        2,
-        MODEL
-        + [
-            "--het-tp-policy",
-            "migrate",
-            "--het-tp-interval",
-            "3",
-            "--het-tp-emulate",
-            "persistent:rank=1,factor=3",
-        ],
-    )
-    steady = run_ranks(train_like_upstream, 2, MODEL + ["--het-tp", "--het-tp-policy", "static"])
-    first = straggler[0]
-    # 3x slow from the start; 3 warm-up steps, then the window of 3 is full at step 6
-    assert first["hook"] and "het-TP decision at iteration 6: migrate" in first["stdout"]
-    assert "het-TP repartition at iteration 6" in first["stdout"]
-    assert first["replaced"]  # end_step handed back the rebuilt model chunk and optimizer
-    assert first["plan"] != steady[0]["plan"]  # units moved off rank 1
-    for it, loss in steady[0]["losses"].items():
-        assert first["losses"][it] == pytest.approx(loss, rel=1e-5)
-
-
 def test_the_patch_calls_what_the_glue_defines():
     from megatron.hetero import upstream
 
@@ -152,49 +126,62 @@ def test_the_patch_calls_what_the_glue_defines():
         "extra_args_provider",
         "create_runtime",
         "layer_spec",
+        "install",
+        "current",
+        "add_checkpoint_state",
         "StepHook.create",
         "before_optimizer_step",
         "after_optimizer_step",
         "het_tp_hook.begin_step",
         "het_tp_hook.end_step",
     }
-    assert "het_tp_runtime.install(model)" in added
     for name in calls:
         owner, _, attr = name.rpartition(".")
         target = upstream.StepHook if owner in ("StepHook", "het_tp_hook") else upstream
         assert callable(getattr(target, attr or name)), name
-    for path in ("pretrain_gpt.py", "gpt_builders.py", "megatron/training/training.py"):
+    for path in PATCHED:
         assert f"diff --git a/{path} b/{path}" in text
 
 
-@pytest.mark.skipif(
+needs_upstream = pytest.mark.skipif(
     not os.environ.get("HETTP_MEGATRON_LM"),
     reason="set HETTP_MEGATRON_LM to a Megatron-LM checkout at core_v0.16.1 "
     "(CI extracts ../shared/upstream's)",
 )
-def test_the_patch_applies_to_a_fresh_copy_of_megatron_lm(tmp_path):
-    """On a copy of the given tree (it may be patched already, or shared): apply, byte-compile
-    the patched files, and find the glue's calls where the patch puts them."""
-    tree = tmp_path / "Megatron-LM"
+
+
+def _fresh_copy(dest) -> str:
+    """A copy of the given Megatron-LM tree as extracted, whether or not it was patched."""
+    tree = os.path.join(str(dest), "Megatron-LM")
     shutil.copytree(os.environ["HETTP_MEGATRON_LM"], tree, symlinks=True)
-    # as extracted, whether or not the given tree was patched already
-    if (
-        subprocess.run(
-            ["git", "apply", "-R", "--check", PATCH], cwd=tree, capture_output=True
-        ).returncode
-        == 0
-    ):
+    reverse = ["git", "apply", "-R", "--check", PATCH]
+    if subprocess.run(reverse, cwd=tree, capture_output=True).returncode == 0:
         subprocess.run(["git", "apply", "-R", PATCH], cwd=tree, check=True)
+    return tree
+
+
+@needs_upstream
+def test_the_patch_applies_to_a_fresh_copy_of_megatron_lm(tmp_path):
+    """Apply, byte-compile the patched files, and find the glue's calls where the patch puts
+    them; the CPU shims' upstream lines are found in the fresh and the patched tree."""
+    from megatron.hetero import upstream_cpu
+
+    tree = _fresh_copy(tmp_path)
+    upstream_cpu.check(tree)
     apply = os.path.join(ROOT, "patches", "apply.sh")
-    out = subprocess.run(["bash", apply, "--check", str(tree)], capture_output=True, text=True)
+    out = subprocess.run(["bash", apply, "--check", tree], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    out = subprocess.run(["bash", apply, str(tree)], capture_output=True, text=True)
+    out = subprocess.run(["bash", apply, tree], capture_output=True, text=True)
     assert out.returncode == 0 and "patched" in out.stdout, out.stdout + out.stderr
     for path in PATCHED:
-        source = (tree / path).read_text()
-        compile(source, str(tree / path), "exec")  # still valid Python
+        source = open(os.path.join(tree, path)).read()
+        compile(source, path, "exec")  # still valid Python
         assert "from megatron.hetero import upstream as het_tp" in source, path
-    assert "het_tp_runtime.install(model)" in (tree / "gpt_builders.py").read_text()
+    assert (
+        "het_tp.install(het_tp_runtime, model, args)"
+        in open(os.path.join(tree, "gpt_builders.py")).read()
+    )
+    upstream_cpu.check(tree)
     # a second apply is refused (the patch no longer applies), leaving the tree as it is
-    again = subprocess.run(["bash", apply, str(tree)], capture_output=True, text=True)
+    again = subprocess.run(["bash", apply, tree], capture_output=True, text=True)
     assert again.returncode != 0
