@@ -11,6 +11,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from tests.utils import ROOT
 
@@ -81,6 +82,14 @@ def _upstream_args(argv=(), **overrides):
         ),
         (["--het-tp"], {"use_distributed_optimizer": True}, "drop --use-distributed-optimizer"),
         (["--het-tp-plan", "attn=4,1;mlp=128,128"], {}, "--het-tp-plan"),
+        # upstream flags het-TP layers cannot honour are refused by name, not replaced
+        (["--het-tp"], {"transformer_impl": "transformer_engine"}, "pass --transformer-impl local"),
+        (["--het-tp"], {"spec": ["my.module", "spec"]}, "--spec: het-TP replaces"),
+        (["--het-tp-policy", "migrate"], {"qk_layernorm": True}, "--qk-layernorm"),
+        (["--het-tp"], {"ckpt_format": "torch"}, "--ckpt-format torch: its per-rank files"),
+        (["--het-tp"], {"ckpt_format": "torch_dcp"}, "--ckpt-format torch_dcp"),
+        (["--het-tp"], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
+        (["--het-tp"], {"ckpt_assume_constant_structure": True}, "assume-constant-structure"),
     ],
 )
 def test_create_runtime_checks_the_flags_on_upstream_args(argv, overrides, message):
@@ -103,6 +112,42 @@ def test_a_resizing_policy_starts_on_upstream_args_without_extra_flags():
         assert vars(args) == before  # nothing written back into upstream's args
         assert upstream.layer_spec(runtime, "theirs") is not None
         assert upstream.layer_spec(runtime, "theirs") != "theirs"
+
+
+def test_upstreams_defaults_pass_the_refusals():
+    from megatron.hetero import upstream
+
+    defaults = dict(
+        transformer_impl="local",
+        spec=None,
+        qk_layernorm=False,
+        ckpt_format="torch_dist",
+        cuda_graph_impl="none",
+        enable_cuda_graph=False,
+        external_cuda_graph=False,
+        ckpt_assume_constant_structure=False,
+    )
+    assert upstream.create_runtime(_upstream_args(["--het-tp"], **defaults)) is not None
+    # a runtime without het layers (timing only) keeps upstream's layers: nothing to refuse
+    timed = _upstream_args(["--het-tp-policy", "none"], transformer_impl="transformer_engine")
+    assert upstream.layer_spec(upstream.create_runtime(timed), "theirs") == "theirs"
+
+
+def test_current_is_what_the_runtime_holds_after_a_rebuild():
+    from megatron.hetero import upstream
+    from megatron.hetero.runtime import TrainState
+
+    class Chunk(torch.nn.Module):
+        pass
+
+    chunk, rebuilt = Chunk(), Chunk()
+    assert upstream.current([chunk], "optimizer") == ([chunk], "optimizer")  # vanilla
+    runtime = upstream.create_runtime(_upstream_args(["--het-tp-policy", "none"]))
+    runtime.install(chunk)
+    assert upstream.current([chunk], "optimizer") == ([chunk], "optimizer")  # not attached yet
+    runtime.state = TrainState(rebuilt, "rebuilt optimizer", None, None)
+    assert upstream.current([chunk], "optimizer") == ([rebuilt], "rebuilt optimizer")
+    runtime.close()
 
 
 def test_create_runtime_counts_query_groups_as_upstream_does():
