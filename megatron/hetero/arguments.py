@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 import tempfile
+import warnings
 
 import torch
 
@@ -114,6 +115,26 @@ def _add_training_args(parser):
         help="Build full weights on the CPU, then shard them (always on for CPU runs). "
         "Makes initial weights independent of the TP size.",
     )
+    g.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Same as --recompute-granularity selective (Megatron-LM's shorthand).",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        default=None,
+        choices=["full", "selective"],
+        help="Recompute activations in the backward pass: whole layers (full, with "
+        "--recompute-method and --recompute-num-layers) or the core attention (selective).",
+    )
+    g.add_argument(
+        "--recompute-method",
+        default=None,
+        choices=["uniform", "block"],
+        help="With --recompute-granularity full: recompute groups of --recompute-num-layers "
+        "layers each (uniform), or the first --recompute-num-layers layers (block).",
+    )
+    g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument(
         "--exit-duration-in-mins",
@@ -160,6 +181,25 @@ def _add_distributed_args(parser):
         help="Default: nccl with CUDA, gloo without.",
     )
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Split layernorm, dropout and the residual stream along the sequence over the TP "
+        "group (Megatron-LM's): all-gather before the column-parallel GEMMs, reduce-scatter "
+        "after the row-parallel ones. Ignored, as in Megatron-LM, at TP size 1.",
+    )
+    g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="Start each gradient bucket's data-parallel all-reduce during the backward pass.",
+    )
+    g.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="Elements per gradient bucket with --overlap-grad-reduce (default: "
+        "megatron-core's, max(40M, 1M x data-parallel size)).",
+    )
 
 
 def _add_mixed_precision_args(parser):
@@ -230,6 +270,52 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
 def _require(cond, msg):
     if not cond:
         raise ArgumentError(msg)
+
+
+def _validate_parallel_features(args, tp: int) -> None:
+    """Sequence parallelism, overlapped gradient reduction and recomputation, as Megatron-LM
+    checks them."""
+    if args.sequence_parallel and tp == 1:
+        warnings.warn(
+            "Disabling sequence parallelism because tensor model parallelism is disabled",
+            stacklevel=2,
+        )
+        args.sequence_parallel = False
+    if args.ddp_bucket_size is not None:
+        _require(
+            args.ddp_bucket_size > 0,
+            f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}",
+        )
+        _require(args.overlap_grad_reduce, "--ddp-bucket-size needs --overlap-grad-reduce")
+    if args.recompute_activations:
+        _require(
+            args.recompute_granularity in (None, "selective"),
+            "--recompute-activations means --recompute-granularity selective, "
+            f"not {args.recompute_granularity}",
+        )
+        args.recompute_granularity = "selective"
+    granularity, method, layers = (
+        args.recompute_granularity,
+        args.recompute_method,
+        args.recompute_num_layers,
+    )
+    if granularity == "full":
+        _require(
+            method is not None,
+            "--recompute-granularity full needs --recompute-method uniform|block",
+        )
+        _require(
+            layers is not None and 1 <= layers <= args.num_layers,
+            f"--recompute-granularity full needs --recompute-num-layers between 1 and "
+            f"--num-layers ({args.num_layers}), got {layers}",
+        )
+    else:
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers)):
+            _require(
+                value is None,
+                f"{flag} applies to --recompute-granularity full only"
+                + (f" (not {granularity})" if granularity else ""),
+            )
 
 
 def validate_args(args, world_size: int, cuda_available: bool | None = None) -> HetTPConfig:
@@ -319,6 +405,8 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
             f"({args.max_position_embeddings})",
         )
+
+    _validate_parallel_features(args, tp)
 
     # Batch.
     dp, mbs = args.data_parallel_size, args.micro_batch_size

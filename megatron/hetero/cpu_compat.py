@@ -78,6 +78,17 @@ SHIMS = (
         "the replacement tracker keeps CPU generator states instead.",
     ),
     Shim(
+        "recompute_rng",
+        (
+            "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+            "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+        ),
+        "activation recomputation (tensor_parallel.checkpoint, --recompute-granularity) saves "
+        "and restores the CUDA generator around the recomputed forward; the CPU has none (the "
+        "CPU generator and the tracker's CPU states are saved beside it), so its state is an "
+        "empty tensor and setting it does nothing.",
+    ),
+    Shim(
         "clip_grads",
         (
             "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
@@ -123,6 +134,10 @@ def _cpu_current_device():
 
 def _no_op(*args, **kwargs):
     return None
+
+
+def _no_cuda_rng_state(*args, **kwargs):
+    return torch.empty(0, dtype=torch.uint8)
 
 
 def _check_symbols():
@@ -224,6 +239,9 @@ def activate() -> bool:
     rnd.CudaRNGStatesTracker = _make_cpu_rng_tracker(rnd.CudaRNGStatesTracker)
     rnd._CUDA_RNG_STATE_TRACKER = None
     rnd._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+    rnd._get_cuda_rng_state = _no_cuda_rng_state
+    rnd._set_cuda_rng_state = _no_op
 
     for module_name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         module = importlib.import_module(module_name)

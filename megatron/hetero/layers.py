@@ -24,9 +24,11 @@ from megatron.core.parallel_state import (
     get_tensor_model_parallel_world_size,
 )
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
@@ -102,10 +104,6 @@ class UnitShardedLinear:
             return None
         return self.unit_layouts[name].prefix(tensor, len(self.units), self.active)
 
-    def _check_resizable(self):
-        if self.sequence_parallel:
-            raise NotImplementedError("het-TP resizing does not support sequence parallelism")
-
 
 class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
     def _update_local_size(self, num_local_units):
@@ -116,17 +114,33 @@ class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
             return super().forward(input_, weight, runtime_gather_output)
         # Resized: the same math on the active prefix, with plain autograd ops. The weight
         # gradient of the skipped suffix stays zero; each SwiGLU half is its own GEMM.
-        self._check_resizable()
         if weight is not None or runtime_gather_output or self.gather_output:
             raise NotImplementedError(
                 "a resized het-TP column linear takes its own weight and does not gather its output"
             )
-        x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         weights = self._active_views("weight")
         biases = self._active_views("bias") or [None] * len(weights)
         add = [None] * len(weights) if self.skip_bias_add else biases
-        outputs = [F.linear(x, w, b) for w, b in zip(weights, add)]
-        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        if self.sequence_parallel:
+            # megatron-core's own SP GEMM, so this rank runs the same collectives in the same
+            # order as its unresized peers (in the backward it all-gathers the input again
+            # before reduce-scattering the input's gradient): the active rows as one weight
+            weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+            output = linear_with_grad_accumulation_and_async_allreduce(
+                input_,
+                weight,
+                None,
+                gradient_accumulation_fusion=False,
+                allreduce_dgrad=False,
+                sequence_parallel=True,
+                tp_group=self.tp_group,
+            )
+            if add[0] is not None:
+                output = output + (add[0] if len(add) == 1 else torch.cat(add))
+        else:
+            x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+            outputs = [F.linear(x, w, b) for w, b in zip(weights, add)]
+            output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         output_bias = None
         if self.skip_bias_add and biases[0] is not None:
             output_bias = biases[0] if len(biases) == 1 else torch.cat(biases)
@@ -140,13 +154,14 @@ class HetRowParallelLinear(UnitShardedLinear, RowParallelLinear):
     def forward(self, input_):
         if self.active is None:
             return super().forward(input_)
-        self._check_resizable()
         if not self.input_is_parallel:
             raise NotImplementedError("a resized het-TP row linear needs a parallel input")
         (weight,) = self._active_views("weight")
-        output = reduce_from_tensor_model_parallel_region(
-            F.linear(input_, weight), group=self.tp_group
-        )
+        partial = F.linear(input_, weight)
+        if self.sequence_parallel:  # summed over the TP group, each rank keeps its sequence part
+            output = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None

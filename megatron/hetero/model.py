@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from .arguments import padded_vocab_size
+from .spec import get_local_gpt_layer_spec, gpt_block_spec
 
 
 def transformer_config(args) -> TransformerConfig:
@@ -34,7 +34,10 @@ def transformer_config(args) -> TransformerConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        sequence_parallel=False,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         params_dtype=args.params_dtype,
         pipeline_dtype=args.params_dtype,
         fp16=args.fp16,
@@ -52,15 +55,16 @@ def transformer_config(args) -> TransformerConfig:
 
 
 def build_gpt_model(args, config: TransformerConfig, vocab_size: int, layer_spec=None) -> GPTModel:
-    """GPTModel on the current device; `layer_spec` defaults to megatron-core's local spec.
+    """GPTModel on the current device; `layer_spec` defaults to megatron-core's local spec
+    (with norms that handle sequence parallelism, spec.TorchNorm).
 
     `vocab_size` is the tokenizer's; it is padded as Megatron-LM pads it.
     """
     if layer_spec is None:
-        layer_spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        layer_spec = get_local_gpt_layer_spec(args.normalization)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=gpt_block_spec(layer_spec, args.num_layers),
         vocab_size=padded_vocab_size(
             vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         ),

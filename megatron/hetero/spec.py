@@ -1,4 +1,5 @@
-"""The het-TP layer spec: megatron-core's local GPT layer spec with the TP modules swapped for
+"""Layer specs: megatron-core's local GPT layer spec with its torch norms made sequence-parallel
+capable (vanilla and het-TP alike), and the het-TP spec, which also swaps the TP modules for
 their unit-sharded subclasses (megatron-core's own way to extend a model)."""
 
 from __future__ import annotations
@@ -6,8 +7,12 @@ from __future__ import annotations
 import copy
 import logging
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import transformer_block
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from .layers import (
     HetColumnParallelLinear,
@@ -29,8 +34,65 @@ class _KnownMLPFilter(logging.Filter):
 logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_KnownMLPFilter())
 
 
+class TorchNorm:
+    """megatron-core's WrappedTorchNorm (torch's LayerNorm or RMSNorm, same parameters and
+    initialisation), also under sequence parallelism, which WrappedTorchNorm refuses: there each
+    TP rank normalises its part of the sequence with replicated weights, so the weights are
+    marked `sequence_parallel` and finalize_model_grads all-reduces their gradients over the TP
+    group, as apex's FusedLayerNorm marks its own."""
+
+    def __new__(
+        cls,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ):
+        for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm"):
+            if getattr(config, flag, False):
+                raise ValueError(f"{flag} is not supported by torch's norms")
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization {config.normalization!r}: LayerNorm or RMSNorm")
+        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+_NORMS = ("input_layernorm", "pre_mlp_layernorm")
+
+
+def _with_torch_norms(spec: ModuleSpec) -> ModuleSpec:
+    """`spec` with megatron-core's WrappedTorchNorm (used where apex is absent) replaced by
+    TorchNorm; apex's and Transformer Engine's norms already handle sequence parallelism."""
+    spec = copy.deepcopy(spec)
+    for name in _NORMS:
+        if getattr(spec.submodules, name, None) is WrappedTorchNorm:
+            setattr(spec.submodules, name, TorchNorm)
+    return spec
+
+
+def get_local_gpt_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
+    """megatron-core's local GPT layer spec, sequence-parallel capable."""
+    return _with_torch_norms(get_gpt_layer_local_spec(normalization=normalization))
+
+
+def gpt_block_spec(layer_spec: ModuleSpec, num_layers: int) -> TransformerBlockSubmodules:
+    """The decoder block GPTModel builds from `layer_spec`, with the final layernorm made
+    sequence-parallel capable like the layers' (GPTModel builds the same from a layer spec
+    alone, with megatron-core's default norm)."""
+    final = transformer_block.LayerNormImpl
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * num_layers,
+        layer_norm=TorchNorm if final is WrappedTorchNorm else final,
+    )
+
+
 def get_het_gpt_layer_spec(normalization: str = "LayerNorm", mlp_unit_size: int = 1) -> ModuleSpec:
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    spec = get_local_gpt_layer_spec(normalization)
     attention = spec.submodules.self_attention
     attention.module = HetSelfAttention
     attention.submodules.linear_qkv = HetColumnParallelLinear

@@ -28,12 +28,12 @@ others. The dilated time counts as compute, so C and T_fast stay consistent.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from .model import unwrap_model
 
@@ -69,10 +69,21 @@ class _PausingWork:
         return getattr(self._work, name)
 
 
-# The collectives a step's compute is cut by: megatron-core's TP, DP and loss reductions, and the
-# controller's own gather and broadcast. megatron-core looks them up at each call, so its calls
-# go through the wrappers.
-_COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
+# The collectives a step's compute is cut by: megatron-core's TP, DP and loss reductions, the
+# sequence-parallel all-gathers and reduce-scatters, and the controller's own gather and
+# broadcast, as (module, attribute). megatron-core looks torch.distributed's up at each call;
+# its sequence-parallel ones it binds at import, so those module attributes are wrapped too.
+_COLLECTIVES = (
+    ("torch.distributed", "all_reduce"),
+    ("torch.distributed", "all_gather"),
+    ("torch.distributed", "broadcast"),
+    ("torch.distributed", "all_gather_into_tensor"),
+    ("torch.distributed", "reduce_scatter_tensor"),
+    ("megatron.core.tensor_parallel.mappings", "dist_all_gather_func"),
+    ("megatron.core.tensor_parallel.mappings", "dist_reduce_scatter_func"),
+    ("megatron.core.tensor_parallel.layers", "dist_all_gather_func"),
+    ("megatron.core.tensor_parallel.layers", "dist_reduce_scatter_func"),
+)
 
 
 class _CollectivePatch:
@@ -82,10 +93,13 @@ class _CollectivePatch:
 
     def __init__(self):
         self.timers = []  # registered timers
-        self.originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-        self.wrappers = {name: self._wrap(original) for name, original in self.originals.items()}
-        for name, wrapper in self.wrappers.items():
-            setattr(dist, name, wrapper)
+        self.originals = {
+            (module, name): getattr(importlib.import_module(module), name)
+            for module, name in _COLLECTIVES
+        }
+        self.wrappers = {key: self._wrap(original) for key, original in self.originals.items()}
+        for (module, name), wrapper in self.wrappers.items():
+            setattr(importlib.import_module(module), name, wrapper)
 
     def _wrap(self, original):
         def collective(*args, **kwargs):
@@ -113,9 +127,10 @@ class _CollectivePatch:
     def restore(self) -> None:
         """Put the originals back, unless something wrapped one after us (then ours stays in
         its chain, with no timers: a pass-through)."""
-        for name, wrapper in self.wrappers.items():
-            if getattr(dist, name) is wrapper:
-                setattr(dist, name, self.originals[name])
+        for (module, name), wrapper in self.wrappers.items():
+            owner = importlib.import_module(module)
+            if getattr(owner, name) is wrapper:
+                setattr(owner, name, self.originals[(module, name)])
 
 
 _PATCH = None  # the installed _CollectivePatch while a timer needs it; None otherwise

@@ -149,16 +149,29 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
         module = Float16Module(config, module)  # as Megatron-LM: half weights, fp32 loss
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=False,
+        bucket_size=_bucket_size(args),
     )
     model = DDP(config, ddp_config, module)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
     config.no_sync_func = model.no_sync
+    if args.overlap_grad_reduce:  # as Megatron-LM's train() (a rebuild rebinds both)
+        config.grad_sync_func = model.start_grad_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss if (args.fp16 or args.bf16) else None
     return TrainState(model, optimizer, scheduler, config)
+
+
+def _bucket_size(args) -> int | None:
+    """Megatron-LM's gradient bucket size: none without overlap (one reduce after backward),
+    else --ddp-bucket-size or max(40M, 1M x data-parallel size) elements."""
+    if not args.overlap_grad_reduce:
+        return None
+    if args.ddp_bucket_size is not None:
+        return args.ddp_bucket_size
+    return max(40_000_000, 1_000_000 * args.data_parallel_size)
 
 
 def loss_func(loss_mask, output_tensor):

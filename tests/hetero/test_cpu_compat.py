@@ -36,6 +36,7 @@ def test_shimmed_upstream_paths_run_on_cpu(tmp_path):
     assert report["current_device"] == "cpu"
     tracker_class, fork_advances = report["rng_tracker"]
     assert tracker_class == "CpuRNGStatesTracker" and fork_advances
+    assert report["recompute_rng"] == (2, True)  # recomputed with the same random numbers
     assert report["type_names"] == (
         "torch.cuda.BFloat16Tensor",
         "torch.cuda.FloatTensor",

@@ -19,6 +19,13 @@ CASES = {
         [None, "attn=2,1,1,0;mlp=30,2,0,32", "attn=0,0,4,0;mlp=1,1,1,61"],
     ),
     "dp2xtp2-mha": (MHA, 4, 2, ["attn=1,3;mlp=0,256"]),
+    # sequence parallelism: the sequence split stays even while the GEMM split is the plan's
+    "tp4-gqa-swiglu-sp": (
+        GQA + " --sequence-parallel",
+        4,
+        4,
+        [None, "attn=2,1,1,0;mlp=30,2,0,32", "attn=0,0,4,0;mlp=1,1,1,61"],
+    ),
 }
 
 
@@ -33,7 +40,7 @@ def test_forward_and_gradients_match_dense_reference(references, case):
     model, world, tp, plans = CASES[case]
     argv = (model + f" --tensor-model-parallel-size {tp} --het-tp").split()
     results = run_ranks(het_numerics, world, argv, plans)[0]
-    reference = references[model]
+    reference = references[model.replace(" --sequence-parallel", "")]  # TP=1: no SP
     assert len(results) == len(plans)
     for plan, result in zip(plans, results):
         assert set(result) == set(reference)

@@ -21,6 +21,13 @@ RESIZE_CASES = {
     # uneven plan; rank 0 skips 1 of 2 groups and 15 of 30 units, rank 1 keeps its only group,
     # rank 3 skips 8 of 32 SwiGLU units
     "tp4-gqa-swiglu": (GQA, 4, "attn=2,1,1,0;mlp=30,2,0,32", (0.5, 0.5, 0.0, 0.25)),
+    # the same under sequence parallelism (the TP=1 reference runs without it)
+    "tp4-gqa-swiglu-sp": (
+        GQA + " --sequence-parallel",
+        4,
+        "attn=2,1,1,0;mlp=30,2,0,32",
+        (0.5, 0.5, 0.0, 0.25),
+    ),
 }
 
 

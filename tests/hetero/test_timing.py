@@ -3,9 +3,11 @@ collective waits left out (no process group, no model, no real sleeping)."""
 
 from __future__ import annotations
 
+import importlib
 import types
 
 import pytest
+import torch.distributed as dist
 
 from megatron.hetero import timing
 from megatron.hetero.timing import ComputeTimer
@@ -37,8 +39,9 @@ def clock(monkeypatch):
     monkeypatch.setattr(timing, "time", fake)
     # a timer a test leaves registered does not outlive it: no patch, all_reduce as it was
     monkeypatch.setattr(timing, "_PATCH", None)
-    for name in timing._COLLECTIVES:
-        monkeypatch.setattr(timing.dist, name, getattr(timing.dist, name))
+    for module, name in timing._COLLECTIVES:
+        owner = importlib.import_module(module)
+        monkeypatch.setattr(owner, name, getattr(owner, name))
     return clock
 
 
@@ -59,7 +62,7 @@ class Collectives:
 @pytest.fixture
 def collectives(clock, monkeypatch):
     fake = Collectives(clock)
-    monkeypatch.setattr(timing.dist, "all_reduce", fake.all_reduce)  # restored after the test
+    monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)  # restored after the test
     return fake
 
 
@@ -146,12 +149,12 @@ def test_dilation_leaves_out_waits_in_real_collectives(clock, collectives):
     forward, an async one waited on in the backward, and one started before the region."""
     timer = _timer(dilation=2.0)
     timer.reset()
-    early = timing.dist.all_reduce(None, async_op=True)  # started outside any region
+    early = dist.all_reduce(None, async_op=True)  # started outside any region
     timer.start()
     clock.work(0.010, 0.012)
     collectives.wait = 0.500
-    timing.dist.all_reduce(None)
-    handle = timing.dist.all_reduce(None, async_op=True)
+    dist.all_reduce(None)
+    handle = dist.all_reduce(None, async_op=True)
     clock.work(0.005, 0.006)
     handle.wait()
     early.wait()  # ... but waited on inside it
@@ -161,45 +164,45 @@ def test_dilation_leaves_out_waits_in_real_collectives(clock, collectives):
 
 
 def test_a_wall_timer_wraps_all_reduce_until_it_is_removed(clock, collectives):
-    original = timing.dist.all_reduce
+    original = dist.all_reduce
     timer = _timer("wall")
-    assert timing.dist.all_reduce is not original
-    assert timing.dist.all_reduce is timing._PATCH.wrappers["all_reduce"]
+    assert dist.all_reduce is not original
+    assert dist.all_reduce is timing._PATCH.wrappers[("torch.distributed", "all_reduce")]
     timer.remove()
-    assert timing.dist.all_reduce is original
+    assert dist.all_reduce is original
     assert timing._PATCH is None  # nothing left behind
     timer.remove()  # twice is harmless
-    assert timing.dist.all_reduce is original
+    assert dist.all_reduce is original
 
 
 def test_the_last_timer_removed_restores_all_reduce(clock, collectives):
-    original = timing.dist.all_reduce
+    original = dist.all_reduce
     first, second = _timer("wall"), _timer(dilation=2.0)
-    wrapper = timing.dist.all_reduce
+    wrapper = dist.all_reduce
     assert wrapper is not original
     first.remove()
-    assert timing.dist.all_reduce is wrapper  # still needed by the second
+    assert dist.all_reduce is wrapper  # still needed by the second
     second.reset()  # ... and it still leaves the second's waits out
     second.start()
     clock.work(0.010, 0.010)
     collectives.wait = 0.500
-    timing.dist.all_reduce(None)
+    dist.all_reduce(None)
     second.stop()
     assert clock.slept == [pytest.approx(0.010)]
     second.remove()
-    assert timing.dist.all_reduce is original
+    assert dist.all_reduce is original
     assert timing._PATCH is None
 
 
 def test_a_cpu_timer_leaves_all_reduce_alone(clock, collectives):
-    original = timing.dist.all_reduce
+    original = dist.all_reduce
     cpu = _timer()
-    assert timing.dist.all_reduce is original
+    assert dist.all_reduce is original
     wall = _timer("wall")
     cpu.remove()  # not registered: the wall timer's patch stays
-    assert timing.dist.all_reduce is not original
+    assert dist.all_reduce is not original
     wall.remove()
-    assert timing.dist.all_reduce is original
+    assert dist.all_reduce is original
 
 
 def test_the_optimizer_step_is_timed_and_slowed_as_a_ranks_own_work(clock):
@@ -227,7 +230,7 @@ def test_device_mode_slows_all_compute_between_collectives(clock, collectives):
     clock.work(0.004, 0.004)  # untimed: the embedding, say
     timer.start()
     clock.work(0.010, 0.010)  # a row-parallel linear ...
-    timing.dist.all_reduce(None)  # ... and its all-reduce: 2 x 14 ms of delay first
+    dist.all_reduce(None)  # ... and its all-reduce: 2 x 14 ms of delay first
     timer.stop()
     clock.work(0.006, 0.006)  # norms, the loss
     timer.end_step()  # the tail: 2 x 6 ms
@@ -236,7 +239,7 @@ def test_device_mode_slows_all_compute_between_collectives(clock, collectives):
     assert timer.read_busy() == pytest.approx(3 * 0.020)  # all of it, 3x
     timer.reset(factor=1.0)  # unslowed: no delay, busy is the CPU time
     clock.work(0.005, 0.005)
-    timing.dist.all_reduce(None)
+    dist.all_reduce(None)
     timer.end_step()
     assert len(clock.slept) == 2 and timer.read_busy() == pytest.approx(0.005)
     timer.remove()
@@ -250,11 +253,15 @@ def test_device_mode_needs_the_cpu_clock_without_dilation(clock):
 
 
 def test_the_patch_wraps_every_collective_a_step_is_cut_by(clock, collectives):
-    originals = {name: getattr(timing.dist, name) for name in timing._COLLECTIVES}
+    def current():
+        return {(m, n): getattr(importlib.import_module(m), n) for m, n in timing._COLLECTIVES}
+
+    originals = current()
+    assert ("megatron.core.tensor_parallel.layers", "dist_reduce_scatter_func") in originals
     timer = _timer(device=True)
-    assert all(getattr(timing.dist, n) is not o for n, o in originals.items())
+    assert all(current()[key] is not o for key, o in originals.items())
     timer.remove()
-    assert all(getattr(timing.dist, n) is o for n, o in originals.items())
+    assert current() == originals
 
 
 def test_sharded_mode_busy_counts_the_emulated_delay(clock):

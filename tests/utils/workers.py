@@ -34,6 +34,23 @@ def train(argv: list[str]) -> dict:
     }
 
 
+def train_and_read_norms(argv: list[str]) -> dict:
+    """pretrain; then every norm parameter of the model by name: (its `sequence_parallel`
+    mark, its value)."""
+    norms = {}
+
+    def hook(iteration, state, runtime):
+        from megatron.hetero.model import unwrap_model
+
+        for name, param in unwrap_model(state.model).named_parameters():
+            if "layernorm" in name:
+                marked = getattr(param, "sequence_parallel", False)
+                norms[name] = (marked, param.detach().clone())
+
+    result, stdout = _pretrain(argv, hook)
+    return {"losses": result.losses, "norms": norms, "stdout": stdout}
+
+
 def compat_paths(tmp_dir: str) -> dict:
     """Runs each upstream path a CPU shim covers; returns what each produced."""
     import torch
@@ -68,6 +85,17 @@ def compat_paths(tmp_dir: str) -> dict:
         with tracker.fork():
             second = torch.rand(4)
         report["rng_tracker"] = (type(tracker).__name__, not torch.equal(first, second))
+        # recompute_rng: a recomputed forward restores the RNG states its first run saw
+        x = torch.ones(8, requires_grad=True)
+        drawn = []
+
+        def noisy(t):
+            noise = torch.rand(8)
+            drawn.append(noise)
+            return t * noise
+
+        tensor_parallel.checkpoint(noisy, False, x).sum().backward()
+        report["recompute_rng"] = (len(drawn), torch.equal(drawn[0], drawn[-1]))
         # cuda_literals: megatron's optimizers check CUDA type names
         report["type_names"] = (
             torch.zeros(1, dtype=torch.bfloat16).type(),
@@ -393,6 +421,11 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
             module.zero_grad(set_to_none=True)
             losses = module(mine, position, mask, labels=labels)
             losses.mean().backward()
+            for param in module.parameters():
+                # what finalize_model_grads does under sequence parallelism: sum the replicated
+                # norm weights' gradients over the TP group (each rank saw part of the sequence)
+                if param.grad is not None and getattr(param, "sequence_parallel", False):
+                    dist.all_reduce(param.grad, group=tp_group)
             for param in module.parameters():  # what DDP does: average over data-parallel ranks
                 if param.grad is not None and dp > 1:
                     dist.all_reduce(param.grad, group=dp_group)

@@ -1,0 +1,111 @@
+"""Het-TP under the settings production Megatron jobs use: sequence parallelism, overlapped
+gradient reduction in small buckets, full and selective recomputation, and all of them together,
+on TP=2 x DP=2 (4 gloo ranks): the even plan equals vanilla megatron-core with the same flags, a
+migration keeps the losses, a resize freezes and a restore resumes, and a checkpoint saved after
+a migration loads into vanilla with the same flags."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.utils import (
+    MHA,
+    run_ranks,
+    train,
+    train_and_read_norms,
+    train_with_repartitions,
+    train_with_resizes,
+)
+
+SP = "--sequence-parallel"
+OVERLAP = "--overlap-grad-reduce --ddp-bucket-size 20000"  # several buckets for this model
+FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+SELECTIVE = "--recompute-granularity selective"
+SETTINGS = {
+    "sp": SP,
+    "overlap": OVERLAP,
+    "recompute-full": FULL,
+    "recompute-selective": SELECTIVE,
+    "all": f"{SP} {OVERLAP} {FULL}",
+}
+
+
+def _argv(flags: str, iters: int = 10) -> list[str]:
+    return (
+        MHA.replace("--train-iters 1", f"--train-iters {iters}")
+        + " --global-batch-size 8 --weight-decay 0.1 --het-tp-granularity 4"
+        " --tensor-model-parallel-size 2 --eval-iters 0 --log-interval 5 " + flags
+    ).split()
+
+
+def _close(got: dict, want: dict, steps) -> None:
+    for step in steps:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_even_plan_equals_vanilla_and_a_migration_keeps_the_losses(setting):
+    argv = _argv(SETTINGS[setting])
+    vanilla = run_ranks(train, 4, argv)[0]
+    # het-TP layers in the even plan for 4 steps, then rank 0 takes most units
+    migrated = run_ranks(train_with_repartitions, 4, argv + ["--het-tp"], {4: "attn=3,1;mlp=48,16"})
+    assert [e["iteration"] for e in migrated[0]["events"]] == [4]
+    assert migrated[0]["events"][0]["bytes"] > 0
+    for result in migrated:
+        _close(result["losses"], vanilla["losses"], range(1, 11))
+
+
+def test_sequence_parallel_norms_are_marked_and_reduced_over_the_tp_group():
+    """With SP every norm weight is replicated over the TP group and its gradient all-reduced
+    there (finalize_model_grads reads the mark); the first step's update keeps them equal."""
+    result = run_ranks(train_and_read_norms, 2, _argv(SP, iters=2) + ["--het-tp"])
+    for rank in result:
+        assert rank["losses"] and all(math.isfinite(v) for v in rank["losses"].values())
+    norms = [r["norms"] for r in result]
+    assert norms[0] and set(norms[0]) == set(norms[1])
+    for name, (marked, value) in norms[0].items():
+        assert marked, name
+        assert torch.equal(value, norms[1][name][1]), name  # same update on both TP ranks
+
+
+def test_resize_then_restore_under_all_settings():
+    """Rank 1 skips half its units from the start (bit-identical weights and Adam state while
+    skipped) and computes them again from step 4."""
+    argv = _argv(SETTINGS["all"], iters=7) + ["--het-tp-resize", "0,0.5"]
+    ranks = run_ranks(train_with_resizes, 4, argv, {3: [("resize", (0.0, 0.0))]})
+    records = ranks[1]["records"]
+    skipped = {k: set(b["units"][b["active"] :]) for k, b in records[1]["blocks"].items()}
+    assert any(skipped.values())
+    for it in (1, 2):
+        for key, units in skipped.items():
+            for unit in units:
+                now = records[it]["blocks"][key]["values"][unit]
+                then = records[it + 1]["blocks"][key]["values"][unit]
+                assert all(torch.equal(a, b) for a, b in zip(now, then)), (key, unit, it)
+    for key, units in skipped.items():
+        assert records[4]["blocks"][key]["active"] == len(records[4]["blocks"][key]["units"])
+        for unit in units:
+            before = records[3]["blocks"][key]["values"][unit][0]
+            assert not torch.equal(before, records[5]["blocks"][key]["values"][unit][0])
+    assert all(math.isfinite(v) for v in ranks[0]["losses"].values())
+
+
+def test_a_checkpoint_saved_after_a_migration_loads_into_vanilla(tmp_path):
+    argv = _argv(SETTINGS["all"])
+    ckpt = tmp_path / "ckpt"
+    het = run_ranks(
+        train_with_repartitions,
+        4,
+        argv + ["--het-tp", "--save", str(ckpt), "--save-interval", "6"],
+        {3: "attn=1,3;mlp=20,44"},
+    )[0]
+    only6 = tmp_path / "only6"
+    only6.mkdir()
+    (only6 / "iter_0000006").symlink_to(ckpt / "iter_0000006")
+    (only6 / "latest_checkpointed_iteration.txt").write_text("6")
+    vanilla = run_ranks(train, 4, argv + ["--load", str(only6)])[0]
+    assert sorted(vanilla["losses"]) == [7, 8, 9, 10]
+    _close(vanilla["losses"], het["losses"], range(7, 11))
