@@ -41,9 +41,9 @@ def _argv(flags: str, iters: int = 10) -> list[str]:
     ).split()
 
 
-def _close(got: dict, want: dict, steps) -> None:
+def _close(got: dict, want: dict, steps, rel: float = 1e-5) -> None:
     for step in steps:
-        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+        assert abs(got[step] - want[step]) <= rel * abs(want[step]), (step, got, want)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -109,3 +109,44 @@ def test_a_checkpoint_saved_after_a_migration_loads_into_vanilla(tmp_path):
     vanilla = run_ranks(train, 4, argv + ["--load", str(only6)])[0]
     assert sorted(vanilla["losses"]) == [7, 8, 9, 10]
     _close(vanilla["losses"], het["losses"], range(7, 11))
+
+
+def test_bf16_under_all_settings_migrates_there_and_back_exactly():
+    """--bf16 with SP, overlap and recomputation: the even plan equals vanilla within bf16
+    rounding (the het spec's SDPA core attention rounds differently from megatron-core's
+    DotProductAttention: 2e-5 relative measured, 1e-4 allowed), and units moved away and back
+    at one step boundary restore the exact state (fp32 masters and Adam moments travel with
+    them), so the run equals one that never moved bit for bit."""
+    argv = _argv(SETTINGS["all"] + " --bf16") + ["--het-tp"]
+    vanilla = run_ranks(train, 4, argv[:-1])[0]
+    steady = run_ranks(train_with_repartitions, 4, argv, {})[0]
+    moved = run_ranks(
+        train_with_repartitions, 4, argv, {4: ["attn=3,1;mlp=48,16", "attn=2,2;mlp=32,32"]}
+    )
+    assert [e["iteration"] for e in moved[0]["events"]] == [4, 4]
+    for result in moved:
+        assert result["losses"] == steady["losses"]
+    _close(steady["losses"], vanilla["losses"], range(1, 11), rel=1e-4)
+    assert vanilla["losses"][10] < vanilla["losses"][1]
+
+
+def test_the_control_loop_migrates_under_all_settings():
+    """pretrain_gpt.py's loop with SP, overlap and full recomputation on 4 ranks: a 3x straggler
+    on TP rank 1 is detected and acted on by a migration, and the losses equal the run with
+    --het-tp alone."""
+    argv = _argv(SETTINGS["all"], iters=12)
+    control = [
+        "--het-tp-policy",
+        "migrate",
+        "--het-tp-emulate",
+        "persistent:rank=1,factor=3",
+        "--het-tp-interval",
+        "2",
+    ]
+    decided = run_ranks(train, 4, argv + control)
+    alone = run_ranks(train, 4, argv + ["--het-tp"])[0]
+    stdout = decided[0]["stdout"]
+    assert "het-TP decision at iteration" in stdout and ": migrate" in stdout, stdout
+    assert "het-TP repartition at iteration" in stdout
+    for result in decided:
+        _close(result["losses"], alone["losses"], range(1, 13))
