@@ -53,7 +53,15 @@ def test_even_plan_equals_vanilla_and_a_migration_keeps_the_losses(setting):
     # het-TP layers in the even plan for 4 steps, then rank 0 takes most units
     migrated = run_ranks(train_with_repartitions, 4, argv + ["--het-tp"], {4: "attn=3,1;mlp=48,16"})
     assert [e["iteration"] for e in migrated[0]["events"]] == [4]
-    assert migrated[0]["events"][0]["bytes"] > 0
+    event = migrated[0]["events"][0]
+    assert event["bytes"] > 0
+    # the config's hooks are the rebuilt DDP wrapper's (grad sync only with overlap)
+    overlap = "--overlap-grad-reduce" in SETTINGS[setting]
+    assert event["hooks"] == {
+        "no_sync_func": True,
+        "grad_sync_func": True if overlap else "unset",
+        "param_sync_func": "unset",
+    }
     for result in migrated:
         _close(result["losses"], vanilla["losses"], range(1, 11))
 

@@ -243,9 +243,19 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
             )
             return
         schedule, result = migration.schedule, migration.result
+
+        def hook_owner(name):  # whose method the config's hook is (None: unset)
+            hook = getattr(state.config, name)
+            hook = hook[0] if isinstance(hook, list) else hook
+            return None if hook is None else getattr(hook, "__self__", "not a method")
+
         events.append(
             {
                 "iteration": iteration,
+                "hooks": {
+                    name: ("unset" if hook_owner(name) is None else hook_owner(name) is state.model)
+                    for name in ("no_sync_func", "grad_sync_func", "param_sync_func")
+                },
                 "units_moved": len(schedule.moves),
                 "bytes": result.payload_bytes,
                 "primitive": result.primitive,
