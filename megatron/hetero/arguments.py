@@ -13,6 +13,8 @@ import math
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -42,10 +44,88 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_validation_args(parser)
     _add_logging_args(parser)
     _add_checkpointing_args(parser)
+    _add_not_supported_args(parser)
     HetTPConfig.add_arguments(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
+
+
+@dataclass(frozen=True)
+class RefusedFlag:
+    """A Megatron-LM flag that launch scripts carry and this trainer cannot honour yet: parsed
+    with Megatron-LM's syntax, then refused by name with the reason, never silently ignored."""
+
+    flag: str
+    options: dict  # argparse's add_argument keywords
+    reason: str
+    refused: Callable = bool  # of the parsed value
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+REFUSED_FLAGS = (
+    RefusedFlag(
+        "--use-distributed-optimizer",
+        {"action": "store_true"},
+        "the distributed optimizer is not supported yet (optimizer state stays replicated "
+        "over the data-parallel ranks)",
+    ),
+    RefusedFlag(
+        "--overlap-param-gather",
+        {"action": "store_true"},
+        "needs --use-distributed-optimizer, which is not supported yet",
+    ),
+    RefusedFlag(
+        "--transformer-impl",
+        {"default": "local", "choices": ["local", "transformer_engine"]},
+        "Transformer Engine layers are not supported yet (hettp's het-TP layers subclass "
+        "megatron-core's local ones); pass --transformer-impl local",
+        lambda value: value != "local",
+    ),
+    RefusedFlag(
+        "--fp8-format",
+        {"default": None, "choices": ["e4m3", "hybrid"]},
+        "FP8 needs Transformer Engine layers, which are not supported yet",
+        lambda value: value is not None,
+    ),
+    RefusedFlag("--qk-layernorm", {"action": "store_true"}, "not supported yet"),
+    RefusedFlag(
+        "--spec",
+        {"nargs": "*", "default": None},
+        "hettp builds megatron-core's local layer spec (het-TP swaps its own modules in)",
+        lambda value: value is not None,
+    ),
+    RefusedFlag(
+        "--cuda-graph-impl",
+        {"default": "none", "choices": ["none", "local", "transformer_engine"]},
+        "CUDA graphs are not supported (a migration replaces the captured layers)",
+        lambda value: value != "none",
+    ),
+)
+
+
+def _add_not_supported_args(parser):
+    g = parser.add_argument_group(
+        "Megatron-LM flags not supported yet", "Accepted by name, refused with the reason."
+    )
+    for refused in REFUSED_FLAGS:
+        g.add_argument(refused.flag, **refused.options)
+
+
+def _check_refused_flags(args) -> None:
+    for refused in REFUSED_FLAGS:
+        value = getattr(args, refused.dest)
+        if refused.refused(value):
+            if isinstance(value, bool):
+                shown = ""
+            elif isinstance(value, list):
+                shown = " " + " ".join(map(str, value))
+            else:
+                shown = f" {value}"
+            raise ArgumentError(f"{refused.flag}{shown}: {refused.reason}")
 
 
 def _add_network_args(parser):
@@ -324,6 +404,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     args.world_size = world_size
+    _check_refused_flags(args)
 
     for flag in (
         "num_layers",

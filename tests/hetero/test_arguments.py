@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -402,3 +403,64 @@ def test_early_errors_exit_2_with_one_line(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error:"), proc.stderr
         assert message in lines[0], lines[0]
         assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ("--use-distributed-optimizer", "--use-distributed-optimizer: the distributed optimizer"),
+        ("--overlap-param-gather", "--overlap-param-gather: needs --use-distributed-optimizer"),
+        (
+            "--transformer-impl transformer_engine",
+            "--transformer-impl transformer_engine: Transformer Engine layers are not supported",
+        ),
+        ("--fp8-format hybrid", "--fp8-format hybrid: FP8 needs Transformer Engine"),
+        ("--qk-layernorm", "--qk-layernorm: not supported yet"),
+        ("--spec my.module my_spec", "--spec my.module my_spec: hettp builds"),
+        ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graphs are not supported"),
+    ],
+)
+def test_megatron_flags_not_supported_yet_are_refused_by_name(extra, message):
+    with pytest.raises(ArgumentError) as err:
+        _args(extra)
+    assert str(err.value).startswith(message)
+
+
+def test_refused_flags_accept_their_supported_values():
+    args = _args("--transformer-impl local --cuda-graph-impl none")
+    assert (args.transformer_impl, args.cuda_graph_impl) == ("local", "none")
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ("--recompute-granularity full", "--recompute-granularity full needs --recompute-method"),
+        (
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 3",
+            "needs --recompute-num-layers between 1 and --num-layers (2), got 3",
+        ),
+        (
+            "--recompute-granularity selective --recompute-method block",
+            "--recompute-method applies to --recompute-granularity full only (not selective)",
+        ),
+        ("--recompute-num-layers 1", "--recompute-num-layers applies to --recompute-granularity"),
+        (
+            "--recompute-activations --recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 1",
+            "--recompute-activations means --recompute-granularity selective, not full",
+        ),
+        ("--ddp-bucket-size 1000", "--ddp-bucket-size needs --overlap-grad-reduce"),
+        ("--overlap-grad-reduce --ddp-bucket-size 0", "--ddp-bucket-size must be positive"),
+    ],
+)
+def test_recompute_and_overlap_flags_are_checked_as_megatron_does(extra, message):
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        _args(extra)
+
+
+def test_sequence_parallel_is_dropped_at_tp1_with_megatrons_warning():
+    with pytest.warns(UserWarning, match="Disabling sequence parallelism"):
+        args = _args("--sequence-parallel")
+    assert args.sequence_parallel is False
+    assert _args("--sequence-parallel --tensor-model-parallel-size 2", 2).sequence_parallel
+    assert _args("--recompute-activations").recompute_granularity == "selective"
