@@ -111,10 +111,11 @@ def test_device_mode_slows_all_of_a_ranks_compute_and_is_acted_on(tmp_path, stea
     # (its timed compute too), while the steady run's ranks stay alike
     before, after = timing[10]["busy_s"], timing[11]["busy_s"]
     assert before[1] == pytest.approx(before[0], rel=0.3)
-    # busy time also holds the step's unsharded work, whose CPU time a loaded 2-core machine
-    # inflates on either rank (CI once saw 2.38); the timed compute is held to 20%
-    assert after[1] / after[0] == pytest.approx(3.0, rel=0.3)
-    assert timing[11]["compute_s"][1] / timing[11]["compute_s"][0] == pytest.approx(3.0, rel=0.2)
+    # one step's ratios on a loaded 2-core machine: CI saw busy 2.38 (the unsharded work's CPU
+    # time inflated on either rank) and compute 3.70 (the per-region sleeps overshoot, as the
+    # control-loop issue measured); an emulation that slowed nothing would read 1.0
+    assert after[1] / after[0] == pytest.approx(3.0, rel=0.4)
+    assert timing[11]["compute_s"][1] / timing[11]["compute_s"][0] == pytest.approx(3.0, rel=0.4)
     steady_busy = [r["busy_s"] for r in steady[1] if r["kind"] == "timing"]
     assert all(b[1] == pytest.approx(b[0], rel=0.3) for b in steady_busy[1:])
     decisions = [r for r in records if r["kind"] == "decision"]
