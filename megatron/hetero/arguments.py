@@ -122,7 +122,7 @@ def _check_refused_flags(args) -> None:
             if isinstance(value, bool):
                 shown = ""
             elif isinstance(value, list):
-                shown = " " + " ".join(map(str, value))
+                shown = "".join(f" {v}" for v in value)
             else:
                 shown = f" {value}"
             raise ArgumentError(f"{refused.flag}{shown}: {refused.reason}")
@@ -361,12 +361,21 @@ def _validate_parallel_features(args, tp: int) -> None:
             stacklevel=2,
         )
         args.sequence_parallel = False
+    if args.sequence_parallel:
+        _require(
+            args.seq_length % tp == 0,
+            f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size "
+            f"({tp}) with --sequence-parallel",
+        )
     if args.ddp_bucket_size is not None:
         _require(
             args.ddp_bucket_size > 0,
             f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}",
         )
-        _require(args.overlap_grad_reduce, "--ddp-bucket-size needs --overlap-grad-reduce")
+        if not args.overlap_grad_reduce:  # as Megatron-LM: one reduce after backward, no buckets
+            warnings.warn(
+                "--ddp-bucket-size is ignored without --overlap-grad-reduce", stacklevel=2
+            )
     if args.recompute_activations:
         _require(
             args.recompute_granularity in (None, "selective"),
@@ -654,7 +663,8 @@ def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
     if config.het_tp:
         if getattr(args, "virtual_pipeline_model_parallel_size", None):
             raise ArgumentError(
-                "--het-tp supports one model chunk: drop --num-layers-per-virtual-pipeline-stage"
+                "--het-tp supports one model chunk: drop --num-layers-per-virtual-pipeline-stage "
+                "(or --num-virtual-stages-per-pipeline-rank)"
             )
         for attr, what in _UNSUPPORTED_WITH_HET_TP:
             if getattr(args, attr, None):

@@ -258,6 +258,10 @@ def _rebuild(state, replaced):
     if state.config.grad_scale_func is not None:
         state.config.grad_scale_func = optimizer.scale_loss
     state.model, state.optimizer = model, optimizer
+    # The old wrapper stays reachable through its (now no-op) hooks on the parameters that did
+    # not change; without its buffers it no longer holds a model-sized gradient buffer.
+    old_ddp.buffers, old_ddp.bucket_groups = [], []
+    old_ddp.expert_parallel_buffers, old_ddp.expert_parallel_bucket_groups = [], []
 
 
 # The config's hooks the schedule calls on the DDP wrapper (set by whoever built it: this

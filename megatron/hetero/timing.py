@@ -146,7 +146,7 @@ def _register(timer) -> None:
 
 
 def _unregister(timer) -> None:
-    """Undo _register(timer); the last timer out restores torch.distributed."""
+    """Undo _register(timer); the last timer out restores the wrapped collectives."""
     global _PATCH
     if _PATCH is None or timer not in _PATCH.timers:
         return

@@ -40,10 +40,11 @@ from .runtime import HetTPRuntime, SavedPlan, TrainState, runtime_of
 _REFUSED = (
     (
         "transformer_impl",
-        lambda v: v == "transformer_engine",
-        "--transformer-impl transformer_engine: het-TP builds megatron-core's local layers; "
+        lambda v: v not in (None, "local"),
+        "--transformer-impl {value}: het-TP builds megatron-core's local layers; "
         "pass --transformer-impl local",
     ),
+    ("use_kitchen", bool, "--use-kitchen: het-TP builds megatron-core's local layers"),
     ("spec", lambda v: v is not None, "--spec: het-TP replaces the layer spec by its own"),
     ("qk_layernorm", bool, "--qk-layernorm: het-TP's layers have no query/key layernorm yet"),
     (
@@ -92,6 +93,35 @@ def extra_args_provider(other=None):
     return provider
 
 
+# Refused for any het-TP runtime (also timing only): its per-TP-rank checkpoint state and its
+# decisions assume one pipeline stage and no context parallelism.
+_REFUSED_ALWAYS = (
+    (
+        "pipeline_model_parallel_size",
+        lambda v: (v or 1) > 1,
+        "--pipeline-model-parallel-size {value}: het-TP runs in one pipeline stage for now",
+    ),
+    (
+        "context_parallel_size",
+        lambda v: (v or 1) > 1,
+        "--context-parallel-size {value}: het-TP has no context parallelism yet",
+    ),
+    (
+        "non_persistent_save_interval",
+        lambda v: v is not None,
+        "--non-persistent-save-interval: het-TP keeps its plan in persistent checkpoints only",
+    ),
+)
+
+
+def _first_refusal(args, table) -> str | None:
+    for attr, refused, message in table:
+        value = getattr(args, attr, None)
+        if refused(value):
+            return message.format(value=value)
+    return None
+
+
 def _refusal(args) -> str | None:
     for attr, refused, message in _REFUSED:
         value = getattr(args, attr, None)
@@ -110,8 +140,10 @@ def create_runtime(args) -> HetTPRuntime | None:
     a bad flag exits with one line naming it, before any model exists."""
     try:
         runtime = HetTPRuntime.from_args(args)
-        if runtime is not None and runtime.config.het_tp:
-            refused = _refusal(args)
+        if runtime is not None:
+            refused = _first_refusal(args, _REFUSED_ALWAYS)
+            if refused is None and runtime.config.het_tp:
+                refused = _refusal(args)
             if refused is not None:
                 raise ArgumentError(refused)
     except ArgumentError as err:
@@ -130,8 +162,19 @@ def _checkpoint_to_resume(args) -> str | None:
     root = getattr(args, "load", None)
     if not root or getattr(args, "finetune", False):
         return None
-    iteration = getattr(args, "ckpt_step", None) or checkpointing.latest_iteration(root)
-    return checkpointing.checkpoint_dir(root, iteration) if iteration is not None else None
+    iteration = getattr(args, "ckpt_step", None)
+    if iteration is None:
+        try:
+            iteration = checkpointing.latest_iteration(root)
+        except checkpointing.CheckpointError:  # e.g. 'release': no het-TP state to resume
+            return None
+    if iteration is None:
+        return None
+    path = checkpointing.checkpoint_dir(root, iteration)
+    from megatron.core import dist_checkpointing
+
+    # a torch or torch_dcp checkpoint (--auto-detect-ckpt-format) holds no het-TP plan
+    return path if dist_checkpointing.check_is_distributed_checkpoint(path) else None
 
 
 def _common_state(path: str) -> dict:

@@ -1,8 +1,10 @@
 """Upstream Megatron-LM's own pretrain_gpt.py on a CPU-only torch build, for development and CI.
 
 megatron-core's CUDA-only spots are covered by cpu_compat.py (the same shims this project's
-trainer runs under). Upstream's training package (megatron/training, megatron/legacy) has about
-ten more; each is covered here by one `TreeShim` that names the upstream file and line it
+trainer runs under). Upstream's training package (megatron/training, megatron/legacy) and two
+spots of the checkout's megatron-core that only its entry script reaches (dist-checkpointing's
+spawned Manager, the datasets helper build) need ten more; each is covered here by one
+`TreeShim` that names the upstream file and line it
 covers and the source text expected there. `check(tree)` reads every one of those lines before
 anything is imported, so a Megatron-LM version that moves one fails at start with the file and
 line, instead of running half-shimmed. GPU runs never use this module (scripts/upstream_cpu.py
@@ -226,7 +228,7 @@ SHIMS: tuple[TreeShim, ...] = (
         "megatron/training/arguments.py",
         928,
         "and get_device_arch_version() < 10:",
-        "validate_args reads the GPU's compute capability when TP > 1",
+        "validate_args reads the GPU's compute capability when TP > 1 or CP > 1",
         _device_arch,
     ),
     TreeShim(

@@ -417,6 +417,7 @@ def test_early_errors_exit_2_with_one_line(tmp_path):
         ("--fp8-format hybrid", "--fp8-format hybrid: FP8 needs Transformer Engine"),
         ("--qk-layernorm", "--qk-layernorm: not supported yet"),
         ("--spec my.module my_spec", "--spec my.module my_spec: hettp builds"),
+        ("--spec", "--spec: hettp builds"),
         ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graphs are not supported"),
     ],
 )
@@ -449,13 +450,23 @@ def test_refused_flags_accept_their_supported_values():
             "--recompute-num-layers 1",
             "--recompute-activations means --recompute-granularity selective, not full",
         ),
-        ("--ddp-bucket-size 1000", "--ddp-bucket-size needs --overlap-grad-reduce"),
+        (
+            "--sequence-parallel --tensor-model-parallel-size 2 --seq-length 33 "
+            "--max-position-embeddings 33",
+            "--seq-length (33) must be divisible by --tensor-model-parallel-size (2)",
+        ),
         ("--overlap-grad-reduce --ddp-bucket-size 0", "--ddp-bucket-size must be positive"),
     ],
 )
 def test_recompute_and_overlap_flags_are_checked_as_megatron_does(extra, message):
+    world = 2 if "--tensor-model-parallel-size 2" in extra else 1
     with pytest.raises(ArgumentError, match=re.escape(message)):
-        _args(extra)
+        _args(extra, world)
+
+
+def test_a_bucket_size_without_overlap_is_ignored_with_a_warning():
+    with pytest.warns(UserWarning, match="--ddp-bucket-size is ignored without"):
+        _args("--ddp-bucket-size 1000")
 
 
 def test_sequence_parallel_is_dropped_at_tp1_with_megatrons_warning():

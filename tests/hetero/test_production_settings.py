@@ -54,7 +54,7 @@ def test_even_plan_equals_vanilla_and_a_migration_keeps_the_losses(setting):
     migrated = run_ranks(train_with_repartitions, 4, argv + ["--het-tp"], {4: "attn=3,1;mlp=48,16"})
     assert [e["iteration"] for e in migrated[0]["events"]] == [4]
     event = migrated[0]["events"][0]
-    assert event["bytes"] > 0
+    assert event["bytes"] > 0 and event["old_wrapper_buffers"] == 0
     # the config's hooks are the rebuilt DDP wrapper's (grad sync only with overlap)
     overlap = "--overlap-grad-reduce" in SETTINGS[setting]
     assert event["hooks"] == {

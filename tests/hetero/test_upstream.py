@@ -90,6 +90,11 @@ def _upstream_args(argv=(), **overrides):
         (["--het-tp"], {"ckpt_format": "torch_dcp"}, "--ckpt-format torch_dcp"),
         (["--het-tp"], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
         (["--het-tp"], {"ckpt_assume_constant_structure": True}, "assume-constant-structure"),
+        (["--het-tp"], {"transformer_impl": "inference_optimized"}, "inference_optimized"),
+        # any runtime, timing only too
+        (["--het-tp-policy", "none"], {"pipeline_model_parallel_size": 2}, "one pipeline stage"),
+        (["--het-tp-policy", "none"], {"context_parallel_size": 2}, "--context-parallel-size 2"),
+        (["--het-tp"], {"non_persistent_save_interval": 5}, "--non-persistent-save-interval"),
     ],
 )
 def test_create_runtime_checks_the_flags_on_upstream_args(argv, overrides, message):

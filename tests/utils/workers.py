@@ -223,6 +223,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     raise RuntimeError(f"injected failure at {stage}")
 
         before = snapshot(state)
+        wrapper = state.model
         try:
             migration = runtime.repartition(plan, iteration, fault=inject)
         except TransferError as err:
@@ -252,6 +253,10 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
         events.append(
             {
                 "iteration": iteration,
+                # the replaced DDP wrapper keeps no gradient buffer
+                "old_wrapper_buffers": (
+                    None if wrapper is state.model else len(wrapper.buffers + wrapper.bucket_groups)
+                ),
                 "hooks": {
                     name: ("unset" if hook_owner(name) is None else hook_owner(name) is state.model)
                     for name in ("no_sync_func", "grad_sync_func", "param_sync_func")
