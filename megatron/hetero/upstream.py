@@ -78,6 +78,12 @@ _REFUSED = (
         bool,
         "--external-cuda-graph: captured graphs would keep the pre-migration layers",
     ),
+    (
+        "ckpt_assume_constant_structure",
+        bool,
+        "--ckpt-assume-constant-structure: a migration changes which rank holds which shard, "
+        "so the structure of the checkpoint is not constant",
+    ),
 )
 
 
@@ -122,19 +128,6 @@ def _first_refusal(args, table) -> str | None:
     return None
 
 
-def _refusal(args) -> str | None:
-    for attr, refused, message in _REFUSED:
-        value = getattr(args, attr, None)
-        if refused(value):
-            return message.format(value=value)
-    if getattr(args, "ckpt_assume_constant_structure", False):
-        return (
-            "--ckpt-assume-constant-structure: a migration changes which rank holds which "
-            "shard, so the structure of the checkpoint is not constant"
-        )
-    return None
-
-
 def create_runtime(args) -> HetTPRuntime | None:
     """The het-TP runtime for upstream's args (None when no het-TP flag asks for anything);
     a bad flag exits with one line naming it, before any model exists."""
@@ -143,7 +136,7 @@ def create_runtime(args) -> HetTPRuntime | None:
         if runtime is not None:
             refused = _first_refusal(args, _REFUSED_ALWAYS)
             if refused is None and runtime.config.het_tp:
-                refused = _refusal(args)
+                refused = _first_refusal(args, _REFUSED)
             if refused is not None:
                 raise ArgumentError(refused)
     except ArgumentError as err:

@@ -7,15 +7,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
 import torch
 
-from tests.utils import ROOT
+from tests.utils import PATCH, ROOT, fresh_megatron_lm
 
-PATCH = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1.patch")
 PATCHED = (
     "pretrain_gpt.py",
     "gpt_builders.py",
@@ -200,23 +198,13 @@ needs_upstream = pytest.mark.skipif(
 )
 
 
-def _fresh_copy(dest) -> str:
-    """A copy of the given Megatron-LM tree as extracted, whether or not it was patched."""
-    tree = os.path.join(str(dest), "Megatron-LM")
-    shutil.copytree(os.environ["HETTP_MEGATRON_LM"], tree, symlinks=True)
-    reverse = ["git", "apply", "-R", "--check", PATCH]
-    if subprocess.run(reverse, cwd=tree, capture_output=True).returncode == 0:
-        subprocess.run(["git", "apply", "-R", PATCH], cwd=tree, check=True)
-    return tree
-
-
 @needs_upstream
 def test_the_patch_applies_to_a_fresh_copy_of_megatron_lm(tmp_path):
     """Apply, byte-compile the patched files, and find the glue's calls where the patch puts
     them; the CPU shims' upstream lines are found in the fresh and the patched tree."""
     from megatron.hetero import upstream_cpu
 
-    tree = _fresh_copy(tmp_path)
+    tree = fresh_megatron_lm(str(tmp_path / "Megatron-LM"))
     upstream_cpu.check(tree)
     apply = os.path.join(ROOT, "patches", "apply.sh")
     out = subprocess.run(["bash", apply, "--check", tree], capture_output=True, text=True)

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.utils import ROOT
+from tests.utils import ROOT, fresh_megatron_lm
 
-PATCH = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1.patch")
 LAUNCHER = os.path.join(ROOT, "scripts", "upstream_cpu.py")
 
 pytestmark = pytest.mark.skipif(
@@ -97,11 +96,7 @@ def trees(tmp_path_factory):
     """(unpatched, patched) copies of the given tree; the datasets helper is built once, by
     the reference run in the unpatched one, and copied along."""
     base = tmp_path_factory.mktemp("upstream")
-    fresh = str(base / "fresh")
-    shutil.copytree(os.environ["HETTP_MEGATRON_LM"], fresh, symlinks=True)
-    reverse = ["git", "apply", "-R", "--check", PATCH]
-    if subprocess.run(reverse, cwd=fresh, capture_output=True).returncode == 0:
-        subprocess.run(["git", "apply", "-R", PATCH], cwd=fresh, check=True)
+    fresh = fresh_megatron_lm(str(base / "fresh"))
     return fresh, str(base / "patched"), base
 
 

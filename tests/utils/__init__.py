@@ -9,6 +9,7 @@ from tests.utils.jobs import Job, run_job
 from tests.utils.models import BASE, COMMON, GQA, MHA, close
 from tests.utils.paths import ROOT
 from tests.utils.ranks import PRELOAD, run_ranks
+from tests.utils.upstream import PATCH, fresh_megatron_lm
 from tests.utils.workers import (
     compat_paths,
     exchange_primitives,
@@ -28,12 +29,14 @@ __all__ = [
     "COMMON",
     "GQA",
     "MHA",
+    "PATCH",
     "PRELOAD",
     "ROOT",
     "close",
     "compat_paths",
     "damage",
     "exchange_primitives",
+    "fresh_megatron_lm",
     "het_numerics",
     "make_corpus",
     "preloaded",
