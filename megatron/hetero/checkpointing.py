@@ -78,7 +78,7 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def per_tp_rank(key: str, value) -> ShardedObject:
+def _per_tp_rank(key: str, value) -> ShardedObject:
     """One object per TP position; data-parallel replicas share it (replica_id = DP rank)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return ShardedObject(
@@ -90,6 +90,22 @@ def per_tp_rank(key: str, value) -> ShardedObject:
     )
 
 
+def runtime_state(runtime) -> ShardedObject:
+    """The het-TP runtime's per-TP-rank state as a checkpoint holds it (to save, or to request
+    at load)."""
+    return _per_tp_rank("het_tp_state", runtime.state_dict())
+
+
+def runtime_entries(runtime) -> dict:
+    """What a checkpoint keeps of the het-TP runtime: its plan (common, the same on every rank)
+    and its per-TP-rank state, under the keys this trainer and the upstream glue share."""
+    saved = runtime.checkpoint_plan()
+    return {
+        "het_tp_state": runtime_state(runtime),
+        "het_tp_plan": saved.to_dict() if saved is not None else None,
+    }
+
+
 def _sharded_state(model, optimizer, scheduler, *, with_rng: bool, is_loading: bool) -> dict:
     model_sd = model.module.sharded_state_dict()
     state = {
@@ -98,7 +114,7 @@ def _sharded_state(model, optimizer, scheduler, *, with_rng: bool, is_loading: b
         "opt_param_scheduler": scheduler.state_dict(),
     }
     if with_rng:
-        state["rng_state"] = per_tp_rank("rng_state", _rng_state())
+        state["rng_state"] = _per_tp_rank("rng_state", _rng_state())
     return state
 
 
@@ -118,9 +134,7 @@ def save_checkpoint(
     this job's name for the folder being written (SaveLock.staging), the same on every rank."""
     state = _sharded_state(model, optimizer, scheduler, with_rng=True, is_loading=False)
     if runtime is not None:
-        state["het_tp_state"] = per_tp_rank("het_tp_state", runtime.state_dict())
-        saved = runtime.checkpoint_plan()
-        state["het_tp_plan"] = saved.to_dict() if saved is not None else None
+        state.update(runtime_entries(runtime))
     state["iteration"] = iteration
     state["consumed_train_samples"] = consumed_train_samples
     state["args"] = {name: getattr(args, name) for name in SHAPE_ARGS}
@@ -196,7 +210,7 @@ def load_checkpoint(
     state = _sharded_state(model, optimizer, scheduler, with_rng=with_rng, is_loading=True)
     with_runtime = runtime is not None and with_rng and saved.get("het_tp_state", False)
     if with_runtime:
-        state["het_tp_state"] = per_tp_rank("het_tp_state", runtime.state_dict())
+        state["het_tp_state"] = runtime_state(runtime)
     loaded = dist_checkpointing.load(state, path)
     model.module.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])

@@ -206,7 +206,7 @@ def _load_runtime_state(runtime: HetTPRuntime, args) -> None:
         return
     from megatron.core import dist_checkpointing
 
-    request = {"het_tp_state": checkpointing.per_tp_rank("het_tp_state", runtime.state_dict())}
+    request = {"het_tp_state": checkpointing.runtime_state(runtime)}
     runtime.load_state_dict(dist_checkpointing.load(request, path)["het_tp_state"])
 
 
@@ -214,11 +214,8 @@ def add_checkpoint_state(state_dict: dict, model) -> None:
     """In upstream's save_checkpoint: the plan the checkpoint is saved in (common) and each TP
     rank's runtime state, under the keys this project's trainer uses; vanilla ignores both."""
     runtime = runtime_of(model)
-    if runtime is None or runtime.state is None:
-        return
-    saved = runtime.checkpoint_plan()
-    state_dict["het_tp_plan"] = saved.to_dict() if saved is not None else None
-    state_dict["het_tp_state"] = checkpointing.per_tp_rank("het_tp_state", runtime.state_dict())
+    if runtime is not None and runtime.state is not None:
+        state_dict.update(checkpointing.runtime_entries(runtime))
 
 
 def current(model, optimizer):
