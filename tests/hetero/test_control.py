@@ -10,13 +10,16 @@ from hettp.plan import PartitionPlan
 from tests.utils import MHA, ROOT, run_ranks, train_with_control
 
 # Timing wants the sharded GEMMs to dominate their linears' per-call costs: hidden 256 and
-# 512 tokens per micro-batch.
+# 512 tokens per micro-batch. A mild onset at 1.5x, not the default 1.3x: on a loaded 2-core CI
+# machine two equal ranks once read 1.36x apart for several steps in a row (the steady run
+# migrated); the emulated straggles here are 2x and 3x.
 TRAIN = (
     MHA.replace("--train-iters 1", "--train-iters 40")
     .replace("--hidden-size 64", "--hidden-size 256")
     .replace("--seq-length 32", "--seq-length 128")
     .replace("--micro-batch-size 2", "--micro-batch-size 4")
     + " --global-batch-size 4 --tensor-model-parallel-size 2 --het-tp-interval 5"
+    + " --het-tp-onset 1.5"
 ).split()
 STRAGGLER = ["--het-tp-emulate", "persistent:rank=1,factor=2,start=20"]
 
@@ -71,7 +74,7 @@ def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, stea
     timing = {r["iteration"]: r["slowdown"] for r in records if r["kind"] == "timing"}
     acted = first["iteration"]
     assert sorted(timing)[:6] == [5, 10, 15, 20, acted, acted + 5]
-    assert max(timing[i][1] for i in (5, 10, 15)) < 1.3 and timing[acted][1] > 1.5
+    assert max(timing[i][1] for i in (5, 10, 15)) < 1.5 < timing[acted][1]
 
 
 @pytest.mark.parametrize("policy", ["migrate", "resize"])
@@ -116,8 +119,9 @@ def test_device_mode_slows_all_of_a_ranks_compute_and_is_acted_on(tmp_path, stea
     # control-loop issue measured); an emulation that slowed nothing would read 1.0
     assert after[1] / after[0] == pytest.approx(3.0, rel=0.4)
     assert timing[11]["compute_s"][1] / timing[11]["compute_s"][0] == pytest.approx(3.0, rel=0.4)
+    # the steady run's ranks stay well apart from that (CI once read 1.36x there)
     steady_busy = [r["busy_s"] for r in steady[1] if r["kind"] == "timing"]
-    assert all(b[1] == pytest.approx(b[0], rel=0.3) for b in steady_busy[1:])
+    assert all(max(b) / min(b) < 1.6 for b in steady_busy[1:])
     decisions = [r for r in records if r["kind"] == "decision"]
     assert decisions and decisions[0]["iteration"] == 11 and decisions[0]["action"] == "migrate"
 
