@@ -68,15 +68,11 @@ class RefusedFlag:
 
 REFUSED_FLAGS = (
     RefusedFlag(
-        "--use-distributed-optimizer",
-        {"action": "store_true"},
-        "the distributed optimizer is not supported yet (optimizer state stays replicated "
-        "over the data-parallel ranks)",
-    ),
-    RefusedFlag(
         "--overlap-param-gather",
         {"action": "store_true"},
-        "needs --use-distributed-optimizer, which is not supported yet",
+        "not supported yet: het-TP reads and moves weights at step boundaries (migration, "
+        "resizing, checkpoints), while the overlapped gather of the next step's weights is "
+        "still in flight; --use-distributed-optimizer without it is supported",
     ),
     RefusedFlag(
         "--transformer-impl",
@@ -279,6 +275,13 @@ def _add_distributed_args(parser):
         default=None,
         help="Elements per gradient bucket with --overlap-grad-reduce (default: "
         "megatron-core's, max(40M, 1M x data-parallel size)).",
+    )
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard the fp32 master weights and optimizer state over the data-parallel ranks "
+        "(megatron-core's DistributedOptimizer); gradients are reduce-scattered, parameters "
+        "all-gathered.",
     )
 
 
@@ -669,11 +672,6 @@ def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
         for attr, what in _UNSUPPORTED_WITH_HET_TP:
             if getattr(args, attr, None):
                 raise ArgumentError(f"--het-tp has no {what}: drop --{attr.replace('_', '-')}")
-        if getattr(args, "use_distributed_optimizer", False):
-            raise ArgumentError(
-                "--het-tp migrates Adam state of the plain optimizer: drop "
-                "--use-distributed-optimizer"
-            )
     return config
 
 

@@ -19,6 +19,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from . import ckpt_integrity
+from .portable_optimizer import checkpoint_optimizer, restore_from
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -107,6 +108,7 @@ def runtime_entries(runtime) -> dict:
 
 
 def _sharded_state(model, optimizer, scheduler, *, with_rng: bool, is_loading: bool) -> dict:
+    """`optimizer`: the one checkpoint_optimizer gives (the plain optimizer's layout)."""
     model_sd = model.module.sharded_state_dict()
     state = {
         "model": model_sd,
@@ -132,7 +134,8 @@ def save_checkpoint(
     """`runtime`: the het-TP runtime, whose plan (common) and per-TP-rank state (priorities,
     detector) the checkpoint keeps, so a resumed run starts where this one stands. `staging`:
     this job's name for the folder being written (SaveLock.staging), the same on every rank."""
-    state = _sharded_state(model, optimizer, scheduler, with_rng=True, is_loading=False)
+    saved = checkpoint_optimizer(optimizer, model, is_loading=False)
+    state = _sharded_state(model, saved, scheduler, with_rng=True, is_loading=False)
     if runtime is not None:
         state.update(runtime_entries(runtime))
     state["iteration"] = iteration
@@ -207,13 +210,15 @@ def load_checkpoint(
         )
     # RNG states are per TP rank: they only carry over to the same TP size.
     with_rng = saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
-    state = _sharded_state(model, optimizer, scheduler, with_rng=with_rng, is_loading=True)
+    loading = checkpoint_optimizer(optimizer, model, is_loading=True)
+    state = _sharded_state(model, loading, scheduler, with_rng=with_rng, is_loading=True)
     with_runtime = runtime is not None and with_rng and saved.get("het_tp_state", False)
     if with_runtime:
         state["het_tp_state"] = runtime_state(runtime)
     loaded = dist_checkpointing.load(state, path)
     model.module.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    loading.load_state_dict(loaded["optimizer"])
+    restore_from(loading, optimizer)
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if with_rng:
         _set_rng_state(loaded["rng_state"])

@@ -17,7 +17,6 @@ import math
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.optimizer import get_megatron_optimizer
 
 from hettp.exchange import Migration, run_transfer
@@ -29,12 +28,15 @@ from .layers import UnitBlock
 from .model import unwrap_model
 from .unit_state import (
     OptimizerView,
+    carry_into,
+    held_params,
     payload,
     permute,
     run_payload,
     state_keys,
     unit_specs,
     unit_tensors,
+    whole_state,
 )
 
 
@@ -109,13 +111,15 @@ class HetPartition:
         `state` holds .model (DDP), .optimizer, .scheduler and .config; they are replaced in place.
         """
         self.check(plan)
-        migration, replaced = self._move(
-            state.model, plan, optimizer=OptimizerView(state.optimizer), step=step, fault=fault
-        )
+        view = OptimizerView(state.optimizer)
+        view.gather()  # whole masters and moments under the distributed optimizer
+        migration, replaced = self._move(state.model, plan, optimizer=view, step=step, fault=fault)
         if migration.units_moved:
             # Every rank rebuilds, also one whose units did not change: building the optimizer
             # runs collectives.
-            _rebuild(state, replaced)
+            _rebuild(state, replaced, view)
+        else:  # at most a local reorder, done on the gathered copies
+            _write_back(view)
         return migration
 
     def reorder(self, state, plan: PartitionPlan) -> None:
@@ -133,6 +137,7 @@ class HetPartition:
                             "owners; that is a repartition"
                         )
         optimizer = OptimizerView(state.optimizer)
+        optimizer.gather()  # collective over DP under the distributed optimizer
         blocks = het_blocks(state.model)
         keys = state_keys(optimizer, blocks)
         with torch.no_grad(), cpu_compat.suspended():
@@ -141,6 +146,7 @@ class HetPartition:
                 if new_units != block.units:
                     permute(unit_tensors(block, optimizer, keys), block.units, new_units)
                     block.reorder(new_units)
+            _write_back(optimizer)
         self.plan = plan
 
     # ------------------------------------------------------------------------------------
@@ -217,38 +223,34 @@ class HetPartition:
         return replaced
 
 
-def _rebuild(state, replaced):
+def _write_back(view) -> None:
+    """Put a gathered view's whole masters and moments back into the distributed optimizer's
+    ranges (after they were permuted in place); nothing to do for the other optimizers, whose
+    view holds the live tensors."""
+    for sub in view.sharded:
+        for param in held_params(sub):
+            view.scatter(param, view.master(param), view.state[param])
+
+
+def _rebuild(state, replaced, old):
     """New DDP wrapper and optimizer around the re-shaped parameters, same training state:
-    fp32 masters, moments, step count, loss scaler and learning-rate schedule carry over."""
+    fp32 masters, moments, step count, loss scaler and learning-rate schedule carry over.
+    `old` is the gathered view of the old optimizer."""
     old_ddp, old_opt = state.model, state.optimizer
-    old = OptimizerView(old_opt)
 
     # The old wrapper's backward hooks stay on unchanged parameters: make them no-ops.
     old_ddp.param_to_bucket_group = {}
-    model = DDP(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
+    model = type(old_ddp)(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
     optimizer = get_megatron_optimizer(old_opt.config, [model])
-    new = OptimizerView(optimizer)
-    step = next((s["step"] for s in old.state.values() if "step" in s), None)
-
     carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
-    for old_param, param_state in old.state.items():
+    for old_param, (master, param_state) in whole_state(old).items():
         new_param, moved = replaced.get(old_param, (old_param, {}))
-        master = moved.get("master", old.master(old_param))
         carried[new_param] = (
-            master,
+            moved.get("master", master),
             {**param_state, **{k: v for k, v in moved.items() if k != "master"}},
         )
-    for sub in new.subs:
-        for param, main in new.main.items():
-            if param not in carried or main not in _param_set(sub):
-                continue
-            master, param_state = carried[param]
-            if master is not None:
-                main.data.copy_(master)  # the new optimizer made it from the bf16 weights
-            if param_state:
-                sub.optimizer.state[main] = param_state
-            if step is not None:
-                sub.optimizer.state[main].setdefault("step", step)
+    carry_into(optimizer, carried)
+    new = OptimizerView(optimizer)
     for old_sub, new_sub in zip(old.subs, new.subs):
         if getattr(old_sub, "grad_scaler", None) is not None:
             new_sub.grad_scaler = old_sub.grad_scaler
@@ -282,7 +284,3 @@ def _rebind_hooks(config, old_ddp, new_ddp) -> None:
 
     for name in SYNC_HOOKS:
         setattr(config, name, rebound(getattr(config, name, None)))
-
-
-def _param_set(sub):
-    return {p for g in sub.optimizer.param_groups for p in g["params"]}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from hettp.resize import (
     SCORERS,
@@ -30,7 +31,7 @@ from hettp.resize import (
 
 from . import cpu_compat
 from .partition import comm_device, het_blocks
-from .unit_state import OptimizerView, state_keys, unit_tensors
+from .unit_state import OptimizerView, state_keys
 
 
 class Resizer:
@@ -65,7 +66,7 @@ class Resizer:
         self.shares = (0.0,) * partition.plan.tp_size
         self.priorities = Priorities.unmeasured(partition.plan)
         self._evidence = None  # (layer, block) -> (score sums, measured steps), global unit ids
-        self._stash = []  # (view into a skipped suffix, its frozen copy)
+        self._stash = []  # _Frozen: the skipped suffix's weights, masters, moments
         self._stashed_state = True  # False until the optimizer has created its moments
         self._before = None  # weights before the step (the dw scorer)
 
@@ -122,6 +123,13 @@ class Resizer:
         keys = list(evidence)
         flat = torch.cat([t for key in keys for t in evidence[key]])
         dist.all_reduce(flat, group=self.partition.group)
+        if OptimizerView(state.optimizer).sharded:
+            # Under the distributed optimizer a gradient is reduced only in the part this DP
+            # rank updates: gradient-based evidence differs between replicas, which must still
+            # skip the same units. Their mean is the same on every replica.
+            dp = parallel_state.get_data_parallel_group()
+            dist.all_reduce(flat, group=dp)
+            flat /= dist.get_world_size(dp)
         measured, offset = {}, 0
         for key in keys:
             n = evidence[key][0].numel()
@@ -206,8 +214,8 @@ class Resizer:
     def after_step(self, state) -> None:
         """After optimizer.step(): put skipped units back, score the update."""
         with torch.no_grad():
-            for view, frozen in self._stash:
-                view.copy_(frozen)
+            for frozen in self._stash:
+                frozen.restore()
         if not self._stashed_state and self._stash_state(state):
             self._stashed_state = True
         scorer = SCORERS[self.scorer]
@@ -246,19 +254,17 @@ class Resizer:
         blocks = het_blocks(state.model)
         keys = state_keys(optimizer, blocks)
         has_moments = any(k != "master" for k in keys)
-        wanted = set(keys) | ({"param"} if weights else set())
-        if not weights:
-            wanted -= {"master"}
+        wanted = [k for k in keys if k != "master" or weights]
         with torch.no_grad():
             for block in blocks.values():
                 n, active = len(block.units), block.active
                 if active == n:
                     continue
-                tensors = unit_tensors(block, optimizer, keys)
-                names = [k for _ in block.unit_tensors() for k in ["param", *keys]]
-                for name, (tensor, layout) in zip(names, tensors):
-                    if name in wanted:
-                        self._stash.extend((v, v.clone()) for v in layout.suffix(tensor, n, active))
+                for _, _, param, layout in block.unit_tensors():
+                    if weights:
+                        self._stash.extend(_Frozen(v) for v in layout.suffix(param.data, n, active))
+                    for key in wanted:
+                        self._stash.extend(_frozen_state(optimizer, param, key, layout, n, active))
         return has_moments
 
     def _observe(self, blocks, evidence) -> None:
@@ -282,6 +288,36 @@ class Resizer:
                 for key, b in blocks.items()
             }
         return self._evidence
+
+
+class _Frozen:
+    """Elements of a tensor to put back after every optimizer step: a view of them, or (under
+    the distributed optimizer) flat indices into this DP rank's range."""
+
+    def __init__(self, tensor, index=None):
+        self.tensor, self.index = tensor, index
+        self.copy = (tensor if index is None else tensor[index]).clone()
+
+    def restore(self) -> None:
+        if self.index is None:
+            self.tensor.copy_(self.copy)
+        else:
+            self.tensor.index_copy_(0, self.index, self.copy)
+
+
+def _frozen_state(optimizer, param, key, layout, n, active) -> list[_Frozen]:
+    """The skipped suffix of `param`'s master or moment `key`."""
+    shard = optimizer.shard_of(param, key)
+    if shard is None:  # the whole tensor is here
+        tensor = optimizer.master(param) if key == "master" else optimizer.state[param][key]
+        return [_Frozen(v) for v in layout.suffix(tensor, n, active)]
+    tensor, start = shard
+    if tensor is None:  # this DP rank holds none of it
+        return []
+    flat = torch.arange(param.numel(), device=tensor.device).view(param.shape)
+    skipped = torch.cat([v.reshape(-1) for v in layout.suffix(flat, n, active)])
+    local = skipped[(skipped >= start) & (skipped < start + tensor.numel())] - start
+    return [_Frozen(tensor, local)] if local.numel() else []
 
 
 def _grad(param):

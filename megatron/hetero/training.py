@@ -28,6 +28,7 @@ from hettp.metrics import MetricsWriter
 
 from . import checkpointing, child_processes, cpu_compat
 from .data import build_datasets, build_loader, build_tokenizer, get_batch
+from .ddp import HetDDP
 from .log import Logger
 from .model import build_gpt_model, transformer_config
 from .partition import comm_device
@@ -113,7 +114,7 @@ def optimizer_config(args) -> OptimizerConfig:
         params_dtype=args.params_dtype,
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
 
 
@@ -150,10 +151,11 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=_bucket_size(args),
     )
-    model = DDP(config, ddp_config, module)
+    # het-TP layers: the DP reduction of TP-replicated gradients must not depend on the plan
+    model = (DDP if runtime is None else HetDDP)(config, ddp_config, module)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
     config.no_sync_func = model.no_sync

@@ -10,6 +10,7 @@ and a block's units the same way, through this module.
 from __future__ import annotations
 
 import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from hettp.exchange import TensorSpec
@@ -18,33 +19,232 @@ from hettp.exchange import TensorSpec
 class OptimizerView:
     """What megatron-core's (possibly chained) optimizer holds per model parameter: the tensor
     it updates (the parameter itself, or its fp32 master copy under --bf16/--fp16) and that
-    tensor's state (Adam's moments, step)."""
+    tensor's state (Adam's moments, step).
+
+    Under --use-distributed-optimizer each data-parallel rank holds a contiguous range of every
+    parameter's flattened master and moments. Units move along a weight's rows or columns, and
+    the new buffer layout changes every range, so a migration works on whole tensors:
+    `gather()` (collective over each DP group) assembles them, `scatter()` writes whole
+    tensors back into a distributed optimizer's ranges. Until `gather()`, `main` and `state`
+    hold only the parameters of the optimizers that are not distributed.
+    """
 
     def __init__(self, optimizer):
         self.subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
         self.main = {}  # model parameter -> the tensor the optimizer updates
+        self.state = {}  # model parameter -> its optimizer state, whole-tensor shaped
+        self.sharded = [sub for sub in self.subs if isinstance(sub, DistributedOptimizer)]
+        self.gathered = not self.sharded
         for sub in self.subs:
+            if isinstance(sub, DistributedOptimizer):
+                continue
             if isinstance(sub, FP32Optimizer):
-                self.main.update((p, p) for g in sub.optimizer.param_groups for p in g["params"])
+                main = {p: p for g in sub.optimizer.param_groups for p in g["params"]}
             elif isinstance(sub, Float16OptimizerWithFloat16Params):
+                main = {}
                 for model_group, main_group in zip(
                     sub.float16_groups, sub.fp32_from_float16_groups
                 ):
-                    self.main.update(zip(model_group, main_group))
-                self.main.update((p, p) for g in sub.fp32_from_fp32_groups for p in g)
+                    main.update(zip(model_group, main_group))
+                main.update((p, p) for g in sub.fp32_from_fp32_groups for p in g)
             else:
                 raise NotImplementedError(
-                    f"het-TP migration supports megatron-core's FP32Optimizer and "
-                    f"Float16OptimizerWithFloat16Params, not {type(sub).__name__} "
-                    "(e.g. the distributed optimizer)"
+                    f"het-TP migration supports megatron-core's FP32Optimizer, "
+                    f"Float16OptimizerWithFloat16Params and DistributedOptimizer, not "
+                    f"{type(sub).__name__}"
                 )
-        states = {m: s for sub in self.subs for m, s in sub.optimizer.state.items()}
-        self.state = {p: states.get(m, {}) for p, m in self.main.items()}
+            self.main.update(main)
+            states = sub.optimizer.state
+            self.state.update((p, states.get(m, {})) for p, m in main.items())
 
     def master(self, param):
         """The fp32 master copy of `param`, or None when the optimizer updates `param` itself."""
         main = self.main[param]
         return None if main is param else main
+
+    def moment_keys(self, param) -> list[str]:
+        """Names of `param`'s optimizer state tensors shaped like it (Adam: exp_avg,
+        exp_avg_sq), without gathering anything."""
+        for sub in self.sharded:
+            if param in _held_set(sub):
+                shard = _shard(sub, param)
+                if shard is None:  # this DP rank holds none of it: ask another parameter
+                    continue
+                main, _, _ = shard
+                return sorted(
+                    k
+                    for k, v in sub.optimizer.state.get(main, {}).items()
+                    if isinstance(v, torch.Tensor) and v.numel() == main.numel() and v.dim()
+                )
+        if param in self.state:
+            return sorted(
+                k
+                for k, v in self.state[param].items()
+                if isinstance(v, torch.Tensor) and v.shape == param.shape
+            )
+        # a sharded parameter of which this DP rank holds nothing: every rank's moments exist
+        # from the same step on, so any parameter this rank holds a range of tells
+        for sub in self.sharded:
+            for other in sub.model_param_group_index_map:
+                return self.moment_keys(other)
+        return []
+
+    def has_master(self, param) -> bool:
+        """Whether the optimizer updates an fp32 copy of `param` rather than `param` itself."""
+        if any(param in _held_set(sub) for sub in self.sharded):
+            return param.dtype != torch.float32
+        return self.master(param) is not None
+
+    def shard_of(self, param, key):
+        """(tensor, start) when `key` ("master" or a moment) of `param` lives in a distributed
+        optimizer's range: the tensor holds flattened elements [start, start + numel); (None,
+        0) when this DP rank holds none of it; None when the whole tensor is local."""
+        for sub in self.sharded:
+            if param in _held_set(sub):
+                shard = _shard(sub, param)
+                if shard is None:
+                    return None, 0
+                main, start, _ = shard
+                return (main if key == "master" else sub.optimizer.state[main][key]), start
+        return None
+
+    def gather(self) -> None:
+        """Whole-tensor masters and moments of the distributed optimizers' parameters, on every
+        DP rank (one all-reduce per state key and DP group: each element is held by one rank
+        and zero elsewhere)."""
+        if self.gathered:
+            return
+        for sub in self.sharded:
+            params = held_params(sub)
+            sample = next(iter(sub.model_param_group_index_map), params[0])
+            keys = self.moment_keys(sample)
+            masters = [p for p in params if p.dtype != torch.float32]
+            step = _step(sub)
+            fulls = {}
+            for key, owners in [("master", masters)] + [(k, params) for k in keys]:
+                flat = torch.zeros(
+                    sum(p.numel() for p in owners), dtype=torch.float32, device=params[0].device
+                )
+                offset = 0
+                for p in owners:
+                    full = flat[offset : offset + p.numel()]
+                    offset += p.numel()
+                    fulls[(p, key)] = full.view(p.shape)
+                    shard = _shard(sub, p)
+                    if shard is not None:
+                        main, start, end = shard
+                        tensor = main if key == "master" else sub.optimizer.state[main][key]
+                        full[start:end].copy_(tensor.detach().view(-1))
+                if flat.numel():
+                    torch.distributed.all_reduce(flat, group=sub.data_parallel_group)
+            for p in params:
+                self.main[p] = fulls[(p, "master")] if p.dtype != torch.float32 else p
+                state = {k: fulls[(p, k)] for k in keys}
+                if step is not None and keys:
+                    state["step"] = step
+                self.state[p] = state
+        self.gathered = True
+
+    def scatter(self, param, master, state) -> None:
+        """Write `param`'s whole-tensor fp32 master (None: the parameter is its own master) and
+        optimizer state into this DP rank's range of the distributed optimizer holding it."""
+        for sub in self.sharded:
+            if param not in _held_set(sub):
+                continue
+            shard = _shard(sub, param)
+            if shard is None:
+                return
+            main, start, end = shard
+            with torch.no_grad():
+                if master is not None:
+                    main.copy_(master.reshape(-1)[start:end])
+                if state:
+                    sub.optimizer.state[main] = {
+                        k: _range_of(v, param, start, end) for k, v in state.items()
+                    }
+            return
+        raise KeyError("scatter: the parameter is not held by a distributed optimizer")
+
+
+def whole_state(view) -> dict:
+    """{model parameter: (whole fp32 master or None, optimizer state)} of a gathered view."""
+    if not view.gathered:
+        raise RuntimeError("whole_state needs a gathered view (OptimizerView.gather)")
+    return {p: (view.master(p), state) for p, state in view.state.items()}
+
+
+def carry_into(optimizer, carried: dict) -> None:
+    """Give a freshly built `optimizer` the training state in `carried` (as whole_state
+    returns it, keyed by the new optimizer's model parameters): fp32 masters, moments and step
+    counts, into the tensors it updates or, under the distributed optimizer, into this DP
+    rank's ranges. Parameters missing from `carried` keep what the optimizer made."""
+    view = OptimizerView(optimizer)
+    step = next(
+        (s["step"] for _, s in carried.values() if isinstance(s, dict) and "step" in s), None
+    )
+    for sub in view.sharded:
+        for param in held_params(sub):
+            if param in carried:
+                view.scatter(param, *carried[param])
+    with torch.no_grad():
+        for sub in view.subs:
+            if sub in view.sharded:
+                continue
+            updated = {p for g in sub.optimizer.param_groups for p in g["params"]}
+            for param, main in view.main.items():
+                if param not in carried or main not in updated:
+                    continue
+                master, param_state = carried[param]
+                if master is not None:
+                    main.data.copy_(master)  # the new optimizer made it from the bf16 weights
+                if param_state:
+                    sub.optimizer.state[main] = dict(param_state)
+                if step is not None and "step" not in sub.optimizer.state[main]:
+                    sub.optimizer.state[main]["step"] = _copied(step)
+
+
+def held_params(sub) -> list:
+    """Every model parameter distributed optimizer `sub` updates, in its buffers' order (the
+    same on every DP rank; megatron-core's own maps keep only the parameters a rank holds a
+    range of)."""
+    return [p for buffer in sub.buffers for p in buffer.params]
+
+
+def _held_set(sub) -> set:
+    return {p for buffer in sub.buffers for p in buffer.params}
+
+
+def _shard(sub, param):
+    """(main tensor, start, end) of `param`'s range on this DP rank of distributed optimizer
+    `sub`, or None when the rank holds none of it."""
+    index = sub.model_param_group_index_map.get(param)
+    if index is None:
+        return None
+    group, order = index
+    main = sub.optimizer.param_groups[group]["params"][order]
+    param_range = sub._get_model_param_range_map(param)["param"]
+    return main, param_range.start, param_range.end
+
+
+def _range_of(value, param, start, end):
+    """A state entry for one DP rank's range: a whole-parameter tensor sliced, anything else
+    (Adam's step) copied."""
+    if isinstance(value, torch.Tensor) and value.shape == param.shape:
+        return value.reshape(-1)[start:end].clone()
+    return _copied(value)
+
+
+def _copied(value):
+    """Adam updates a tensor step count in place: no two parameters may share one."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _step(sub):
+    """The optimizer's step count (every parameter of a step shares it), or None before one."""
+    for state in sub.optimizer.state.values():
+        if "step" in state:
+            return state["step"]
+    return None
 
 
 def state_keys(optimizer, blocks) -> list[str]:
@@ -53,12 +253,8 @@ def state_keys(optimizer, blocks) -> list[str]:
     if optimizer is None:
         return []
     param = next(iter(blocks.values())).unit_tensors().__next__()[2]
-    keys = ["master"] if optimizer.master(param) is not None else []
-    return keys + sorted(
-        k
-        for k, v in optimizer.state[param].items()
-        if isinstance(v, torch.Tensor) and v.shape == param.shape
-    )
+    keys = ["master"] if optimizer.has_master(param) else []
+    return keys + optimizer.moment_keys(param)
 
 
 def unit_tensors(block, optimizer, state_keys):

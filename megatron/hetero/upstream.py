@@ -79,6 +79,13 @@ _REFUSED = (
         "--external-cuda-graph: captured graphs would keep the pre-migration layers",
     ),
     (
+        "use_distributed_optimizer",
+        bool,
+        "--use-distributed-optimizer: upstream's checkpoints save its state as flat ranges of "
+        "each parameter, which het-TP's per-unit shards cannot describe; hettp's own "
+        "pretrain_gpt.py supports it (saved in the plain optimizer's layout)",
+    ),
+    (
         "ckpt_assume_constant_structure",
         bool,
         "--ckpt-assume-constant-structure: a migration changes which rank holds which shard, "

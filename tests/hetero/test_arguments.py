@@ -408,8 +408,7 @@ def test_early_errors_exit_2_with_one_line(tmp_path):
 @pytest.mark.parametrize(
     "extra,message",
     [
-        ("--use-distributed-optimizer", "--use-distributed-optimizer: the distributed optimizer"),
-        ("--overlap-param-gather", "--overlap-param-gather: needs --use-distributed-optimizer"),
+        ("--overlap-param-gather", "--overlap-param-gather: not supported yet"),
         (
             "--transformer-impl transformer_engine",
             "--transformer-impl transformer_engine: Transformer Engine layers are not supported",

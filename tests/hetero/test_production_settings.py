@@ -24,12 +24,14 @@ SP = "--sequence-parallel"
 OVERLAP = "--overlap-grad-reduce --ddp-bucket-size 20000"  # several buckets for this model
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 SELECTIVE = "--recompute-granularity selective"
+DISTOPT = "--use-distributed-optimizer"
 SETTINGS = {
     "sp": SP,
     "overlap": OVERLAP,
     "recompute-full": FULL,
     "recompute-selective": SELECTIVE,
-    "all": f"{SP} {OVERLAP} {FULL}",
+    "distributed-optimizer": DISTOPT,
+    "all": f"{SP} {OVERLAP} {FULL} {DISTOPT}",
 }
 
 
@@ -101,6 +103,31 @@ def test_resize_then_restore_under_all_settings():
     assert all(math.isfinite(v) for v in ranks[0]["losses"].values())
 
 
+def test_gradient_priorities_agree_across_replicas_under_the_distributed_optimizer():
+    """--het-tp-priority wg reads gradients, which the distributed optimizer reduces only in
+    each DP rank's own range: the replicas still re-sort the same way and skip the same units,
+    so they stay identical."""
+    argv = _argv(DISTOPT, iters=7) + [
+        "--het-tp-resize",
+        "0,0.5",
+        "--het-tp-priority",
+        "wg",
+        "--het-tp-priority-interval",
+        "2",
+        "--het-tp-priority-sample-interval",
+        "1",
+    ]
+    ranks = run_ranks(train_with_resizes, 4, argv, {})
+    for tp_rank in (0, 1):  # global ranks tp_rank and tp_rank + 2 are its two replicas
+        first, second = ranks[tp_rank]["records"], ranks[tp_rank + 2]["records"]
+        for iteration in first:
+            for key, block in first[iteration]["blocks"].items():
+                other = second[iteration]["blocks"][key]
+                assert (block["units"], block["active"]) == (other["units"], other["active"])
+                for unit, values in block["values"].items():
+                    assert all(torch.equal(a, b) for a, b in zip(values, other["values"][unit]))
+
+
 def test_a_checkpoint_saved_after_a_migration_loads_into_vanilla(tmp_path):
     argv = _argv(SETTINGS["all"])
     ckpt = tmp_path / "ckpt"
@@ -117,6 +144,35 @@ def test_a_checkpoint_saved_after_a_migration_loads_into_vanilla(tmp_path):
     vanilla = run_ranks(train, 4, argv + ["--load", str(only6)])[0]
     assert sorted(vanilla["losses"]) == [7, 8, 9, 10]
     _close(vanilla["losses"], het["losses"], range(7, 11))
+
+
+def test_distributed_optimizer_checkpoints_load_without_it_and_at_another_tp_size(tmp_path):
+    """Under --use-distributed-optimizer a checkpoint holds whole masters and moments in the
+    plain optimizer's layout: saved after a migration, it continues in vanilla without the
+    distributed optimizer exactly as the het run, and at TP=1 x DP=4 (other GEMM splits:
+    float rounding only)."""
+    argv = _argv(f"{SP} {OVERLAP} {DISTOPT}")
+    ckpt = tmp_path / "ckpt"
+    het = run_ranks(
+        train_with_repartitions,
+        4,
+        argv + ["--het-tp", "--save", str(ckpt), "--save-interval", "6"],
+        {3: "attn=1,3;mlp=20,44"},
+    )[0]
+    only6 = tmp_path / "only6"
+    only6.mkdir()
+    (only6 / "iter_0000006").symlink_to(ckpt / "iter_0000006")
+    (only6 / "latest_checkpointed_iteration.txt").write_text("6")
+    plain = [a for a in argv if a != "--use-distributed-optimizer"]
+    vanilla = run_ranks(train, 4, plain + ["--load", str(only6)])[0]
+    assert sorted(vanilla["losses"]) == [7, 8, 9, 10]
+    _close(vanilla["losses"], het["losses"], range(7, 11))
+    tp1 = " ".join(plain).replace(
+        "--tensor-model-parallel-size 2", "--tensor-model-parallel-size 1"
+    )
+    tp1 = tp1.replace(SP, "").split()
+    dp4 = run_ranks(train, 4, tp1 + [DISTOPT, "--load", str(only6)])[0]
+    _close(dp4["losses"], het["losses"], range(7, 11), rel=1e-4)
 
 
 def test_bf16_under_all_settings_migrates_there_and_back_exactly():

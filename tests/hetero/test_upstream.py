@@ -78,7 +78,11 @@ def _upstream_args(argv=(), **overrides):
             {"num_experts": 8},
             "no mixture of experts layers: drop --num-experts",
         ),
-        (["--het-tp"], {"use_distributed_optimizer": True}, "drop --use-distributed-optimizer"),
+        (
+            ["--het-tp"],
+            {"use_distributed_optimizer": True},
+            "--use-distributed-optimizer: upstream's checkpoints",
+        ),
         (["--het-tp-plan", "attn=4,1;mlp=128,128"], {}, "--het-tp-plan"),
         # upstream flags het-TP layers cannot honour are refused by name, not replaced
         (["--het-tp"], {"transformer_impl": "transformer_engine"}, "pass --transformer-impl local"),

@@ -175,6 +175,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
         from megatron.hetero.unit_state import OptimizerView
 
         view = OptimizerView(state.optimizer)
+        view.gather()  # whole tensors under the distributed optimizer (collective over DP)
         params = {n: p.detach().clone() for n, p in state.model.module.named_parameters()}
         extra = {}
         for name, param in state.model.module.named_parameters():
@@ -545,6 +546,7 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
                 )
                 runtime.repartition(plan, iteration)
         optimizer = OptimizerView(state.optimizer)
+        optimizer.gather()  # whole tensors under the distributed optimizer (collective over DP)
         blocks = het_blocks(state.model)
         keys = state_keys(optimizer, blocks)
         record = {}

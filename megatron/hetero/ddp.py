@@ -1,0 +1,61 @@
+"""megatron-core's DDP wrapper for het-TP models under the distributed optimizer.
+
+megatron-core reduce-scatters gradients over the data-parallel group, so each DP rank's part of
+a gradient buffer is reduced and the rest holds that rank's own gradient; then it all-reduces the
+gradients of parameters replicated over the TP group (sequence-parallel norms and row-parallel
+biases) over the TP group, whole. Under an even split every TP rank's buffer has the same layout
+and owns the same part of such a parameter, so the owned parts add up right. Under an uneven
+plan the buffers differ between TP ranks, the owned parts differ, and the TP sum would add one
+rank's reduced part to another's unreduced one. `HetDDP` completes those parameters' DP
+reduction (one all-reduce of their masked gradients) before the TP all-reduce runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel
+
+
+class HetDDP(DistributedDataParallel):
+    def finish_grad_sync(self, force_all_reduce: bool | None = False):
+        super().finish_grad_sync(force_all_reduce=force_all_reduce)
+        if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
+            for bucket_group in self.bucket_groups:
+                _complete_replicated(bucket_group, self.config.sequence_parallel)
+
+
+def _replicated(param, sequence_parallel: bool) -> bool:
+    """Whether megatron-core all-reduces `param`'s gradient over the TP group."""
+    return getattr(param, "average_gradients_across_tp_domain", False) or (
+        sequence_parallel and getattr(param, "sequence_parallel", False)
+    )
+
+
+def _complete_replicated(bucket_group, sequence_parallel: bool) -> None:
+    size = bucket_group.intra_distributed_optimizer_instance_size
+    if size == 1:
+        return
+    rank = bucket_group.intra_distributed_optimizer_instance_rank
+    grads, owned = [], []
+    for bucket in bucket_group.buckets:
+        shard = bucket.grad_data.numel() // size
+        base = bucket.grad_data.storage_offset()
+        for param in bucket.params_list:
+            if not _replicated(param, sequence_parallel):
+                continue
+            grad = param.main_grad.view(-1)
+            start = grad.storage_offset() - base
+            index = torch.arange(start, start + grad.numel(), device=grad.device)
+            grads.append(grad)
+            owned.append((index >= rank * shard) & (index < (rank + 1) * shard))
+    if not grads:
+        return
+    # each element is owned (reduced) on exactly one DP rank: the sum of the owned values is
+    # the reduced gradient, now on every rank
+    flat = torch.cat([g * m for g, m in zip(grads, owned)])
+    dist.all_reduce(flat, group=bucket_group.intra_distributed_optimizer_instance_group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()])
+        offset += grad.numel()

@@ -1,0 +1,58 @@
+"""Checkpoints of the distributed optimizer in the plain optimizer's layout.
+
+megatron-core saves a DistributedOptimizer's state as flattened DP ranges of each parameter
+('fully_sharded_model_space'); het-TP's unit-sharded weights are saved as one piece per unit,
+which a flat range of a rank's uneven shard does not map onto. So this trainer saves what the
+non-distributed optimizer would: whole fp32 masters and moments per parameter, sharded like the
+weights. A checkpoint then loads under any plan, TP size or DP size, with or without
+--use-distributed-optimizer, het-TP or vanilla. The cost: while saving or loading, each rank
+holds the whole optimizer state of its TP shard once more (the memory the distributed
+optimizer saves otherwise), and one all-reduce over the DP group gathers it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.core.optimizer import get_megatron_optimizer
+
+from .unit_state import OptimizerView, carry_into, whole_state
+
+
+def is_distributed(optimizer) -> bool:
+    return bool(OptimizerView(optimizer).sharded)
+
+
+def checkpoint_optimizer(optimizer, model, *, is_loading: bool):
+    """The optimizer whose sharded_state_dict a checkpoint holds: `optimizer` itself, or under
+    the distributed optimizer a non-distributed twin over the same model, carrying `optimizer`'s
+    whole state when saving (collective over each DP group)."""
+    if not is_distributed(optimizer):
+        return optimizer
+    config = dataclasses.replace(optimizer.config, use_distributed_optimizer=False)
+    twin = get_megatron_optimizer(config, [model])
+    if not is_loading:
+        view = OptimizerView(optimizer)
+        view.gather()
+        carry_into(twin, whole_state(view))
+        _copy_scalers(optimizer, twin)
+    return twin
+
+
+def restore_from(twin, optimizer) -> None:
+    """After `twin` (from checkpoint_optimizer) loaded a checkpoint: its state into this DP
+    rank's ranges of the distributed `optimizer`."""
+    if twin is optimizer:
+        return
+    carry_into(optimizer, whole_state(OptimizerView(twin)))
+    _copy_scalers(twin, optimizer)
+
+
+def _copy_scalers(source, target) -> None:
+    """The loss scaler (fp16) travels with the optimizer state."""
+    for src, dst in zip(
+        getattr(source, "chained_optimizers", [source]),
+        getattr(target, "chained_optimizers", [target]),
+    ):
+        if getattr(src, "grad_scaler", None) is not None:
+            dst.grad_scaler = src.grad_scaler
