@@ -5,6 +5,11 @@ bytes on the same group, side by side; then the cost model fitted on this machin
 
     python scripts/bench_migration.py [--tp 4] [--repeats 3] [--granularity 16] \
         [--out results/migration.json]
+    python scripts/bench_migration.py --tp 2 --dp 2 --vs-distributed-optimizer
+
+The second runs TP x DP ranks twice, with the plain optimizer and with
+--use-distributed-optimizer, and prints per plan change the migration's total time and, per
+rank, the optimizer state held between steps and the peak memory the migrations added.
 
 Ranks are spawned on this machine (gloo on CPU). Each change goes from the current plan to new
 per-rank counts moving the fewest units. Times are medians over --repeats rounds, each round
@@ -47,7 +52,31 @@ def plan_changes(tp, mlp_units):
     ]
 
 
-def worker(rank, world, port, opts, out_path):
+def _optimizer_bytes(optimizer) -> int:
+    """Bytes of fp32 masters and optimizer state this rank holds (not the model weights)."""
+    import torch
+
+    seen, total = set(), 0
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in sub.optimizer.param_groups:
+            for param in group["params"]:
+                tensors = [param] + [
+                    v for v in sub.optimizer.state.get(param, {}).values() if torch.is_tensor(v)
+                ]
+                for t in tensors:
+                    if t.data_ptr() not in seen and t.dim():
+                        seen.add(t.data_ptr())
+                        total += t.numel() * t.element_size()
+    return total
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def worker(rank, world, port, opts, out_path, distributed_optimizer=False):
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -73,10 +102,13 @@ def worker(rank, world, port, opts, out_path):
     ffn = 2048
     argv = (
         f"--num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size {ffn} "
-        f"--seq-length 64 --micro-batch-size 1 --global-batch-size 1 --train-iters 2 --lr 1e-4 "
-        f"--mock-data --vocab-size 255 --tensor-model-parallel-size {world} --het-tp "
+        f"--seq-length 64 --micro-batch-size 1 --global-batch-size {opts.dp} --train-iters 2 "
+        "--lr 1e-4 "
+        f"--mock-data --vocab-size 255 --tensor-model-parallel-size {opts.tp} --het-tp "
         f"--het-tp-granularity {opts.granularity} --hidden-dropout 0 --attention-dropout 0"
     ).split()
+    if distributed_optimizer:
+        argv.append("--use-distributed-optimizer")
     args = parse_args(argv)
     runtime = HetTPRuntime.from_args(args)
     initialize(args)
@@ -84,12 +116,18 @@ def worker(rank, world, port, opts, out_path):
     state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime)
     runtime.attach(state)
     train_ds, _, _ = build_datasets(args, tokenizer)
-    train_step(args, state, iter(build_loader(train_ds, 0, args, 0, 1)))  # Adam moments exist
+    dp_rank = torch.distributed.get_rank() // opts.tp
+    loader = build_loader(train_ds, 0, args, dp_rank, opts.dp)
+    train_step(args, state, iter(loader))  # Adam moments exist
+    optimizer_bytes = [_optimizer_bytes(state.optimizer)]
+    rss_before = _peak_rss()
     partition = runtime.partition
     group = partition.group
     rows = {}
     for _ in range(opts.repeats):
-        for number, (name, attn, mlp) in enumerate(plan_changes(world, ffn // opts.granularity), 1):
+        for number, (name, attn, mlp) in enumerate(
+            plan_changes(opts.tp, ffn // opts.granularity), 1
+        ):
             plan = partition.plan.rebalanced(attn, mlp)
             dist.barrier()
             t0 = time.perf_counter()
@@ -131,12 +169,18 @@ def worker(rank, world, port, opts, out_path):
             row["all_reduce"].append(times[2].item())
             for i, stage in enumerate(STAGES):
                 row[stage].append(times[3 + i].item())
+            optimizer_bytes.append(_optimizer_bytes(state.optimizer))
+    memory = torch.tensor([max(optimizer_bytes), _peak_rss() - rss_before], dtype=torch.float64)
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     fitted = measure_costs(group)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(
                 {
-                    "tp": world,
+                    "tp": opts.tp,
+                    "dp": opts.dp,
+                    "optimizer_mb": memory[0].item() / 1e6,
+                    "peak_added_mb": memory[1].item() / 1e6,
                     "granularity": opts.granularity,
                     "rows": rows,
                     "cost_model": {
@@ -150,25 +194,78 @@ def worker(rank, world, port, opts, out_path):
     shutdown()
 
 
+def _spawn(opts, out, distributed_optimizer=False):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = opts.tp * opts.dp
+    mp.start_processes(
+        worker,
+        args=(world, port, opts, out, distributed_optimizer),
+        nprocs=world,
+        start_method="spawn",
+    )
+    return json.load(open(out))
+
+
+def _compare(opts) -> None:
+    """Plain vs distributed optimizer, side by side."""
+    stem, ext = os.path.splitext(opts.out)
+    plain = _spawn(opts, f"{stem}_plain{ext}")
+    sharded = _spawn(opts, f"{stem}_distopt{ext}", distributed_optimizer=True)
+    print(
+        f"migration with and without --use-distributed-optimizer: hidden 512, ffn 2048, "
+        f"4 layers, Adam, TP={opts.tp} x DP={opts.dp} on CPU (gloo), MLP units of "
+        f"{opts.granularity} neurons; medians of {opts.repeats} rounds"
+    )
+    print(f"{'plan change':40s} {'units':>5s} {'plain ms':>9s} {'dist-opt ms':>11s} {'ratio':>6s}")
+    for name, row in plain["rows"].items():
+        a = statistics.median(row["total"]) * 1e3
+        b = statistics.median(sharded["rows"][name]["total"]) * 1e3
+        print(f"{name:40s} {row['units']:5d} {a:9.1f} {b:11.1f} {b / a:6.2f}")
+    print(
+        f"{'optimizer state per rank, MB':40s} {'':5s} {plain['optimizer_mb']:9.1f} "
+        f"{sharded['optimizer_mb']:11.1f} {sharded['optimizer_mb'] / plain['optimizer_mb']:6.2f}"
+    )
+    print(
+        f"{'peak memory the migrations added, MB':40s} {'':5s} {plain['peak_added_mb']:9.1f} "
+        f"{sharded['peak_added_mb']:11.1f}"
+    )
+    print(
+        "total = transfer, commit and the rebuild of the DDP wrapper and optimizer, the slowest "
+        "rank's; under the distributed optimizer it includes gathering the whole masters and "
+        "moments over the DP group and writing the new ranges. Optimizer state: fp32 masters "
+        "and Adam moments a rank holds between steps (largest over ranks and changes); peak "
+        "added: growth of the largest rank's peak RSS over the migrations."
+    )
+    print(f"results: {stem}_plain{ext}, {stem}_distopt{ext}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--tp", type=int, default=4, choices=[2, 4])
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (ranks: TP x DP)")
+    p.add_argument(
+        "--vs-distributed-optimizer",
+        action="store_true",
+        help="run twice, without and with --use-distributed-optimizer, and compare",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--granularity", type=int, default=16, help="ffn neurons per MLP unit")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "migration.json"))
     opts = p.parse_args(argv)
+    if opts.dp < 1:
+        p.error(f"--dp {opts.dp}: must be >= 1")
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(
-        worker, args=(opts.tp, port, opts, opts.out), nprocs=opts.tp, start_method="spawn"
-    )
-    data = json.load(open(opts.out))
+    if opts.vs_distributed_optimizer:
+        _compare(opts)
+        return
+    data = _spawn(opts, opts.out)
     print(
-        f"migration benchmark: hidden 512, ffn 2048, 4 layers, Adam state, TP={opts.tp} on CPU "
+        f"migration benchmark: hidden 512, ffn 2048, 4 layers, Adam state, TP={opts.tp} x "
+        f"DP={opts.dp} on CPU "
         f"(gloo), MLP units of {opts.granularity} neurons; medians of {opts.repeats} rounds"
     )
     print(
