@@ -68,13 +68,6 @@ class RefusedFlag:
 
 REFUSED_FLAGS = (
     RefusedFlag(
-        "--overlap-param-gather",
-        {"action": "store_true"},
-        "not supported yet: het-TP reads and moves weights at step boundaries (migration, "
-        "resizing, checkpoints), while the overlapped gather of the next step's weights is "
-        "still in flight; --use-distributed-optimizer without it is supported",
-    ),
-    RefusedFlag(
         "--transformer-impl",
         {"default": "local", "choices": ["local", "transformer_engine"]},
         "Transformer Engine layers are not supported yet (hettp's het-TP layers subclass "
@@ -283,6 +276,12 @@ def _add_distributed_args(parser):
         "(megatron-core's DistributedOptimizer); gradients are reduce-scattered, parameters "
         "all-gathered.",
     )
+    g.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="Gather the updated parameters during the next forward pass instead of in the "
+        "optimizer step (needs --use-distributed-optimizer and --overlap-grad-reduce).",
+    )
 
 
 def _add_mixed_precision_args(parser):
@@ -379,6 +378,15 @@ def _validate_parallel_features(args, tp: int) -> None:
             warnings.warn(
                 "--ddp-bucket-size is ignored without --overlap-grad-reduce", stacklevel=2
             )
+    if args.overlap_param_gather:
+        _require(
+            args.use_distributed_optimizer,
+            "--overlap-param-gather is only supported with --use-distributed-optimizer",
+        )
+        _require(
+            args.overlap_grad_reduce,
+            "--overlap-param-gather needs --overlap-grad-reduce",
+        )
     if args.recompute_activations:
         _require(
             args.recompute_granularity in (None, "selective"),

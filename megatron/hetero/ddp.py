@@ -8,9 +8,13 @@ and owns the same part of such a parameter, so the owned parts add up right. Und
 plan the buffers differ between TP ranks, the owned parts differ, and the TP sum would add one
 rank's reduced part to another's unreduced one. `HetDDP` completes those parameters' DP
 reduction (one all-reduce of their masked gradients) before the TP all-reduce runs.
+
+`gathered_params` is the step boundary's view of the weights under --overlap-param-gather.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -59,3 +63,22 @@ def _complete_replicated(bucket_group, sequence_parallel: bool) -> None:
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()])
         offset += grad.numel()
+
+
+@contextmanager
+def gathered_params(state):
+    """Whole, current weights on every DP rank inside the block. Under --overlap-param-gather
+    an optimizer step updates only each DP rank's own range of the weights, and the next
+    forward's pre-hooks gather the rest; whatever reads or moves weights between the two
+    (evaluation, checkpoints, migration, resizing) first forces the gather and lifts the hooks,
+    as Megatron-LM does around evaluation and checkpoints. The hooks come back on exit unless
+    the block replaced `state.model` (a migration's new wrapper brings its own). Reentrant."""
+    model = state.model
+    hooked = bool(getattr(model, "remove_forward_pre_hook_handles", None))
+    if hooked:
+        model.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        if hooked and state.model is model:
+            model.enable_forward_pre_hook()

@@ -24,6 +24,7 @@ from hettp.plan import BLOCKS, PartitionPlan, PlanError
 from hettp.transfer import CostModel, plan_transfer
 
 from . import cpu_compat
+from .ddp import gathered_params
 from .layers import UnitBlock
 from .model import unwrap_model
 from .unit_state import (
@@ -111,15 +112,18 @@ class HetPartition:
         `state` holds .model (DDP), .optimizer, .scheduler and .config; they are replaced in place.
         """
         self.check(plan)
-        view = OptimizerView(state.optimizer)
-        view.gather()  # whole masters and moments under the distributed optimizer
-        migration, replaced = self._move(state.model, plan, optimizer=view, step=step, fault=fault)
-        if migration.units_moved:
-            # Every rank rebuilds, also one whose units did not change: building the optimizer
-            # runs collectives.
-            _rebuild(state, replaced, view)
-        else:  # at most a local reorder, done on the gathered copies
-            _write_back(view)
+        with gathered_params(state):
+            view = OptimizerView(state.optimizer)
+            view.gather()  # whole masters and moments under the distributed optimizer
+            migration, replaced = self._move(
+                state.model, plan, optimizer=view, step=step, fault=fault
+            )
+            if migration.units_moved:
+                # Every rank rebuilds, also one whose units did not change: building the
+                # optimizer runs collectives.
+                _rebuild(state, replaced, view)
+            else:  # at most a local reorder, done on the gathered copies
+                _write_back(view)
         return migration
 
     def reorder(self, state, plan: PartitionPlan) -> None:
@@ -140,7 +144,7 @@ class HetPartition:
         optimizer.gather()  # collective over DP under the distributed optimizer
         blocks = het_blocks(state.model)
         keys = state_keys(optimizer, blocks)
-        with torch.no_grad(), cpu_compat.suspended():
+        with gathered_params(state), torch.no_grad(), cpu_compat.suspended():
             for (index, name), block in blocks.items():
                 new_units = plan.units(index, name, self.rank)
                 if new_units != block.units:

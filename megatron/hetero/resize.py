@@ -30,6 +30,7 @@ from hettp.resize import (
 )
 
 from . import cpu_compat
+from .ddp import gathered_params
 from .partition import comm_device, het_blocks
 from .unit_state import OptimizerView, state_keys
 
@@ -240,10 +241,11 @@ class Resizer:
         """Set each block's active prefix from the shares and freeze the skipped suffix."""
         share = self.shares[self.rank]
         self._stash = []
-        for block in het_blocks(state.model).values():
-            n = len(block.units)
-            block.set_active(n - skipped_count(n, share))
-        self._stashed_state = self.impute is not None or self._stash_state(state, weights=True)
+        with gathered_params(state):  # the frozen copies are of the current weights
+            for block in het_blocks(state.model).values():
+                n = len(block.units)
+                block.set_active(n - skipped_count(n, share))
+            self._stashed_state = self.impute is not None or self._stash_state(state, weights=True)
 
     def _stash_state(self, state, weights=False) -> bool:
         """Freeze the skipped suffix of weights (and masters, moments once they exist).

@@ -28,7 +28,7 @@ from hettp.metrics import MetricsWriter
 
 from . import checkpointing, child_processes, cpu_compat
 from .data import build_datasets, build_loader, build_tokenizer, get_batch
-from .ddp import HetDDP
+from .ddp import HetDDP, gathered_params
 from .log import Logger
 from .model import build_gpt_model, transformer_config
 from .partition import comm_device
@@ -115,6 +115,7 @@ def optimizer_config(args) -> OptimizerConfig:
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
     )
 
 
@@ -151,6 +152,7 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=_bucket_size(args),
     )
@@ -349,6 +351,10 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
     train_iterator = iter(build_loader(train_ds, consumed, args, dp_rank, dp_size))
 
     def save(iteration):
+        with gathered_params(state):
+            return _save(iteration)
+
+    def _save(iteration):
         path = checkpointing.save_checkpoint(
             args.save,
             iteration,
@@ -387,10 +393,12 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
             if runtime is not None:
                 runtime.end_step(iteration, elapsed)  # a migration replaces model/optimizer
             if on_step_end is not None:
-                on_step_end(iteration, state, runtime)
+                with gathered_params(state):
+                    on_step_end(iteration, state, runtime)
 
             if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
-                eval_losses[iteration] = evaluate(args, state.model, valid_ds)
+                with gathered_params(state):
+                    eval_losses[iteration] = evaluate(args, state.model, valid_ds)
                 logger.evaluation(iteration, eval_losses[iteration])
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 saved_at = save(iteration)

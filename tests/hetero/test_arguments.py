@@ -408,7 +408,6 @@ def test_early_errors_exit_2_with_one_line(tmp_path):
 @pytest.mark.parametrize(
     "extra,message",
     [
-        ("--overlap-param-gather", "--overlap-param-gather: not supported yet"),
         (
             "--transformer-impl transformer_engine",
             "--transformer-impl transformer_engine: Transformer Engine layers are not supported",
@@ -455,6 +454,14 @@ def test_refused_flags_accept_their_supported_values():
             "--seq-length (33) must be divisible by --tensor-model-parallel-size (2)",
         ),
         ("--overlap-grad-reduce --ddp-bucket-size 0", "--ddp-bucket-size must be positive"),
+        (
+            "--overlap-param-gather --overlap-grad-reduce",
+            "--overlap-param-gather is only supported with --use-distributed-optimizer",
+        ),
+        (
+            "--overlap-param-gather --use-distributed-optimizer",
+            "--overlap-param-gather needs --overlap-grad-reduce",
+        ),
     ],
 )
 def test_recompute_and_overlap_flags_are_checked_as_megatron_does(extra, message):

@@ -25,13 +25,14 @@ OVERLAP = "--overlap-grad-reduce --ddp-bucket-size 20000"  # several buckets for
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 SELECTIVE = "--recompute-granularity selective"
 DISTOPT = "--use-distributed-optimizer"
+PARAM_GATHER = "--overlap-param-gather"
 SETTINGS = {
     "sp": SP,
     "overlap": OVERLAP,
     "recompute-full": FULL,
     "recompute-selective": SELECTIVE,
     "distributed-optimizer": DISTOPT,
-    "all": f"{SP} {OVERLAP} {FULL} {DISTOPT}",
+    "all": f"{SP} {OVERLAP} {FULL} {DISTOPT} {PARAM_GATHER}",
 }
 
 
