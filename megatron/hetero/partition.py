@@ -242,8 +242,6 @@ def _rebuild(state, replaced, old):
     `old` is the gathered view of the old optimizer."""
     old_ddp, old_opt = state.model, state.optimizer
 
-    # The old wrapper's backward hooks stay on unchanged parameters: make them no-ops.
-    old_ddp.param_to_bucket_group = {}
     model = type(old_ddp)(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
     optimizer = get_megatron_optimizer(old_opt.config, [model])
     carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
@@ -254,6 +252,8 @@ def _rebuild(state, replaced, old):
             {**param_state, **{k: v for k, v in moved.items() if k != "master"}},
         )
     carry_into(optimizer, carried)
+    # The old wrapper's backward hooks stay on unchanged parameters: make them no-ops.
+    old_ddp.param_to_bucket_group = {}
     new = OptimizerView(optimizer)
     for old_sub, new_sub in zip(old.subs, new.subs):
         if getattr(old_sub, "grad_scaler", None) is not None:
@@ -265,9 +265,17 @@ def _rebuild(state, replaced, old):
         state.config.grad_scale_func = optimizer.scale_loss
     state.model, state.optimizer = model, optimizer
     # The old wrapper stays reachable through its (now no-op) hooks on the parameters that did
-    # not change; without its buffers it no longer holds a model-sized gradient buffer.
+    # not change; it must not keep its buffers alive, neither directly nor through the replaced
+    # parameters (its grad accumulators and parameter lists hold them, their main_grad and,
+    # under the distributed optimizer, their data and main_param are views of its buffers).
     old_ddp.buffers, old_ddp.bucket_groups = [], []
     old_ddp.expert_parallel_buffers, old_ddp.expert_parallel_bucket_groups = [], []
+    old_ddp.grad_accs, old_ddp.params_with_grad = [], []
+    for old_param in replaced:
+        for key in ("main_grad", "main_param", "main_param_sharded"):
+            old_param.__dict__.pop(key, None)
+    for param in model.module.parameters():
+        param.grad = None  # the last step's, a view of the old buffer (FP32Optimizer sets it)
 
 
 # The config's hooks the schedule calls on the DDP wrapper (set by whoever built it: this

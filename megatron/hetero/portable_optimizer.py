@@ -13,6 +13,7 @@ optimizer saves otherwise), and one all-reduce over the DP group gathers it.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 
 from megatron.core.optimizer import get_megatron_optimizer
 
@@ -30,13 +31,33 @@ def checkpoint_optimizer(optimizer, model, *, is_loading: bool):
     if not is_distributed(optimizer):
         return optimizer
     config = dataclasses.replace(optimizer.config, use_distributed_optimizer=False)
-    twin = get_megatron_optimizer(config, [model])
+    with _handles_kept(model):
+        twin = get_megatron_optimizer(config, [model])
     if not is_loading:
         view = OptimizerView(optimizer)
         view.gather()
         carry_into(twin, whole_state(view))
         _copy_scalers(optimizer, twin)
     return twin
+
+
+# What megatron-core's optimizers hang on the model parameters: building the twin would replace
+# the distributed optimizer's handles with its own (whole fp32 copies that would then outlive
+# the twin, undoing the memory the distributed optimizer saves).
+_HANDLES = ("main_param", "main_param_sharded")
+
+
+@contextmanager
+def _handles_kept(model):
+    params = list(model.parameters())
+    kept = [{k: p.__dict__[k] for k in _HANDLES if k in p.__dict__} for p in params]
+    try:
+        yield
+    finally:
+        for param, handles in zip(params, kept):
+            for key in _HANDLES:
+                param.__dict__.pop(key, None)
+            param.__dict__.update(handles)
 
 
 def restore_from(twin, optimizer) -> None:

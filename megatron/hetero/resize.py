@@ -67,6 +67,8 @@ class Resizer:
         self.shares = (0.0,) * partition.plan.tp_size
         self.priorities = Priorities.unmeasured(partition.plan)
         self._evidence = None  # (layer, block) -> (score sums, measured steps), global unit ids
+        self._partial = False  # the evidence is this DP rank's range only (see _Owned)
+        self._whole = False  # the evidence came whole from a checkpoint
         self._stash = []  # _Frozen: the skipped suffix's weights, masters, moments
         self._stashed_state = True  # False until the optimizer has created its moments
         self._before = None  # weights before the step (the dw scorer)
@@ -112,6 +114,7 @@ class Resizer:
         blocks = het_blocks(state.model)
         evidence = self._collect(blocks)
         scorer = SCORERS[self.scorer]
+        owned = self._owned(state)
         if not scorer.per_step:  # known for every unit, skipped ones included
             for key, block in blocks.items():
                 sums, steps = evidence[key]
@@ -119,18 +122,23 @@ class Resizer:
                     sums,
                     steps,
                     block.units,
-                    _unit_scores(block, lambda p: scorer.evidence(p.detach(), _grad(p), None)),
+                    _unit_scores(
+                        block, lambda p: owned(p, scorer.evidence(p.detach(), _grad(p), None))
+                    ),
                 )
         keys = list(evidence)
         flat = torch.cat([t for key in keys for t in evidence[key]])
         dist.all_reduce(flat, group=self.partition.group)
-        if OptimizerView(state.optimizer).sharded:
-            # Under the distributed optimizer a gradient is reduced only in the part this DP
-            # rank updates: gradient-based evidence differs between replicas, which must still
-            # skip the same units. Their mean is the same on every replica.
+        if owned.sharded:
+            # each DP rank scored the elements it updates (see _owned): their sum over the
+            # replicas is the whole evidence, the same on every replica
             dp = parallel_state.get_data_parallel_group()
             dist.all_reduce(flat, group=dp)
-            flat /= dist.get_world_size(dp)
+            offset = 0
+            for key in keys:  # step counts are the same on every replica: not summed
+                n = evidence[key][0].numel()
+                flat[offset + n : offset + 2 * n] /= dist.get_world_size(dp)
+                offset += 2 * n
         measured, offset = {}, 0
         for key in keys:
             n = evidence[key][0].numel()
@@ -140,6 +148,7 @@ class Resizer:
             measured[key] = dict(zip(seen, (sums[seen] / steps[seen]).tolist()))
         self.priorities = self.priorities.updated(measured)
         self._evidence = None
+        self._whole = False
         old = self.partition.plan
         plan = self.priorities.ordered_plan(old, self.resized_ranks)
         if plan != old:
@@ -159,10 +168,12 @@ class Resizer:
         last refresh, so a resumed run re-sorts exactly as the original would have."""
         evidence = None
         if self._evidence is not None:
-            evidence = {
-                f"{i}.{b}": (sums.cpu(), steps.cpu())
-                for (i, b), (sums, steps) in self._evidence.items()
-            }
+            evidence = {}
+            for (i, b), (sums, steps) in self._evidence.items():
+                if self._partial:  # the whole evidence is the replicas' sum (collective)
+                    sums = sums.clone()
+                    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+                evidence[f"{i}.{b}"] = (sums.cpu(), steps.cpu())
         return {
             "scorer": self.scorer,
             "scores": {f"{i}.{b}": list(v) for (i, b), v in self.priorities.scores.items()},
@@ -189,6 +200,7 @@ class Resizer:
                 key(k): (sums.to(device), steps.to(device))
                 for k, (sums, steps) in state["evidence"].items()
             }
+            self._whole = True
 
     # ---- every step ---------------------------------------------------------------------
 
@@ -222,10 +234,14 @@ class Resizer:
         scorer = SCORERS[self.scorer]
         if self._observing:
             before, self._before = self._before, None
+            owned = self._owned(state)
             self._observe(
                 het_blocks(state.model),
-                lambda p: scorer.evidence(
-                    p.detach(), _grad(p), None if before is None else p.detach() - before[p]
+                lambda p: owned(
+                    p,
+                    scorer.evidence(
+                        p.detach(), _grad(p), None if before is None else p.detach() - before[p]
+                    ),
                 ),
             )
 
@@ -268,6 +284,18 @@ class Resizer:
                     for key in wanted:
                         self._stash.extend(_frozen_state(optimizer, param, key, layout, n, active))
         return has_moments
+
+    def _owned(self, state) -> _Owned:
+        """Which elements this DP rank scores. Whole evidence from a checkpoint becomes DP rank
+        0's share when the replicas score their own ranges."""
+        owned = _Owned(OptimizerView(state.optimizer))
+        self._partial = owned.sharded
+        if self._whole and owned.sharded and self._evidence is not None:
+            if parallel_state.get_data_parallel_rank() != 0:
+                for sums, _ in self._evidence.values():
+                    sums.zero_()
+        self._whole = False
+        return owned
 
     def _observe(self, blocks, evidence) -> None:
         """Add one step of per-unit evidence for the units that ran."""
@@ -320,6 +348,31 @@ def _frozen_state(optimizer, param, key, layout, n, active) -> list[_Frozen]:
     skipped = torch.cat([v.reshape(-1) for v in layout.suffix(flat, n, active)])
     local = skipped[(skipped >= start) & (skipped < start + tensor.numel())] - start
     return [_Frozen(tensor, local)] if local.numel() else []
+
+
+class _Owned:
+    """Under the distributed optimizer a DP rank reduces a gradient, and updates a weight, only
+    in its own range of the flattened parameter (outside it the gradient is its own micro-
+    batches' and, under --overlap-param-gather, the weight a step old). Evidence is kept there
+    only, and summed over the replicas at a refresh: exactly the evidence of the plain
+    optimizer, and the same on every replica (which must skip the same units)."""
+
+    def __init__(self, view):
+        self.view = view
+        self.sharded = bool(view.sharded)
+
+    def __call__(self, param, evidence):
+        if not self.sharded:
+            return evidence
+        shard = self.view.shard_of(param, "master")
+        if shard is None:
+            return evidence
+        tensor, start = shard
+        flat = torch.zeros_like(evidence).view(-1)
+        if tensor is not None:
+            end = start + tensor.numel()
+            flat[start:end] = evidence.reshape(-1)[start:end]
+        return flat.view(evidence.shape)
 
 
 def _grad(param):

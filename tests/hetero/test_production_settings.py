@@ -15,6 +15,7 @@ from tests.utils import (
     MHA,
     run_ranks,
     train,
+    train_and_count_whole_masters,
     train_and_read_norms,
     train_with_repartitions,
     train_with_resizes,
@@ -58,6 +59,7 @@ def test_even_plan_equals_vanilla_and_a_migration_keeps_the_losses(setting):
     assert [e["iteration"] for e in migrated[0]["events"]] == [4]
     event = migrated[0]["events"][0]
     assert event["bytes"] > 0 and event["old_wrapper_buffers"] == 0
+    assert event["old_buffers_alive"] == 0  # the replaced wrapper's buffers are freed
     # the config's hooks are the rebuilt DDP wrapper's (grad sync only with overlap)
     overlap = "--overlap-grad-reduce" in SETTINGS[setting]
     assert event["hooks"] == {
@@ -66,6 +68,22 @@ def test_even_plan_equals_vanilla_and_a_migration_keeps_the_losses(setting):
         "param_sync_func": "unset",
     }
     for result in migrated:
+        _close(result["losses"], vanilla["losses"], range(1, 11))
+
+
+def test_a_failed_transfer_under_all_settings_leaves_training_intact():
+    """A rank failing mid-transfer under the distributed optimizer and overlapped gathers: every
+    rank keeps its weights, masters, moments and plan (the gathered copies are dropped), and a
+    later migration still works; the losses stay vanilla's."""
+    argv = _argv(SETTINGS["all"])
+    vanilla = run_ranks(train, 4, argv)[0]
+    faults = ({"iteration": 4, "rank": 1, "stage": "exchange"},)
+    plans = {4: "attn=3,1;mlp=48,16", 6: "attn=1,3;mlp=20,44"}
+    results = run_ranks(train_with_repartitions, 4, argv + ["--het-tp"], plans, faults)
+    for result in results:
+        failed, done = result["events"]
+        assert failed["iteration"] == 4 and failed["unchanged"] and failed["plan_kept"]
+        assert done["iteration"] == 6 and done["units_moved"] > 0
         _close(result["losses"], vanilla["losses"], range(1, 11))
 
 
@@ -104,29 +122,42 @@ def test_resize_then_restore_under_all_settings():
     assert all(math.isfinite(v) for v in ranks[0]["losses"].values())
 
 
-def test_gradient_priorities_agree_across_replicas_under_the_distributed_optimizer():
-    """--het-tp-priority wg reads gradients, which the distributed optimizer reduces only in
-    each DP rank's own range: the replicas still re-sort the same way and skip the same units,
-    so they stay identical."""
-    argv = _argv(DISTOPT, iters=7) + [
+@pytest.mark.parametrize("scorer", ["wg", "dw", "magnitude"])
+def test_priorities_under_the_distributed_optimizer_are_the_plain_optimizers(scorer):
+    """Under the distributed optimizer (and --overlap-param-gather) a DP rank's gradient is
+    reduced, and its weights current, only in its own range: scored there and summed over the
+    replicas, the priorities are the plain optimizer's, so rank 1 re-sorts its units into the
+    same order, the same on both replicas (which stay identical)."""
+    flags = [
         "--het-tp-resize",
         "0,0.5",
         "--het-tp-priority",
-        "wg",
+        scorer,
         "--het-tp-priority-interval",
-        "2",
+        "3",
         "--het-tp-priority-sample-interval",
         "1",
     ]
-    ranks = run_ranks(train_with_resizes, 4, argv, {})
+    plain = run_ranks(train_with_resizes, 4, _argv(OVERLAP, iters=7) + flags, {})
+    sharded = run_ranks(
+        train_with_resizes, 4, _argv(f"{OVERLAP} {DISTOPT} {PARAM_GATHER}", iters=7) + flags, {}
+    )
+
+    def orders(rank, iteration):
+        blocks = rank["records"][iteration]["blocks"]
+        return {key: (b["units"], b["active"]) for key, b in blocks.items()}
+
+    assert orders(plain[1], 7) != orders(plain[1], 2)  # the refreshes re-sorted rank 1
     for tp_rank in (0, 1):  # global ranks tp_rank and tp_rank + 2 are its two replicas
-        first, second = ranks[tp_rank]["records"], ranks[tp_rank + 2]["records"]
-        for iteration in first:
-            for key, block in first[iteration]["blocks"].items():
-                other = second[iteration]["blocks"][key]
-                assert (block["units"], block["active"]) == (other["units"], other["active"])
-                for unit, values in block["values"].items():
-                    assert all(torch.equal(a, b) for a, b in zip(values, other["values"][unit]))
+        for iteration in (3, 6, 7):
+            want = orders(plain[tp_rank], iteration)
+            assert orders(sharded[tp_rank], iteration) == want, (tp_rank, iteration)
+            assert orders(sharded[tp_rank + 2], iteration) == want, (tp_rank, iteration)
+        first, second = sharded[tp_rank]["records"][7], sharded[tp_rank + 2]["records"][7]
+        for key, block in first["blocks"].items():
+            for unit, values in block["values"].items():
+                other = second["blocks"][key]["values"][unit]
+                assert all(torch.equal(a, b) for a, b in zip(values, other))
 
 
 def test_a_checkpoint_saved_after_a_migration_loads_into_vanilla(tmp_path):
@@ -174,6 +205,36 @@ def test_distributed_optimizer_checkpoints_load_without_it_and_at_another_tp_siz
     tp1 = tp1.replace(SP, "").split()
     dp4 = run_ranks(train, 4, tp1 + [DISTOPT, "--load", str(only6)])[0]
     _close(dp4["losses"], het["losses"], range(7, 11), rel=1e-4)
+
+
+def test_distributed_optimizer_bf16_checkpoints_resume_exactly(tmp_path):
+    """--bf16 under the distributed optimizer: the fp32 masters and moments a checkpoint saved
+    after a migration holds resume training bit for bit, and saving leaves no whole fp32 copy
+    of the weights behind (the checkpoint's plain-layout twin is dropped)."""
+    argv = _argv(f"{SP} {DISTOPT} --bf16") + ["--het-tp"]
+    ckpt = tmp_path / "ckpt"
+    straight = run_ranks(
+        train_with_repartitions,
+        4,
+        argv + ["--save", str(ckpt), "--save-interval", "6"],
+        {3: "attn=1,3;mlp=20,44"},
+    )[0]
+    only6 = tmp_path / "only6"
+    only6.mkdir()
+    (only6 / "iter_0000006").symlink_to(ckpt / "iter_0000006")
+    (only6 / "latest_checkpointed_iteration.txt").write_text("6")
+    resumed = run_ranks(train_and_count_whole_masters, 4, argv + ["--load", str(only6)])
+    for rank in resumed:
+        assert sorted(rank["losses"]) == [7, 8, 9, 10]
+        assert rank["losses"] == {i: straight["losses"][i] for i in range(7, 11)}
+        assert rank["whole_masters"] == {i: 0 for i in range(7, 11)}  # loading left none
+    saving = run_ranks(
+        train_and_count_whole_masters,
+        4,
+        argv + ["--save", str(tmp_path / "again"), "--save-interval", "2"],
+    )
+    for rank in saving:
+        assert set(rank["whole_masters"].values()) == {0}, rank["whole_masters"]
 
 
 def test_bf16_under_all_settings_migrates_there_and_back_exactly():

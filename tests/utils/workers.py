@@ -34,6 +34,29 @@ def train(argv: list[str]) -> dict:
     }
 
 
+def train_and_count_whole_masters(argv: list[str]) -> dict:
+    """pretrain; after every step, how many model parameters carry an fp32 master copy
+    (`main_param`) other than the distributed optimizer's range of them."""
+    counts = {}
+
+    def hook(iteration, state, runtime):
+        from megatron.hetero.unit_state import OptimizerView, _shard
+
+        ranges = {}
+        for sub in OptimizerView(state.optimizer).sharded:
+            for param in sub.model_param_group_index_map:
+                ranges[param] = _shard(sub, param)[0]
+        counts[iteration] = sum(
+            1
+            for p in state.model.module.parameters()
+            if getattr(p, "main_param", None) is not None
+            and getattr(p, "main_param", None) is not ranges.get(p)
+        )
+
+    result, stdout = _pretrain(argv, hook)
+    return {"losses": result.losses, "whole_masters": counts, "stdout": stdout}
+
+
 def train_and_read_norms(argv: list[str]) -> dict:
     """pretrain; then every norm parameter of the model by name: (its `sequence_parallel`
     mark, its value)."""
@@ -162,6 +185,8 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
     A fault {"iteration": i, "rank": r, "stage": s} makes TP rank r fail at stage s of the
     transfer at iteration i; the hook then records whether anything changed and goes on.
     """
+    import weakref
+
     import torch
     import torch.distributed as dist
 
@@ -225,6 +250,13 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
 
         before = snapshot(state)
         wrapper = state.model
+        # the old wrapper's buffers (gradients; parameters under the distributed optimizer)
+        buffers = [
+            weakref.ref(t)
+            for b in wrapper.buffers
+            for t in (b.grad_data, b.param_data)
+            if t is not None
+        ]
         try:
             migration = runtime.repartition(plan, iteration, fault=inject)
         except TransferError as err:
@@ -258,6 +290,8 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                 "old_wrapper_buffers": (
                     None if wrapper is state.model else len(wrapper.buffers + wrapper.bucket_groups)
                 ),
+                # ... and none of them is alive anywhere after a collection
+                "old_buffers_alive": (None if wrapper is state.model else _alive_after_gc(buffers)),
                 "hooks": {
                     name: ("unset" if hook_owner(name) is None else hook_owner(name) is state.model)
                     for name in ("no_sync_func", "grad_sync_func", "param_sync_func")
@@ -277,6 +311,13 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
 
     result, stdout = _pretrain(argv, hook)
     return {"losses": result.losses, "events": events, "stdout": stdout}
+
+
+def _alive_after_gc(refs) -> int:
+    import gc
+
+    gc.collect()
+    return sum(ref() is not None for ref in refs)
 
 
 def _gather_full(module, group, dp_group=None) -> dict:
