@@ -45,6 +45,23 @@ def _argv(flags: str, iters: int = 10) -> list[str]:
     ).split()
 
 
+def _saved_at_6_after_a_migration(tmp_path, argv):
+    """A het run migrating at step 3 and saving at 6 (and 10): its result, and a folder whose
+    latest checkpoint is the one of step 6."""
+    ckpt = tmp_path / "ckpt"
+    result = run_ranks(
+        train_with_repartitions,
+        4,
+        argv + ["--save", str(ckpt), "--save-interval", "6"],
+        {3: "attn=1,3;mlp=20,44"},
+    )[0]
+    only6 = tmp_path / "only6"
+    only6.mkdir()
+    (only6 / "iter_0000006").symlink_to(ckpt / "iter_0000006")
+    (only6 / "latest_checkpointed_iteration.txt").write_text("6")
+    return result, only6
+
+
 def _close(got: dict, want: dict, steps, rel: float = 1e-5) -> None:
     for step in steps:
         assert abs(got[step] - want[step]) <= rel * abs(want[step]), (step, got, want)
@@ -162,17 +179,7 @@ def test_priorities_under_the_distributed_optimizer_are_the_plain_optimizers(sco
 
 def test_a_checkpoint_saved_after_a_migration_loads_into_vanilla(tmp_path):
     argv = _argv(SETTINGS["all"])
-    ckpt = tmp_path / "ckpt"
-    het = run_ranks(
-        train_with_repartitions,
-        4,
-        argv + ["--het-tp", "--save", str(ckpt), "--save-interval", "6"],
-        {3: "attn=1,3;mlp=20,44"},
-    )[0]
-    only6 = tmp_path / "only6"
-    only6.mkdir()
-    (only6 / "iter_0000006").symlink_to(ckpt / "iter_0000006")
-    (only6 / "latest_checkpointed_iteration.txt").write_text("6")
+    het, only6 = _saved_at_6_after_a_migration(tmp_path, argv + ["--het-tp"])
     vanilla = run_ranks(train, 4, argv + ["--load", str(only6)])[0]
     assert sorted(vanilla["losses"]) == [7, 8, 9, 10]
     _close(vanilla["losses"], het["losses"], range(7, 11))
@@ -184,17 +191,7 @@ def test_distributed_optimizer_checkpoints_load_without_it_and_at_another_tp_siz
     distributed optimizer exactly as the het run, and at TP=1 x DP=4 (other GEMM splits:
     float rounding only)."""
     argv = _argv(f"{SP} {OVERLAP} {DISTOPT}")
-    ckpt = tmp_path / "ckpt"
-    het = run_ranks(
-        train_with_repartitions,
-        4,
-        argv + ["--het-tp", "--save", str(ckpt), "--save-interval", "6"],
-        {3: "attn=1,3;mlp=20,44"},
-    )[0]
-    only6 = tmp_path / "only6"
-    only6.mkdir()
-    (only6 / "iter_0000006").symlink_to(ckpt / "iter_0000006")
-    (only6 / "latest_checkpointed_iteration.txt").write_text("6")
+    het, only6 = _saved_at_6_after_a_migration(tmp_path, argv + ["--het-tp"])
     plain = [a for a in argv if a != "--use-distributed-optimizer"]
     vanilla = run_ranks(train, 4, plain + ["--load", str(only6)])[0]
     assert sorted(vanilla["losses"]) == [7, 8, 9, 10]
@@ -212,17 +209,7 @@ def test_distributed_optimizer_bf16_checkpoints_resume_exactly(tmp_path):
     after a migration holds resume training bit for bit, and saving leaves no whole fp32 copy
     of the weights behind (the checkpoint's plain-layout twin is dropped)."""
     argv = _argv(f"{SP} {DISTOPT} --bf16") + ["--het-tp"]
-    ckpt = tmp_path / "ckpt"
-    straight = run_ranks(
-        train_with_repartitions,
-        4,
-        argv + ["--save", str(ckpt), "--save-interval", "6"],
-        {3: "attn=1,3;mlp=20,44"},
-    )[0]
-    only6 = tmp_path / "only6"
-    only6.mkdir()
-    (only6 / "iter_0000006").symlink_to(ckpt / "iter_0000006")
-    (only6 / "latest_checkpointed_iteration.txt").write_text("6")
+    straight, only6 = _saved_at_6_after_a_migration(tmp_path, argv)
     resumed = run_ranks(train_and_count_whole_masters, 4, argv + ["--load", str(only6)])
     for rank in resumed:
         assert sorted(rank["losses"]) == [7, 8, 9, 10]
