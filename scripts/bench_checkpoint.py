@@ -35,7 +35,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     from megatron.hetero import checkpointing, ckpt_integrity
     from megatron.hetero.arguments import parse_args
-    from megatron.hetero.data import build_datasets, build_loader, build_tokenizer
+    from megatron.hetero.data import build_datasets, build_loader, tokenizer_from_args
     from megatron.hetero.training import initialize, setup_model_and_optimizer, shutdown, train_step
 
     args = parse_args(
@@ -45,7 +45,7 @@ def main(argv=None):
         world_size=1,
     )
     initialize(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    tokenizer = tokenizer_from_args(args)
     state = setup_model_and_optimizer(args, tokenizer.vocab_size)
     train_ds, _, _ = build_datasets(args, tokenizer)
     train_step(args, state, iter(build_loader(train_ds, 0, args, 0, 1)))  # Adam state exists

@@ -95,7 +95,7 @@ def worker(rank, world, port, opts, out_path, distributed_optimizer=False):
     sys.path.insert(0, ROOT)
     from hettp.exchange import measure_costs
     from megatron.hetero.arguments import parse_args
-    from megatron.hetero.data import build_datasets, build_loader, build_tokenizer
+    from megatron.hetero.data import build_datasets, build_loader, tokenizer_from_args
     from megatron.hetero.runtime import HetTPRuntime
     from megatron.hetero.training import initialize, setup_model_and_optimizer, shutdown, train_step
 
@@ -112,7 +112,7 @@ def worker(rank, world, port, opts, out_path, distributed_optimizer=False):
     args = parse_args(argv)
     runtime = HetTPRuntime.from_args(args)
     initialize(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    tokenizer = tokenizer_from_args(args)
     state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime)
     runtime.attach(state)
     train_ds, _, _ = build_datasets(args, tokenizer)

@@ -13,6 +13,13 @@ The real-text corpus the tests and benchmarks use is the Python standard library
 which ships with every Python:
 
   python scripts/preprocess_data.py --stdlib --output-prefix data/stdlib --max-bytes 8000000
+
+With a trained tokenizer (byte-level BPE, GPT-2's kind, on the same inputs), written to
+--train-bpe-dir as vocab.json + merges.txt (--tokenizer-type GPT2BPETokenizer --vocab-file
+--merge-file) and tokenizer.json (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR):
+
+  python scripts/preprocess_data.py --stdlib --output-prefix data/stdlib-bpe \
+      --max-bytes 8000000 --train-bpe 4096 --train-bpe-dir data/bpe --append-eod
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder 
 
 from megatron.hetero.arguments import TOKENIZER_TYPES  # noqa: E402
 from megatron.hetero.data import build_tokenizer  # noqa: E402
+from megatron.hetero.text_tokenizers import (  # noqa: E402
+    TokenizerFileError,
+    train_byte_level_bpe,
+)
 
 
 def parse_args(argv=None):
@@ -53,6 +64,20 @@ def parse_args(argv=None):
         default=None,
         help="for NullTokenizer: documents are whitespace-separated ids below this",
     )
+    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
+    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
+    p.add_argument(
+        "--tokenizer-model", default=None, help="HuggingFaceTokenizer: folder with tokenizer.json"
+    )
+    p.add_argument(
+        "--train-bpe",
+        type=int,
+        default=None,
+        metavar="VOCAB_SIZE",
+        help="first train a byte-level BPE of this vocabulary size on the inputs (within "
+        "--max-bytes) into --train-bpe-dir, then tokenize with it (GPT2BPETokenizer)",
+    )
+    p.add_argument("--train-bpe-dir", default=None)
     p.add_argument("--append-eod", action="store_true", help="end every document with EOD")
     p.add_argument(
         "--max-bytes",
@@ -65,6 +90,10 @@ def parse_args(argv=None):
         p.error("give --input and/or --stdlib")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         p.error("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.train_bpe is not None:
+        if args.train_bpe < 257 or not args.train_bpe_dir:
+            p.error("--train-bpe needs a vocabulary size above 256 and --train-bpe-dir")
+        args.tokenizer_type = "GPT2BPETokenizer"
     if args.max_bytes is not None and args.max_bytes <= 0:
         p.error(f"--max-bytes must be positive, got {args.max_bytes}")
     for path in args.input:
@@ -114,19 +143,39 @@ def iter_documents(args):
                     yield "text", f.read()
 
 
+def bounded_documents(args):
+    """iter_documents within --max-bytes (the last one cut): what the dataset will hold."""
+    total = 0
+    for key, text in iter_documents(args):
+        if args.max_bytes is not None and total >= args.max_bytes:
+            return
+        if args.max_bytes is not None:
+            text = text[: max(0, args.max_bytes - total)]
+        total += len(text.encode("utf-8"))
+        yield key, text
+
+
 def main(argv=None):
     args = parse_args(argv)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    if args.train_bpe is not None:
+        texts = (text for _, text in bounded_documents(args))
+        files = train_byte_level_bpe(texts, args.train_bpe, args.train_bpe_dir)
+        args.vocab_file, args.merge_file = files["vocab_file"], files["merge_file"]
+        print(f"trained a byte-level BPE of {args.train_bpe} entries: {args.train_bpe_dir}")
+    try:
+        tokenizer = build_tokenizer(
+            args.tokenizer_type,
+            args.vocab_size,
+            args.vocab_file,
+            args.merge_file,
+            args.tokenizer_model,
+        )
+    except TokenizerFileError as err:
+        raise SystemExit(f"preprocess_data.py: error: {err}") from None
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     builders, counts = {}, {}
-    total_bytes = 0
-    for key, text in iter_documents(args):
-        if args.max_bytes is not None and total_bytes >= args.max_bytes:
-            break
-        if args.max_bytes is not None:
-            text = text[: max(0, args.max_bytes - total_bytes)]
-        total_bytes += len(text.encode("utf-8"))
+    for key, text in bounded_documents(args):
         ids = tokenizer.tokenize(text)
         if args.append_eod:
             ids = list(ids) + [tokenizer.eod]

@@ -16,23 +16,42 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.tokenizers import MegatronTokenizer
 
+from . import text_tokenizers
 from .arguments import BYTE_LEVEL_VOCAB_SIZE, parse_data_path
 
 _TOKENIZER_LIBRARY = {"NullTokenizer": "null", "ByteLevelTokenizer": "byte-level"}
 
 
-def build_tokenizer(tokenizer_type: str, vocab_size: int | None = None):
-    """Offline tokenizers from megatron-core's tokenizer library.
+def build_tokenizer(
+    tokenizer_type: str,
+    vocab_size: int | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_model: str | None = None,
+):
+    """Offline tokenizers, by Megatron-LM's --tokenizer-type.
 
     NullTokenizer: ids are given (mock data, pre-tokenized text); vocab_size + 1 entries, the
     last one is end-of-document. ByteLevelTokenizer: UTF-8 bytes, 256 entries, byte 0 is
-    end-of-document.
+    end-of-document (both megatron-core's). GPT2BPETokenizer (vocab_file, merge_file) and
+    HuggingFaceTokenizer (tokenizer_model: a local folder): text_tokenizers.
     """
+    if tokenizer_type == "GPT2BPETokenizer":
+        return text_tokenizers.gpt2_bpe(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return text_tokenizers.huggingface(tokenizer_model)
     library = _TOKENIZER_LIBRARY[tokenizer_type]
     if tokenizer_type == "ByteLevelTokenizer":
         vocab_size = BYTE_LEVEL_VOCAB_SIZE
     return MegatronTokenizer.from_pretrained(
         metadata_path={"library": library}, vocab_size=vocab_size
+    )
+
+
+def tokenizer_from_args(args):
+    """The tokenizer pretrain_gpt.py's flags name."""
+    return build_tokenizer(
+        args.tokenizer_type, args.vocab_size, args.vocab_file, args.merge_file, args.tokenizer_model
     )
 
 
@@ -72,7 +91,8 @@ def dataset_config(args, tokenizer) -> GPTDatasetConfig:
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=True,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mmap_bin_files=args.mmap_bin_files,
     )
 
 
