@@ -20,7 +20,12 @@ import torch
 
 from hettp.config import ConfigError, HetTPConfig, ModelShape
 
-TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer")
+TOKENIZER_TYPES = (
+    "NullTokenizer",
+    "ByteLevelTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+)
 BYTE_LEVEL_VOCAB_SIZE = 256  # byte values; byte 0 (NUL) doubles as end-of-document
 
 
@@ -67,6 +72,17 @@ class RefusedFlag:
 
 
 REFUSED_FLAGS = (
+    RefusedFlag(
+        "--rampup-batch-size",
+        {"nargs": 3, "default": None, "metavar": ("START", "INCREMENT", "SAMPLES")},
+        "batch-size ramp-up is not supported yet (the global batch stays constant)",
+        lambda value: value is not None,
+    ),
+    RefusedFlag(
+        "--fp8-param-gather",
+        {"action": "store_true"},
+        "FP8 needs Transformer Engine, which hettp's layers do not use yet",
+    ),
     RefusedFlag(
         "--transformer-impl",
         {"default": "local", "choices": ["local", "transformer_engine"]},
@@ -152,6 +168,23 @@ def _add_network_args(parser):
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="Zero-centred norm weights: the norm multiplies by (1 + weight), weights start at 0.",
+    )
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "flash", "fused", "unfused", "local"],
+        help="Core attention: auto, unfused and local run megatron-core's (and het-TP's) "
+        "unfused attention; flash and fused are Transformer Engine's.",
+    )
+    g.add_argument(
+        "--use-mcore-models",
+        action="store_true",
+        help="Accepted for Megatron-LM's scripts: megatron-core models are the only ones here.",
+    )
 
 
 def _add_regularization_args(parser):
@@ -174,7 +207,19 @@ def _add_training_args(parser):
         default=None,
         help="Default: micro batch size x data-parallel size.",
     )
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument(
+        "--train-iters",
+        type=int,
+        default=None,
+        help="Iterations to train (or --train-samples).",
+    )
+    g.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="Samples to train: --train-samples / --global-batch-size iterations; the learning "
+        "rate schedule then counts samples (--lr-decay-samples, --lr-warmup-samples).",
+    )
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument(
@@ -217,6 +262,38 @@ def _add_training_args(parser):
         help="On SIGTERM or SIGINT (to any rank): finish the step, save (with --save), exit 0.",
     )
     g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Average the loss over all tokens of the global batch (Megatron-LM's), not per "
+        "micro-batch.",
+    )
+    g.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="megatron-core's fused vocab-parallel cross entropy (GPU).",
+    )
+    g.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="Disable Python's automatic garbage collection; collect every "
+        "--manual-gc-interval iterations (0: only around evaluation and checkpoints).",
+    )
+    g.add_argument("--manual-gc-interval", type=int, default=0)
+    g.add_argument(
+        "--no-manual-gc-eval",
+        action="store_false",
+        dest="manual_gc_eval",
+        help="With --manual-gc: do not collect before and after evaluation.",
+    )
+    g.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="Release cached GPU memory after each iteration (1) and after evaluation too "
+        "(2); nothing to release on CPU.",
+    )
+    g.add_argument(
         "--no-check-for-nan-in-loss-and-grad",
         action="store_false",
         dest="check_for_nan_in_loss_and_grad",
@@ -235,8 +312,28 @@ def _add_learning_rate_args(parser):
         choices=["constant", "linear", "cosine", "inverse-square-root"],
     )
     g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="Warm-up as a fraction of the decay (instead of --lr-warmup-iters/-samples).",
+    )
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="Learning rate of the input embedding and output layer (default: --lr).",
+    )
+    g.add_argument(
+        "--decoupled-min-lr",
+        type=float,
+        default=None,
+        help="Minimum learning rate of those (default: --min-lr).",
+    )
 
 
 def _add_distributed_args(parser):
@@ -250,6 +347,17 @@ def _add_distributed_args(parser):
         help="Default: nccl with CUDA, gloo without.",
     )
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Only 1: context parallelism is not supported.",
+    )
+    g.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="With --bf16: reduce gradients over data-parallel ranks in bf16 (default fp32).",
+    )
     g.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -290,6 +398,18 @@ def _add_mixed_precision_args(parser):
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2**32)
+    g.add_argument(
+        "--fp8-amax-history-len",
+        type=int,
+        default=1,
+        help="FP8 recipe (used with --fp8-format, which needs Transformer Engine).",
+    )
+    g.add_argument(
+        "--fp8-amax-compute-algo",
+        default="most_recent",
+        choices=["most_recent", "max"],
+        help="FP8 recipe (used with --fp8-format, which needs Transformer Engine).",
+    )
 
 
 def _add_data_args(parser):
@@ -305,6 +425,30 @@ def _add_data_args(parser):
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json.")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt.")
+    g.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="HuggingFaceTokenizer: a local folder holding tokenizer.json.",
+    )
+    g.add_argument(
+        "--tiktoken-pattern",
+        default=None,
+        help="TikTokenizer's split pattern (v1 or v2); read only by that tokenizer.",
+    )
+    g.add_argument(
+        "--no-mmap-bin-files",
+        action="store_false",
+        dest="mmap_bin_files",
+        help="Read .bin files with file reads instead of memory maps.",
+    )
+    g.add_argument(
+        "--no-create-attention-mask-in-dataloader",
+        action="store_false",
+        dest="create_attention_mask_in_dataloader",
+        help="Leave the causal mask to the attention (no mask tensor per sample).",
+    )
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--num-workers", type=int, default=0)
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -321,6 +465,24 @@ def _add_logging_args(parser):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
+        "--log-throughput",
+        action="store_true",
+        help="Model TFLOP/s per GPU (or CPU rank) in the iteration line, Megatron-LM's formula.",
+    )
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="Profile iterations --profile-step-start to --profile-step-end: with "
+        "--use-pytorch-profiler torch.profiler traces into --tensorboard-dir, else nsys "
+        "capture ranges (CUDA).",
+    )
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--use-pytorch-profiler", action="store_true")
+    g.add_argument(
+        "--profile-ranks", nargs="+", type=int, default=[0], help="Global ranks to profile."
+    )
+    g.add_argument(
         "--metrics-file",
         default=None,
         help="JSONL file with one record per iteration and evaluation (hettp). "
@@ -334,6 +496,12 @@ def _add_checkpointing_args(parser):
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument(
+        "--ckpt-format",
+        default="torch_dist",
+        choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
+        help="Only torch_dist: a checkpoint loads under any plan, TP size, or vanilla.",
+    )
 
 
 def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
@@ -352,6 +520,128 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
 def _require(cond, msg):
     if not cond:
         raise ArgumentError(msg)
+
+
+def _validate_schedule(args) -> None:
+    """Training length and the learning-rate schedule, in iterations or in samples, as
+    Megatron-LM: either way the scheduler counts samples (lr_*_steps below), so a checkpoint
+    resumes the schedule exactly."""
+    gbs = args.global_batch_size
+    _require(
+        (args.train_iters is None) != (args.train_samples is None),
+        "give exactly one of --train-iters and --train-samples",
+    )
+    if args.train_iters is not None:
+        _require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
+        for flag in ("lr_decay_samples", "lr_warmup_samples"):
+            _require(
+                not getattr(args, flag),
+                f"--{flag.replace('_', '-')} goes with --train-samples; with --train-iters use "
+                f"--{flag.replace('_samples', '_iters').replace('_', '-')}",
+            )
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        _require(
+            args.lr_decay_iters > 0,
+            f"--lr-decay-iters must be positive, got {args.lr_decay_iters}",
+        )
+        args.train_samples_total = args.train_iters * gbs
+        args.lr_decay_steps = args.lr_decay_iters * gbs
+        warmup, warmup_flag = args.lr_warmup_iters * gbs, "--lr-warmup-iters"
+        shown = (f"{args.lr_warmup_iters}", f"--lr-decay-iters ({args.lr_decay_iters})")
+    else:
+        _require(
+            args.train_samples > 0, f"--train-samples must be positive, got {args.train_samples}"
+        )
+        for flag in ("lr_decay_iters", "lr_warmup_iters"):
+            _require(
+                not getattr(args, flag),
+                f"--{flag.replace('_', '-')} goes with --train-iters; with --train-samples use "
+                f"--{flag.replace('_iters', '_samples').replace('_', '-')}",
+            )
+        args.train_iters = args.train_samples // gbs
+        _require(
+            args.train_iters > 0,
+            f"--train-samples ({args.train_samples}) is less than one --global-batch-size ({gbs})",
+        )
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+        _require(
+            args.lr_decay_samples > 0,
+            f"--lr-decay-samples must be positive, got {args.lr_decay_samples}",
+        )
+        args.train_samples_total = args.train_samples
+        args.lr_decay_steps = args.lr_decay_samples
+        warmup, warmup_flag = args.lr_warmup_samples, "--lr-warmup-samples"
+        shown = (f"{warmup}", f"--lr-decay-samples ({args.lr_decay_samples})")
+        _require(warmup >= 0, f"--lr-warmup-samples must be >= 0, got {warmup}")
+    if args.lr_warmup_fraction is not None:
+        _require(
+            0.0 <= args.lr_warmup_fraction < 1.0,
+            f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}",
+        )
+        _require(
+            not warmup,
+            f"--lr-warmup-fraction and {warmup_flag} are mutually exclusive",
+        )
+        warmup = int(args.lr_warmup_fraction * args.lr_decay_steps)
+        warmup_flag = "--lr-warmup-fraction"
+        shown = (f"{args.lr_warmup_fraction}", "1")
+    args.lr_warmup_steps = warmup
+    _require(
+        warmup < args.lr_decay_steps,
+        f"{warmup_flag} ({shown[0]}) must be smaller than {shown[1]}",
+    )
+    for flag in ("decoupled_lr", "decoupled_min_lr"):
+        value = getattr(args, flag)
+        _require(
+            value is None or value >= 0.0,
+            f"--{flag.replace('_', '-')} must be >= 0, got {value}",
+        )
+
+
+def _validate_device_features(args, cuda_available: bool) -> None:
+    """Flags of Megatron-LM's scripts that need a GPU, Transformer Engine or a feature hettp
+    does not have: refused by name, before anything starts."""
+    _require(
+        args.context_parallel_size == 1,
+        f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+        "supported (use 1)",
+    )
+    _require(
+        args.attention_backend in ("auto", "unfused", "local"),
+        f"--attention-backend {args.attention_backend}: Transformer Engine's attention; "
+        "hettp builds megatron-core's local layers (use auto, unfused or local)",
+    )
+    _require(
+        args.ckpt_format == "torch_dist",
+        f"--ckpt-format {args.ckpt_format}: hettp saves torch_dist checkpoints only (they load "
+        "under any plan, TP size, or vanilla)",
+    )
+    if not cuda_available:
+        _require(
+            not args.cross_entropy_loss_fusion,
+            "--cross-entropy-loss-fusion needs CUDA (megatron-core's fused kernel); drop it on CPU",
+        )
+        _require(
+            not (args.profile and not args.use_pytorch_profiler),
+            "--profile without --use-pytorch-profiler captures nsys ranges, which needs CUDA; "
+            "add --use-pytorch-profiler on CPU",
+        )
+    if args.profile:
+        _require(
+            0 <= args.profile_step_start < args.profile_step_end,
+            f"--profile-step-start ({args.profile_step_start}) must be below "
+            f"--profile-step-end ({args.profile_step_end})",
+        )
+    _require(
+        not args.grad_reduce_in_bf16 or args.bf16,
+        "--grad-reduce-in-bf16 needs --bf16",
+    )
+    _require(
+        args.manual_gc_interval >= 0,
+        f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}",
+    )
 
 
 def _validate_parallel_features(args, tp: int) -> None:
@@ -432,7 +722,6 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         "num_attention_heads",
         "seq_length",
         "micro_batch_size",
-        "train_iters",
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "log_interval",
@@ -508,6 +797,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
 
     _validate_parallel_features(args, tp)
+    _validate_device_features(args, cuda_available)
 
     # Batch.
     dp, mbs = args.data_parallel_size, args.micro_batch_size
@@ -530,16 +820,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         0.0 <= args.min_lr <= args.lr,
         f"--min-lr ({args.min_lr}) must be between 0 and --lr ({args.lr})",
     )
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    _require(
-        args.lr_decay_iters > 0, f"--lr-decay-iters must be positive, got {args.lr_decay_iters}"
-    )
-    _require(
-        args.lr_warmup_iters < args.lr_decay_iters,
-        f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
-        f"({args.lr_decay_iters})",
-    )
+    _validate_schedule(args)
     _require(args.clip_grad >= 0.0, f"--clip-grad must be >= 0, got {args.clip_grad}")
 
     # Precision and device.
@@ -563,8 +844,37 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         args.mock_data != bool(args.data_path), "give exactly one of --mock-data and --data-path"
     )
     if args.tokenizer_type is None:
+        _require(
+            not (args.vocab_file or args.merge_file or args.tokenizer_model),
+            "--vocab-file/--merge-file/--tokenizer-model given without --tokenizer-type: add "
+            "--tokenizer-type GPT2BPETokenizer (vocab and merges) or HuggingFaceTokenizer (a "
+            "folder)",
+        )
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
-    if args.tokenizer_type == "NullTokenizer":
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            _require(
+                path is not None and os.path.isfile(path),
+                f"--tokenizer-type GPT2BPETokenizer needs {flag} (a file), got {path}",
+            )
+    elif args.tokenizer_type == "HuggingFaceTokenizer":
+        _require(
+            args.tokenizer_model is not None
+            and (
+                os.path.isfile(os.path.join(args.tokenizer_model, "tokenizer.json"))
+                or os.path.isfile(args.tokenizer_model)
+            ),
+            "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a local folder with "
+            f"tokenizer.json, got {args.tokenizer_model}",
+        )
+    if args.tokenizer_type in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):
+        if args.vocab_size is not None:  # Megatron-LM's scripts pass it; the files decide
+            warnings.warn(
+                f"--vocab-size is ignored with --tokenizer-type {args.tokenizer_type} (its "
+                "files define the vocabulary)",
+                stacklevel=2,
+            )
+    elif args.tokenizer_type == "NullTokenizer":
         _require(
             args.vocab_size is not None and args.vocab_size > 0,
             "--tokenizer-type NullTokenizer needs a positive --vocab-size",

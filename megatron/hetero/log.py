@@ -17,6 +17,9 @@ import torch.distributed as dist
 
 from hettp import __version__
 
+from .arguments import padded_vocab_size
+from .flops import flops_per_sample
+
 
 def _stamp() -> str:
     return datetime.now().strftime("%Y-%m-%d %H:%M:%S")
@@ -175,6 +178,7 @@ class Logger:
         self._skipped = 0
         self._nan = 0
         self._t0 = time.perf_counter()
+        self._flops_per_sample = None  # with --log-throughput, from run_start
 
     def info(self, message: str) -> None:
         if self.is_printer:
@@ -182,6 +186,13 @@ class Logger:
 
     def run_start(self, model, tokenizer, iteration, loaded_from) -> None:
         args = self.args
+        if args.log_throughput:
+            padded = padded_vocab_size(
+                tokenizer.vocab_size,
+                args.make_vocab_size_divisible_by,
+                args.tensor_model_parallel_size,
+            )
+            self._flops_per_sample = flops_per_sample(args, padded)
         params = sum(p.numel() for p in model.parameters())
         totals = torch.tensor([params], dtype=torch.long)
         if torch.cuda.is_available():
@@ -246,10 +257,20 @@ class Logger:
         mean_loss = sum(w[0] for w in self._window) / n
         mean_ms = 1000.0 * sum(w[2] for w in self._window) / n
         tokens = args.global_batch_size * args.seq_length
+        throughput = ""
+        if self._flops_per_sample is not None:  # Megatron-LM's field: model TFLOP/s per GPU
+            per_device = (
+                (self._flops_per_sample * args.global_batch_size / (mean_ms / 1e3))
+                / args.world_size
+                / 1e12
+            )
+            shown = f"{per_device:.1f}" if per_device >= 1 else f"{per_device:.4f}"  # CPU ranks
+            throughput = f" throughput per GPU (TFLOP/s/GPU): {shown} |"
         line = (
             f" [{_stamp()}] iteration {iteration:8d}/{args.train_iters:8d} |"
             f" consumed samples: {consumed:12d} |"
             f" elapsed time per iteration (ms): {mean_ms:.1f} |"
+            f"{throughput}"
             f" tokens per second: {tokens * 1000.0 / mean_ms:.1f} |"
             f" learning rate: {lr:.6E} |"
             f" global batch size: {args.global_batch_size:5d} |"

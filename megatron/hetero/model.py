@@ -50,6 +50,9 @@ def transformer_config(args) -> TransformerConfig:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cuda_graph_scope=[],  # the default ("full") only triggers a deprecation warning
     )
 

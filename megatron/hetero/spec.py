@@ -34,6 +34,33 @@ class _KnownMLPFilter(logging.Filter):
 logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_KnownMLPFilter())
 
 
+class LayerNorm1P(torch.nn.LayerNorm):
+    """--apply-layernorm-1p: the weight is stored zero-centred (it starts at 0 and scales by
+    1 + weight), as Megatron-LM's LayerNorm1P, so weight decay pulls it towards 1."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(
+            x, self.normalized_shape, self.weight + 1, self.bias, self.eps
+        )
+
+
+class RMSNorm1P(torch.nn.RMSNorm):
+    """RMSNorm with a zero-centred weight (--apply-layernorm-1p with --normalization RMSNorm)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 class TorchNorm:
     """megatron-core's WrappedTorchNorm (torch's LayerNorm or RMSNorm, same parameters and
     initialisation), also under sequence parallelism, which WrappedTorchNorm refuses: there each
@@ -50,10 +77,12 @@ class TorchNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
     ):
-        for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm"):
-            if getattr(config, flag, False):
-                raise ValueError(f"{flag} is not supported by torch's norms")
-        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if getattr(config, "persist_layer_norm", False):
+            raise ValueError("persist_layer_norm is not supported by torch's norms")
+        if config.layernorm_zero_centered_gamma:
+            norms = {"LayerNorm": LayerNorm1P, "RMSNorm": RMSNorm1P}
+        else:
+            norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         if config.normalization not in norms:
             raise ValueError(f"normalization {config.normalization!r}: LayerNorm or RMSNorm")
         norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)

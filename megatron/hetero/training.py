@@ -7,6 +7,7 @@ switched on later without restructuring the loop.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import time
@@ -27,11 +28,12 @@ from megatron.core.transformer.module import Float16Module
 from hettp.metrics import MetricsWriter
 
 from . import checkpointing, child_processes, cpu_compat
-from .data import build_datasets, build_loader, build_tokenizer, get_batch
+from .data import build_datasets, build_loader, get_batch, tokenizer_from_args
 from .ddp import HetDDP, gathered_params
 from .log import Logger
 from .model import build_gpt_model, transformer_config
 from .partition import comm_device
+from .profiling import StepProfiler
 from .runtime import HetTPRuntime, SavedPlan, TrainState
 from .save_lock import SaveLock, SaveLockError
 from .stopping import ExitWatch, check_finite
@@ -114,23 +116,26 @@ def optimizer_config(args) -> OptimizerConfig:
         params_dtype=args.params_dtype,
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
     )
 
 
 def scheduler_kwargs(args) -> dict:
-    """OptimizerParamScheduler's arguments, counted in iterations."""
+    """OptimizerParamScheduler's arguments, counted in samples (Megatron-LM's; each step
+    advances it by the global batch)."""
     return dict(
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters,
+        lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_steps=args.lr_decay_steps,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
+        wd_incr_steps=args.train_samples_total,
         wd_incr_style="constant",
     )
 
@@ -150,7 +155,7 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
     if args.fp16 or args.bf16:
         module = Float16Module(config, module)  # as Megatron-LM: half weights, fp32 loss
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        grad_reduce_in_fp32=(args.bf16 or args.fp16) and not args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -227,18 +232,26 @@ def _schedule(args, model, data_iterator, forward_only: bool):
     )
 
 
+def _empty_cache(args, level: int) -> None:
+    """--empty-unused-memory-level: hand cached GPU memory back (CPU runs have none)."""
+    if args.empty_unused_memory_level >= level and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def train_step(args, state: TrainState, data_iterator, runtime=None):
     model, optimizer = state.model, state.optimizer
     model.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = _schedule(args, model, data_iterator, forward_only=False)
+    _empty_cache(args, 1)
     if runtime is not None:
         runtime.before_optimizer_step()
     update_successful, grad_norm, _ = optimizer.step()
     if runtime is not None:
         runtime.after_optimizer_step()
+    _empty_cache(args, 2)
     if update_successful:
-        state.scheduler.step(increment=1)
+        state.scheduler.step(increment=args.global_batch_size)
     return token_mean_loss(losses_reduced), grad_norm, not update_successful
 
 
@@ -306,7 +319,7 @@ def _claim_save_folder(folder):
 
 
 def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    tokenizer = tokenizer_from_args(args)
     load_warning = checkpointing.verify_latest(args.load)  # before any of it is read
     saved = SavedPlan.from_dict(checkpointing.saved_plan(args.load)) if runtime else None
     state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime, saved)
@@ -374,15 +387,24 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
     state.model.train()
     watch = ExitWatch(args.exit_signal_handler, args.exit_duration_in_mins, comm_device())
     watch.install()
+    profiler = StepProfiler(args)
+    if args.manual_gc:  # as Megatron-LM: no automatic collection pauses mid-step
+        gc.disable()
+        gc.collect()
     try:
         while iteration < args.train_iters:
             lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
             if runtime is not None:
                 runtime.begin_step(iteration + 1)
+            profiler.before_step(iteration + 1)
             start = time.perf_counter()
             loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime)
             elapsed = time.perf_counter() - start
             iteration += 1
+            profiler.after_step(iteration)
+            if args.manual_gc and args.manual_gc_interval:
+                if iteration % args.manual_gc_interval == 0:
+                    gc.collect()
             consumed += args.global_batch_size
             losses[iteration] = loss
             logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
@@ -397,8 +419,13 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
                     on_step_end(iteration, state, runtime)
 
             if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
+                if args.manual_gc and args.manual_gc_eval:
+                    gc.collect()
                 with gathered_params(state):
                     eval_losses[iteration] = evaluate(args, state.model, valid_ds)
+                if args.manual_gc and args.manual_gc_eval:
+                    gc.collect()
+                _empty_cache(args, 1)
                 logger.evaluation(iteration, eval_losses[iteration])
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 saved_at = save(iteration)
@@ -411,6 +438,9 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
                 break
     finally:
         watch.close()
+        profiler.close()
+        if args.manual_gc:
+            gc.enable()
 
     if args.save and saved_at != iteration and iteration > 0:
         save(iteration)

@@ -76,7 +76,8 @@ def test_lr_schedule_matches_megatron_scheduler(style):
         "--min-lr 1e-5 --lr-decay-iters 50"
     )
     kw = scheduler_kwargs(args)
-    assert kw["lr_warmup_steps"] == 10 and kw["lr_decay_steps"] == 50
+    gbs = args.global_batch_size  # the scheduler counts samples, as Megatron-LM's
+    assert kw["lr_warmup_steps"] == 10 * gbs and kw["lr_decay_steps"] == 50 * gbs
     assert kw["init_lr"] == 1e-4 and kw["lr_decay_style"] == style
 
     class _Opt:  # the scheduler only touches param_groups
@@ -86,7 +87,7 @@ def test_lr_schedule_matches_megatron_scheduler(style):
     lrs = []
     for _ in range(60):
         lrs.append(_Opt.param_groups[0]["lr"])
-        sched.step(1)
+        sched.step(gbs)
     assert lrs[0] == pytest.approx(1e-4) and lrs[10] == pytest.approx(1e-3)
     if style == "constant":
         assert lrs[-1] == pytest.approx(1e-3)
@@ -94,6 +95,24 @@ def test_lr_schedule_matches_megatron_scheduler(style):
         assert lrs[50] == pytest.approx(1e-5) and lrs[-1] == pytest.approx(1e-5)
     else:  # max_lr * sqrt(warmup / step) until the decay horizon
         assert lrs[30] == pytest.approx(1e-3 * (10 / 30) ** 0.5)
+
+
+def test_sample_based_schedules_are_megatrons():
+    """--train-samples: iterations are samples / global batch, and the schedule counts the
+    samples given; --lr-warmup-fraction takes that fraction of the decay."""
+    args = build_parser().parse_args(
+        (
+            BASE.replace("--train-iters 100", "--train-samples 200")
+            + " --lr-warmup-samples 40 --lr-decay-samples 160"
+        ).split()
+    )
+    validate_args(args, 1, cuda_available=False)
+    kw = scheduler_kwargs(args)
+    assert args.train_iters == 200 // args.global_batch_size
+    assert (kw["lr_warmup_steps"], kw["lr_decay_steps"], kw["wd_incr_steps"]) == (40, 160, 200)
+    fraction = scheduler_kwargs(_args("--lr-warmup-fraction 0.1 --lr-decay-iters 50"))
+    # 10% of 50 iterations x 2 samples
+    assert fraction["lr_warmup_steps"] == int(0.1 * 50 * 2)
 
 
 def test_data_flags_reach_dataset_config(tmp_path):

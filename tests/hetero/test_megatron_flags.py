@@ -1,0 +1,107 @@
+"""Megatron-LM flags honoured on real gloo ranks: sample-based schedules (equal to the
+iteration-based ones, and resumed exactly), per-token loss, causal masks left to the attention,
+manual garbage collection, throughput logging, zero-centred norms, the torch profiler; and what
+the rest map to."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron.hetero.arguments import build_parser, validate_args
+from megatron.hetero.data import dataset_config, tokenizer_from_args
+from megatron.hetero.flops import flops_per_sample
+from megatron.hetero.training import optimizer_config
+from tests.utils import MHA, run_ranks, train
+
+TP2 = " --tensor-model-parallel-size 2 --global-batch-size 8 --eval-iters 0 --log-interval 1"
+
+
+def _argv(extra: str = "", iters: str = "--train-iters 10") -> list[str]:
+    return (MHA.replace("--train-iters 1", iters) + TP2 + " " + extra).split()
+
+
+def _args(extra: str):
+    args = build_parser().parse_args((MHA + " " + extra).split())
+    validate_args(args, 1, cuda_available=False)
+    return args
+
+
+def _close(got, want, rel=1e-5):
+    assert got.keys() == want.keys()
+    for step in want:
+        assert abs(got[step] - want[step]) <= rel * abs(want[step]), (step, got, want)
+
+
+def test_a_sample_based_schedule_is_the_iteration_based_one_and_resumes_exactly(tmp_path):
+    by_iters = run_ranks(train, 2, _argv("--lr-warmup-iters 2 --lr-decay-style cosine --het-tp"))[0]
+    samples = "--train-samples 80 --lr-warmup-samples 16 --lr-decay-style cosine --het-tp"
+    first = run_ranks(
+        train,
+        2,
+        _argv(samples + f" --save {tmp_path} --save-interval 5 --exit-interval 5", iters=""),
+    )[0]
+    resumed = run_ranks(train, 2, _argv(samples + f" --load {tmp_path}", iters=""))[0]
+    # 80 samples = 10 x 8 with the same learning rates, across a checkpoint
+    assert {**first["losses"], **resumed["losses"]} == by_iters["losses"]
+    assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
+
+
+def test_per_token_loss_implicit_masks_gc_and_throughput_leave_the_losses(tmp_path):
+    """Every micro-batch here has the same token count, so the per-token loss is the
+    per-micro-batch mean; the causal mask the dataloader no longer makes is the attention's."""
+    plain = run_ranks(train, 2, _argv("--het-tp"))[0]
+    flags = (
+        "--het-tp --calculate-per-token-loss --no-create-attention-mask-in-dataloader "
+        "--manual-gc --manual-gc-interval 3 --log-throughput --no-mmap-bin-files"
+    )
+    other = run_ranks(train, 2, _argv(flags))[0]
+    _close(other["losses"], plain["losses"])
+    assert "throughput per GPU (TFLOP/s/GPU): " in other["stdout"]
+
+
+def test_zero_centred_norms_train_as_vanilla_and_start_at_zero():
+    from megatron.hetero.model import transformer_config
+    from megatron.hetero.spec import LayerNorm1P, TorchNorm
+
+    args = _args("--apply-layernorm-1p")
+    norm = TorchNorm(transformer_config(args), 64)
+    assert isinstance(norm, LayerNorm1P) and torch.count_nonzero(norm.weight) == 0
+    x = torch.randn(3, 64)
+    want = torch.nn.functional.layer_norm(x, (64,), torch.ones(64), torch.zeros(64), 1e-5)
+    assert torch.allclose(norm(x), want)
+    het = run_ranks(train, 2, _argv("--apply-layernorm-1p --het-tp"))[0]
+    vanilla = run_ranks(train, 2, _argv("--apply-layernorm-1p"))[0]
+    _close(het["losses"], vanilla["losses"])
+    plain = run_ranks(train, 2, _argv())[0]
+    assert plain["losses"][10] != vanilla["losses"][10]  # weight decay pulls 1 + w, not w
+
+
+def test_the_torch_profiler_writes_a_trace_of_the_asked_steps(tmp_path):
+    argv = _argv(
+        f"--profile --use-pytorch-profiler --profile-step-start 2 --profile-step-end 4 "
+        f"--tensorboard-dir {tmp_path}",
+        iters="--train-iters 6",
+    )
+    run_ranks(train, 2, argv)
+    traces = [f for f in os.listdir(tmp_path) if f.endswith(".pt.trace.json")]
+    assert len(traces) == 1  # --profile-ranks 0 only
+
+
+def test_flags_reach_the_optimizer_ddp_and_data_config():
+    args = _args("--decoupled-lr 5e-4 --decoupled-min-lr 4e-5 --bf16 --grad-reduce-in-bf16")
+    config = optimizer_config(args)
+    assert (config.decoupled_lr, config.decoupled_min_lr) == (5e-4, 4e-5)
+    args = _args("--no-mmap-bin-files --no-create-attention-mask-in-dataloader")
+    data = dataset_config(args, tokenizer_from_args(args))
+    assert not data.mmap_bin_files and not data.create_attention_mask
+
+
+def test_throughput_counts_megatrons_model_flops():
+    args = _args("--swiglu --group-query-attention --num-query-groups 2 --ffn-hidden-size 96")
+    h, s, layers, vocab = 64, 32, 2, 256
+    q, kv = 64, 2 * 16 * 2  # 4 heads x 16 channels; K and V of 2 groups
+    per_token = layers * (h * 96 * 3 + h * (q + kv) + q * s + q * h) + h * vocab
+    assert flops_per_sample(args, vocab) == pytest.approx(6 * s * per_token)
