@@ -276,7 +276,7 @@ def _add_training_args(parser):
         "--manual-gc",
         action="store_true",
         help="Disable Python's automatic garbage collection; collect every "
-        "--manual-gc-interval iterations (0: only around evaluation and checkpoints).",
+        "--manual-gc-interval iterations (0: only around evaluation).",
     )
     g.add_argument("--manual-gc-interval", type=int, default=0)
     g.add_argument(
@@ -290,8 +290,8 @@ def _add_training_args(parser):
         type=int,
         default=0,
         choices=[0, 1, 2],
-        help="Release cached GPU memory after each iteration (1) and after evaluation too "
-        "(2); nothing to release on CPU.",
+        help="Release cached GPU memory: 1 after each forward-backward and evaluation, 2 also "
+        "after each optimizer step (Megatron-LM's levels); nothing to release on CPU.",
     )
     g.add_argument(
         "--no-check-for-nan-in-loss-and-grad",
@@ -584,7 +584,7 @@ def _validate_schedule(args) -> None:
             not warmup,
             f"--lr-warmup-fraction and {warmup_flag} are mutually exclusive",
         )
-        warmup = int(args.lr_warmup_fraction * args.lr_decay_steps)
+        warmup = args.lr_warmup_fraction * args.lr_decay_steps  # a float, as Megatron-LM
         warmup_flag = "--lr-warmup-fraction"
         shown = (f"{args.lr_warmup_fraction}", "1")
     args.lr_warmup_steps = warmup

@@ -37,7 +37,14 @@ SHAPE_ARGS = (
     "position_embedding_type",
     "max_position_embeddings",
     "normalization",
+    "apply_layernorm_1p",
 )
+# Shape flags added after checkpoints existed: what an older checkpoint was saved with.
+SHAPE_DEFAULTS = {"apply_layernorm_1p": False}
+
+# The learning-rate scheduler counts samples (Megatron-LM's unit); checkpoints without this
+# mark counted iterations.
+SCHEDULER_UNITS = "samples"
 
 
 class CheckpointError(RuntimeError):
@@ -140,6 +147,7 @@ def save_checkpoint(
         state.update(runtime_entries(runtime))
     state["iteration"] = iteration
     state["consumed_train_samples"] = consumed_train_samples
+    state["scheduler_units"] = SCHEDULER_UNITS
     state["args"] = {name: getattr(args, name) for name in SHAPE_ARGS}
     state["args"]["tensor_model_parallel_size"] = args.tensor_model_parallel_size
     state["args"]["het_tp_state"] = runtime is not None
@@ -185,6 +193,17 @@ def saved_plan(root: str | None) -> dict | None:
     )
 
 
+def scheduler_state_in_samples(state: dict, global_batch_size: int) -> dict:
+    """A scheduler state saved when it counted iterations, in samples: its step counts times
+    the global batch (without this, a resumed run would decay the learning rate that many
+    times too fast)."""
+    converted = dict(state)
+    for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"):
+        if converted.get(key) is not None:
+            converted[key] = converted[key] * global_batch_size
+    return converted
+
+
 def load_checkpoint(
     root: str, model, optimizer, scheduler, args, runtime=None
 ) -> tuple[int, int] | None:
@@ -200,9 +219,10 @@ def load_checkpoint(
     common = dist_checkpointing.load_common_state_dict(path)
     saved = common["args"]
     mismatched = [
-        f"--{name.replace('_', '-')} {saved[name]} (this run: {getattr(args, name)})"
+        f"--{name.replace('_', '-')} {saved.get(name, SHAPE_DEFAULTS.get(name))} "
+        f"(this run: {getattr(args, name)})"
         for name in SHAPE_ARGS
-        if saved.get(name) != getattr(args, name)
+        if saved.get(name, SHAPE_DEFAULTS.get(name)) != getattr(args, name)
     ]
     if mismatched:
         raise CheckpointError(
@@ -219,7 +239,11 @@ def load_checkpoint(
     model.module.load_state_dict(loaded["model"])
     loading.load_state_dict(loaded["optimizer"])
     restore_from(loading, optimizer)
-    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    saved_scheduler = loaded["opt_param_scheduler"]
+    if common.get("scheduler_units") != SCHEDULER_UNITS and loaded["iteration"] > 0:
+        batch = loaded["consumed_train_samples"] // loaded["iteration"]
+        saved_scheduler = scheduler_state_in_samples(saved_scheduler, batch)
+    scheduler.load_state_dict(saved_scheduler)
     if with_rng:
         _set_rng_state(loaded["rng_state"])
     if with_runtime:

@@ -36,7 +36,7 @@ logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_Know
 
 class LayerNorm1P(torch.nn.LayerNorm):
     """--apply-layernorm-1p: the weight is stored zero-centred (it starts at 0 and scales by
-    1 + weight), as Megatron-LM's LayerNorm1P, so weight decay pulls it towards 1."""
+    1 + weight), as Megatron-LM's LayerNorm1P."""
 
     def reset_parameters(self) -> None:
         super().reset_parameters()

@@ -154,15 +154,8 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
         runtime.install(module, saved_plan)
     if args.fp16 or args.bf16:
         module = Float16Module(config, module)  # as Megatron-LM: half weights, fp32 loss
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=(args.bf16 or args.fp16) and not args.grad_reduce_in_bf16,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        bucket_size=_bucket_size(args),
-    )
     # het-TP layers: the DP reduction of TP-replicated gradients must not depend on the plan
-    model = (DDP if runtime is None else HetDDP)(config, ddp_config, module)
+    model = (DDP if runtime is None else HetDDP)(config, ddp_config(args), module)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
     config.no_sync_func = model.no_sync
@@ -171,6 +164,16 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss if (args.fp16 or args.bf16) else None
     return TrainState(model, optimizer, scheduler, config)
+
+
+def ddp_config(args) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=(args.bf16 or args.fp16) and not args.grad_reduce_in_bf16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=_bucket_size(args),
+    )
 
 
 def _bucket_size(args) -> int | None:

@@ -75,8 +75,12 @@ def test_zero_centred_norms_train_as_vanilla_and_start_at_zero():
     het = run_ranks(train, 2, _argv("--apply-layernorm-1p --het-tp"))[0]
     vanilla = run_ranks(train, 2, _argv("--apply-layernorm-1p"))[0]
     _close(het["losses"], vanilla["losses"])
-    plain = run_ranks(train, 2, _argv())[0]
-    assert plain["losses"][10] != vanilla["losses"][10]  # weight decay pulls 1 + w, not w
+    from megatron.hetero.spec import RMSNorm1P
+
+    rms = TorchNorm(transformer_config(_args("--apply-layernorm-1p --normalization RMSNorm")), 64)
+    assert isinstance(rms, RMSNorm1P) and torch.count_nonzero(rms.weight) == 0
+    want = torch.nn.functional.rms_norm(x, (64,), torch.ones(64), 1e-5)
+    assert torch.allclose(rms(x), want)
 
 
 def test_the_torch_profiler_writes_a_trace_of_the_asked_steps(tmp_path):
@@ -91,12 +95,34 @@ def test_the_torch_profiler_writes_a_trace_of_the_asked_steps(tmp_path):
 
 
 def test_flags_reach_the_optimizer_ddp_and_data_config():
+    from megatron.hetero.model import transformer_config
+    from megatron.hetero.training import ddp_config
+
     args = _args("--decoupled-lr 5e-4 --decoupled-min-lr 4e-5 --bf16 --grad-reduce-in-bf16")
     config = optimizer_config(args)
     assert (config.decoupled_lr, config.decoupled_min_lr) == (5e-4, 4e-5)
+    assert not ddp_config(args).grad_reduce_in_fp32
+    assert ddp_config(_args("--bf16")).grad_reduce_in_fp32
+    model = transformer_config(_args("--calculate-per-token-loss --apply-layernorm-1p"))
+    assert model.calculate_per_token_loss and model.layernorm_zero_centered_gamma
     args = _args("--no-mmap-bin-files --no-create-attention-mask-in-dataloader")
     data = dataset_config(args, tokenizer_from_args(args))
     assert not data.mmap_bin_files and not data.create_attention_mask
+
+
+def test_a_checkpoint_from_before_sample_counting_resumes_its_schedule():
+    """Checkpoints without the 'samples' mark counted scheduler steps in iterations."""
+    from megatron.hetero.checkpointing import scheduler_state_in_samples
+
+    old = {"num_steps": 50, "lr_warmup_steps": 2, "lr_decay_steps": 100, "wd_incr_steps": 100}
+    new = scheduler_state_in_samples({**old, "max_lr": 1e-3}, 8)
+    assert new == {
+        "num_steps": 400,
+        "lr_warmup_steps": 16,
+        "lr_decay_steps": 800,
+        "wd_incr_steps": 800,
+        "max_lr": 1e-3,
+    }
 
 
 def test_throughput_counts_megatrons_model_flops():
