@@ -522,6 +522,17 @@ def _require(cond, msg):
         raise ArgumentError(msg)
 
 
+def _refuse_other_unit(args, unit: str, other: str) -> None:
+    """With --train-<unit>, the schedule's --lr-decay-<other> and --lr-warmup-<other> are
+    refused (Megatron-LM: a run counts in iterations or in samples, not both)."""
+    for kind in ("decay", "warmup"):
+        _require(
+            not getattr(args, f"lr_{kind}_{other}"),
+            f"--lr-{kind}-{other} goes with --train-{other}; with --train-{unit} use "
+            f"--lr-{kind}-{unit}",
+        )
+
+
 def _validate_schedule(args) -> None:
     """Training length and the learning-rate schedule, in iterations or in samples, as
     Megatron-LM: either way the scheduler counts samples (lr_*_steps below), so a checkpoint
@@ -533,12 +544,7 @@ def _validate_schedule(args) -> None:
     )
     if args.train_iters is not None:
         _require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
-        for flag in ("lr_decay_samples", "lr_warmup_samples"):
-            _require(
-                not getattr(args, flag),
-                f"--{flag.replace('_', '-')} goes with --train-samples; with --train-iters use "
-                f"--{flag.replace('_samples', '_iters').replace('_', '-')}",
-            )
+        _refuse_other_unit(args, unit="iters", other="samples")
         if args.lr_decay_iters is None:
             args.lr_decay_iters = args.train_iters
         _require(
@@ -553,12 +559,7 @@ def _validate_schedule(args) -> None:
         _require(
             args.train_samples > 0, f"--train-samples must be positive, got {args.train_samples}"
         )
-        for flag in ("lr_decay_iters", "lr_warmup_iters"):
-            _require(
-                not getattr(args, flag),
-                f"--{flag.replace('_', '-')} goes with --train-iters; with --train-samples use "
-                f"--{flag.replace('_iters', '_samples').replace('_', '-')}",
-            )
+        _refuse_other_unit(args, unit="samples", other="iters")
         args.train_iters = args.train_samples // gbs
         _require(
             args.train_iters > 0,

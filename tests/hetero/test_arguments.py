@@ -455,6 +455,11 @@ def test_refused_flags_accept_their_supported_values():
         ),
         ("--overlap-grad-reduce --ddp-bucket-size 0", "--ddp-bucket-size must be positive"),
         (
+            "--lr-decay-samples 5",
+            "--lr-decay-samples goes with --train-samples; with --train-iters use --lr-decay-iters",
+        ),
+        ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", "--lr-warmup-fraction and"),
+        (
             "--overlap-param-gather --overlap-grad-reduce",
             "--overlap-param-gather is only supported with --use-distributed-optimizer",
         ),
