@@ -34,6 +34,8 @@ class OptimizerView:
         self.main = {}  # model parameter -> the tensor the optimizer updates
         self.state = {}  # model parameter -> its optimizer state, whole-tensor shaped
         self.sharded = [sub for sub in self.subs if isinstance(sub, DistributedOptimizer)]
+        # id(sub) -> the parameters it updates (looked up once per parameter in scatter)
+        self._held = {id(sub): set(held_params(sub)) for sub in self.sharded}
         self.gathered = not self.sharded
         for sub in self.subs:
             if isinstance(sub, DistributedOptimizer):
@@ -66,7 +68,7 @@ class OptimizerView:
         """Names of `param`'s optimizer state tensors shaped like it (Adam: exp_avg,
         exp_avg_sq), without gathering anything."""
         for sub in self.sharded:
-            if param in _held_set(sub):
+            if param in self._held[id(sub)]:
                 shard = _shard(sub, param)
                 if shard is None:  # this DP rank holds none of it: ask another parameter
                     continue
@@ -91,7 +93,7 @@ class OptimizerView:
 
     def has_master(self, param) -> bool:
         """Whether the optimizer updates an fp32 copy of `param` rather than `param` itself."""
-        if any(param in _held_set(sub) for sub in self.sharded):
+        if any(param in self._held[id(sub)] for sub in self.sharded):
             return param.dtype != torch.float32
         return self.master(param) is not None
 
@@ -100,7 +102,7 @@ class OptimizerView:
         optimizer's range: the tensor holds flattened elements [start, start + numel); (None,
         0) when this DP rank holds none of it; None when the whole tensor is local."""
         for sub in self.sharded:
-            if param in _held_set(sub):
+            if param in self._held[id(sub)]:
                 shard = _shard(sub, param)
                 if shard is None:
                     return None, 0
@@ -149,7 +151,7 @@ class OptimizerView:
         """Write `param`'s whole-tensor fp32 master (None: the parameter is its own master) and
         optimizer state into this DP rank's range of the distributed optimizer holding it."""
         for sub in self.sharded:
-            if param not in _held_set(sub):
+            if param not in self._held[id(sub)]:
                 continue
             shard = _shard(sub, param)
             if shard is None:
@@ -208,10 +210,6 @@ def held_params(sub) -> list:
     same on every DP rank; megatron-core's own maps keep only the parameters a rank holds a
     range of)."""
     return [p for buffer in sub.buffers for p in buffer.params]
-
-
-def _held_set(sub) -> set:
-    return {p for buffer in sub.buffers for p in buffer.params}
 
 
 def _shard(sub, param):
