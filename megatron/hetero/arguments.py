@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hettp.config import ConfigError, HetTPConfig, ModelShape
+from megatron.hetero.batch_schedule import BatchSchedule, Rampup
 
 TOKENIZER_TYPES = (
     "NullTokenizer",
@@ -72,12 +73,6 @@ class RefusedFlag:
 
 
 REFUSED_FLAGS = (
-    RefusedFlag(
-        "--rampup-batch-size",
-        {"nargs": 3, "default": None, "metavar": ("START", "INCREMENT", "SAMPLES")},
-        "batch-size ramp-up is not supported yet (the global batch stays constant)",
-        lambda value: value is not None,
-    ),
     RefusedFlag(
         "--fp8-param-gather",
         {"action": "store_true"},
@@ -219,6 +214,16 @@ def _add_training_args(parser):
         default=None,
         help="Samples to train: --train-samples / --global-batch-size iterations; the learning "
         "rate schedule then counts samples (--lr-decay-samples, --lr-warmup-samples).",
+    )
+    g.add_argument(
+        "--rampup-batch-size",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="Grow the global batch from START by INCREMENT, in equal shares of the first SAMPLES "
+        "samples, up to --global-batch-size (with --train-samples only, as Megatron-LM). Every "
+        "change of the micro-batch count is checkpointed when --save is given.",
     )
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     g.add_argument("--sgd-momentum", type=float, default=0.9)
@@ -545,6 +550,12 @@ def _validate_schedule(args) -> None:
     if args.train_iters is not None:
         _require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
         _refuse_other_unit(args, unit="iters", other="samples")
+        ramp = args.rampup_batch_size
+        _require(
+            ramp is None,
+            f"--rampup-batch-size{''.join(f' {v}' for v in ramp or ())} goes with --train-samples "
+            "(Megatron-LM ramps the batch in sample-based training only)",
+        )
         if args.lr_decay_iters is None:
             args.lr_decay_iters = args.train_iters
         _require(
@@ -560,7 +571,13 @@ def _validate_schedule(args) -> None:
             args.train_samples > 0, f"--train-samples must be positive, got {args.train_samples}"
         )
         _refuse_other_unit(args, unit="samples", other="iters")
-        args.train_iters = args.train_samples // gbs
+        if args.rampup_batch_size is None:
+            args.train_iters = args.train_samples // gbs
+        else:
+            ramp = Rampup(*args.rampup_batch_size)
+            problems = ramp.problems(gbs, args.micro_batch_size * args.data_parallel_size)
+            _require(not problems, "; ".join(problems))
+            args.train_iters = BatchSchedule.from_args(args).iterations(args.train_samples)
         _require(
             args.train_iters > 0,
             f"--train-samples ({args.train_samples}) is less than one --global-batch-size ({gbs})",

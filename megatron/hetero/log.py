@@ -208,6 +208,13 @@ class Logger:
             f"> number of parameters on rank 0: {params}; summed over ranks: "
             f"{totals.item()}; micro-batches per step: {args.num_microbatches}"
         )
+        if args.rampup_batch_size is not None:  # Megatron-LM's line
+            start, increment, samples = args.rampup_batch_size
+            self.info(
+                f"will use batch size rampup starting from global batch size {start} to global "
+                f"batch size {args.global_batch_size} with batch size increments {increment} "
+                f"over {samples} samples; training iterations: {args.train_iters}"
+            )
         if loaded_from:
             self.info(f"> loaded checkpoint from {loaded_from} at iteration {iteration}")
         elif args.load:
@@ -227,15 +234,18 @@ class Logger:
                 args={k: _jsonable(v) for k, v in sorted(vars(args).items())},
             )
 
-    def train_step(self, iteration, consumed, loss, grad_norm, skipped, lr, elapsed) -> None:
+    def train_step(
+        self, iteration, consumed, global_batch_size, loss, grad_norm, skipped, lr, elapsed
+    ) -> None:
         args = self.args
-        tokens_per_s = args.global_batch_size * args.seq_length / max(elapsed, 1e-12)
+        tokens_per_s = global_batch_size * args.seq_length / max(elapsed, 1e-12)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         if self.metrics is not None:
             self.metrics.write(
                 "train",
                 iteration=iteration,
                 consumed_samples=consumed,
+                global_batch_size=global_batch_size,
                 lm_loss=loss,
                 grad_norm=grad_norm,
                 lr=lr,
@@ -250,19 +260,18 @@ class Logger:
             self.writer.add_scalar("iteration-time", elapsed, iteration)
         self._skipped += int(skipped)
         self._nan += int(not math.isfinite(loss))
-        self._window.append((loss, grad_norm, elapsed))
+        self._window.append((loss, grad_norm, elapsed, global_batch_size))
         if iteration % args.log_interval and iteration != args.train_iters:
             return
         n = len(self._window)
         mean_loss = sum(w[0] for w in self._window) / n
         mean_ms = 1000.0 * sum(w[2] for w in self._window) / n
-        tokens = args.global_batch_size * args.seq_length
+        samples = sum(w[3] for w in self._window) / n  # per step (the batch may ramp up)
+        tokens = samples * args.seq_length
         throughput = ""
         if self._flops_per_sample is not None:  # Megatron-LM's field: model TFLOP/s per GPU
             per_device = (
-                (self._flops_per_sample * args.global_batch_size / (mean_ms / 1e3))
-                / args.world_size
-                / 1e12
+                (self._flops_per_sample * samples / (mean_ms / 1e3)) / args.world_size / 1e12
             )
             shown = f"{per_device:.1f}" if per_device >= 1 else f"{per_device:.4f}"  # CPU ranks
             throughput = f" throughput per GPU (TFLOP/s/GPU): {shown} |"
@@ -273,7 +282,7 @@ class Logger:
             f"{throughput}"
             f" tokens per second: {tokens * 1000.0 / mean_ms:.1f} |"
             f" learning rate: {lr:.6E} |"
-            f" global batch size: {args.global_batch_size:5d} |"
+            f" global batch size: {global_batch_size:5d} |"
             f" lm loss: {mean_loss:.6E} |"
             f" grad norm: {grad_norm:.3f} |"
             f" number of skipped iterations: {self._skipped:3d} |"

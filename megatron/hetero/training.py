@@ -28,6 +28,7 @@ from megatron.core.transformer.module import Float16Module
 from hettp.metrics import MetricsWriter
 
 from . import checkpointing, child_processes, cpu_compat
+from .batch_schedule import BatchSchedule, StepBatch
 from .data import build_datasets, build_loader, get_batch, tokenizer_from_args
 from .ddp import HetDDP, gathered_params
 from .log import Logger
@@ -222,13 +223,13 @@ def token_mean_loss(losses_reduced) -> float:
     return _token_mean(_add_reports(torch.zeros(2, dtype=torch.float64), losses_reduced))
 
 
-def _schedule(args, model, data_iterator, forward_only: bool):
+def _schedule(args, model, data_iterator, forward_only: bool, num_microbatches: int):
     """One global batch through megatron-core's forward-backward schedule: its loss reports."""
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterator,
         model=[model],
-        num_microbatches=args.num_microbatches,
+        num_microbatches=num_microbatches,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         forward_only=forward_only,
@@ -241,11 +242,20 @@ def _empty_cache(args, level: int) -> None:
         torch.cuda.empty_cache()
 
 
-def train_step(args, state: TrainState, data_iterator, runtime=None):
+def full_batch(args) -> StepBatch:
+    """The step batch of a run without ramp-up (and of every evaluation, as Megatron-LM)."""
+    return StepBatch(args.global_batch_size, args.num_microbatches)
+
+
+def train_step(args, state: TrainState, data_iterator, runtime=None, batch: StepBatch = None):
+    """One optimizer step on `batch` (default: the full global batch)."""
+    batch = batch or full_batch(args)
     model, optimizer = state.model, state.optimizer
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    losses_reduced = _schedule(args, model, data_iterator, forward_only=False)
+    losses_reduced = _schedule(
+        args, model, data_iterator, forward_only=False, num_microbatches=batch.num_microbatches
+    )
     _empty_cache(args, 1)
     if runtime is not None:
         runtime.before_optimizer_step()
@@ -254,7 +264,7 @@ def train_step(args, state: TrainState, data_iterator, runtime=None):
         runtime.after_optimizer_step()
     _empty_cache(args, 2)
     if update_successful:
-        state.scheduler.step(increment=args.global_batch_size)
+        state.scheduler.step(increment=batch.global_batch_size)
     return token_mean_loss(losses_reduced), grad_norm, not update_successful
 
 
@@ -275,7 +285,14 @@ def evaluate(args, model, valid_dataset) -> float:
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            _add_reports(total, _schedule(args, model, data_iterator, forward_only=True))
+            reports = _schedule(
+                args,
+                model,
+                data_iterator,
+                forward_only=True,
+                num_microbatches=args.num_microbatches,
+            )
+            _add_reports(total, reports)
     model.train()
     return _token_mean(total)
 
@@ -387,6 +404,8 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
 
     losses, eval_losses = {}, {}
     saved_at = None
+    batches = BatchSchedule.from_args(args)
+    batch = batches.at(consumed)
     state.model.train()
     watch = ExitWatch(args.exit_signal_handler, args.exit_duration_in_mins, comm_device())
     watch.install()
@@ -396,21 +415,32 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
         gc.collect()
     try:
         while iteration < args.train_iters:
+            previous, batch = batch, batches.at(consumed)
+            if batch != previous:
+                logger.info(
+                    f"ramping up batch size from {previous.global_batch_size} to "
+                    f"{batch.global_batch_size}"
+                )
+                # Megatron-LM checkpoints every change of the micro-batch count
+                if args.save and saved_at != iteration:
+                    saved_at = save(iteration)
             lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
             if runtime is not None:
                 runtime.begin_step(iteration + 1)
             profiler.before_step(iteration + 1)
             start = time.perf_counter()
-            loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime)
+            loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime, batch)
             elapsed = time.perf_counter() - start
             iteration += 1
             profiler.after_step(iteration)
             if args.manual_gc and args.manual_gc_interval:
                 if iteration % args.manual_gc_interval == 0:
                     gc.collect()
-            consumed += args.global_batch_size
+            consumed += batch.global_batch_size
             losses[iteration] = loss
-            logger.train_step(iteration, consumed, loss, grad_norm, skipped, lr, elapsed)
+            logger.train_step(
+                iteration, consumed, batch.global_batch_size, loss, grad_norm, skipped, lr, elapsed
+            )
             if args.check_for_nan_in_loss_and_grad:
                 check_finite(iteration, loss, grad_norm)  # before any decision or save
             # The step boundary: decisions first, so that a checkpoint taken here holds them

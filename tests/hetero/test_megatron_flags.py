@@ -6,6 +6,7 @@ the rest map to."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -47,6 +48,28 @@ def test_a_sample_based_schedule_is_the_iteration_based_one_and_resumes_exactly(
     # 80 samples = 10 x 8 with the same learning rates, across a checkpoint
     assert {**first["losses"], **resumed["losses"]} == by_iters["losses"]
     assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
+
+
+def test_a_ramped_up_batch_resumes_mid_ramp_on_the_same_losses(tmp_path):
+    """--rampup-batch-size 2 2 24 to a global batch of 8 (micro-batch 2): Megatron-LM's batch
+    sizes, a checkpoint at each change of the micro-batch count, and a resume mid-ramp."""
+    ramp = (
+        "--train-samples 60 --rampup-batch-size 2 2 24 --lr-warmup-samples 8 "
+        "--lr-decay-style cosine --het-tp"
+    )
+    whole = run_ranks(train, 2, _argv(ramp, iters=""))[0]
+    first = run_ranks(train, 2, _argv(ramp + f" --save {tmp_path} --exit-interval 5", iters=""))[0]
+    resumed = run_ranks(train, 2, _argv(ramp + f" --load {tmp_path}", iters=""))[0]
+    sizes = [int(s) for s in re.findall(r"global batch size:\s+(\d+)", whole["stdout"])]
+    assert sizes == [2, 2, 2, 2, 4, 4, 6, 6, 8, 8, 8, 8]
+    assert "ramping up batch size from 2 to 4" in whole["stdout"]
+    # the micro-batch count changes before step 5: checkpointed at 4; the exit at 5
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("iter_")) == [
+        "iter_0000004",
+        "iter_0000005",
+    ]
+    assert sorted(resumed["losses"]) == list(range(6, 13))
+    assert {**first["losses"], **resumed["losses"]} == whole["losses"]
 
 
 def test_per_token_loss_implicit_masks_gc_and_throughput_leave_the_losses(tmp_path):
