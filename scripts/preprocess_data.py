@@ -14,9 +14,12 @@ which ships with every Python:
 
   python scripts/preprocess_data.py --stdlib --output-prefix data/stdlib --max-bytes 8000000
 
-With a trained tokenizer (byte-level BPE, GPT-2's kind, on the same inputs), written to
---train-bpe-dir as vocab.json + merges.txt (--tokenizer-type GPT2BPETokenizer --vocab-file
---merge-file) and tokenizer.json (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR):
+With a tokenizer trained on the same inputs first (--train-bpe VOCAB_SIZE --train-bpe-dir DIR):
+a byte-level BPE (GPT-2's kind) written as vocab.json + merges.txt (--tokenizer-type
+GPT2BPETokenizer, the default here, --vocab-file --merge-file), tokenizer.json
+(HuggingFaceTokenizer --tokenizer-model DIR) and tiktoken.json (TikTokenizer --tokenizer-model
+DIR/tiktoken.json); or with --tokenizer-type SentencePieceTokenizer, a SentencePiece BPE model
+(DIR/sentencepiece.model). The data is tokenized with the --tokenizer-type one:
 
   python scripts/preprocess_data.py --stdlib --output-prefix data/stdlib-bpe \
       --max-bytes 8000000 --train-bpe 4096 --train-bpe-dir data/bpe --append-eod
@@ -39,8 +42,10 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder 
 from megatron.hetero.arguments import TOKENIZER_TYPES  # noqa: E402
 from megatron.hetero.data import build_tokenizer  # noqa: E402
 from megatron.hetero.text_tokenizers import (  # noqa: E402
+    SENTENCEPIECE_TYPES,
     TokenizerFileError,
     train_byte_level_bpe,
+    train_sentencepiece,
 )
 
 
@@ -57,7 +62,12 @@ def parse_args(argv=None):
     p.add_argument("--glob", default="*", help="file pattern inside input folders (default: *)")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--output-prefix", required=True)
-    p.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=TOKENIZER_TYPES)
+    p.add_argument(
+        "--tokenizer-type",
+        default=None,
+        choices=TOKENIZER_TYPES,
+        help="default: ByteLevelTokenizer, or GPT2BPETokenizer with --train-bpe",
+    )
     p.add_argument(
         "--vocab-size",
         type=int,
@@ -67,15 +77,22 @@ def parse_args(argv=None):
     p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
     p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
     p.add_argument(
-        "--tokenizer-model", default=None, help="HuggingFaceTokenizer: folder with tokenizer.json"
+        "--tokenizer-model",
+        default=None,
+        help="HuggingFaceTokenizer: folder with tokenizer.json; SentencePiece: a .model file; "
+        "TikTokenizer: a .json vocabulary",
     )
+    p.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
+    p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    p.add_argument("--tokenizer-special-tokens", nargs="+", default=None)
     p.add_argument(
         "--train-bpe",
         type=int,
         default=None,
         metavar="VOCAB_SIZE",
-        help="first train a byte-level BPE of this vocabulary size on the inputs (within "
-        "--max-bytes) into --train-bpe-dir, then tokenize with it (GPT2BPETokenizer)",
+        help="first train a tokenizer of this vocabulary size on the inputs (within "
+        "--max-bytes) into --train-bpe-dir, then tokenize with it: a byte-level BPE, or a "
+        "SentencePiece BPE with --tokenizer-type SentencePieceTokenizer",
     )
     p.add_argument("--train-bpe-dir", default=None)
     p.add_argument("--append-eod", action="store_true", help="end every document with EOD")
@@ -88,12 +105,17 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.input and not args.stdlib:
         p.error("give --input and/or --stdlib")
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "ByteLevelTokenizer" if args.train_bpe is None else "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         p.error("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.train_bpe is not None:
         if args.train_bpe < 257 or not args.train_bpe_dir:
             p.error("--train-bpe needs a vocabulary size above 256 and --train-bpe-dir")
-        args.tokenizer_type = "GPT2BPETokenizer"
+        if args.tokenizer_type in ("NullTokenizer", "ByteLevelTokenizer"):
+            p.error(
+                f"--train-bpe trains a tokenizer; --tokenizer-type {args.tokenizer_type} has none"
+            )
     if args.max_bytes is not None and args.max_bytes <= 0:
         p.error(f"--max-bytes must be positive, got {args.max_bytes}")
     for path in args.input:
@@ -155,13 +177,42 @@ def bounded_documents(args):
         yield key, text
 
 
+def train(args) -> None:
+    """--train-bpe: train the tokenizer --tokenizer-type reads, and point the flags at it."""
+    texts = (text for _, text in bounded_documents(args))
+    if args.tokenizer_type in SENTENCEPIECE_TYPES:
+        args.tokenizer_model = train_sentencepiece(texts, args.train_bpe, args.train_bpe_dir)
+        print(f"trained a SentencePiece BPE of {args.train_bpe} entries: {args.tokenizer_model}")
+        return
+    files = train_byte_level_bpe(texts, args.train_bpe, args.train_bpe_dir)
+    args.vocab_file, args.merge_file = files["vocab_file"], files["merge_file"]
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        args.tokenizer_model = files["tokenizer_model"]
+    elif args.tokenizer_type == "TikTokenizer":
+        args.tokenizer_model = files["tiktoken_file"]
+        with open(args.tokenizer_model) as f:
+            entries = len(json.load(f))
+        if args.vocab_size is None:  # all of it, after the special ids
+            args.vocab_size = args.tiktoken_num_special_tokens + entries
+    print(f"trained a byte-level BPE of {args.train_bpe} entries: {args.train_bpe_dir}")
+
+
+def _tokenizer_flags(args, vocab_size: int) -> str:
+    """The flags that make pretrain_gpt.py read the trained tokenizer."""
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        return f"--vocab-file {args.vocab_file} --merge-file {args.merge_file}"
+    flags = f"--tokenizer-model {args.tokenizer_model}"
+    if args.tokenizer_type == "TikTokenizer":
+        flags += f" --vocab-size {vocab_size}"
+        if args.tiktoken_num_special_tokens != 1000:
+            flags += f" --tiktoken-num-special-tokens {args.tiktoken_num_special_tokens}"
+    return flags
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.train_bpe is not None:
-        texts = (text for _, text in bounded_documents(args))
-        files = train_byte_level_bpe(texts, args.train_bpe, args.train_bpe_dir)
-        args.vocab_file, args.merge_file = files["vocab_file"], files["merge_file"]
-        print(f"trained a byte-level BPE of {args.train_bpe} entries: {args.train_bpe_dir}")
+        train(args)
     try:
         tokenizer = build_tokenizer(
             args.tokenizer_type,
@@ -169,9 +220,17 @@ def main(argv=None):
             args.vocab_file,
             args.merge_file,
             args.tokenizer_model,
+            args.tiktoken_pattern,
+            args.tiktoken_num_special_tokens,
+            args.tokenizer_special_tokens,
         )
     except TokenizerFileError as err:
         raise SystemExit(f"preprocess_data.py: error: {err}") from None
+    if args.train_bpe is not None:
+        print(
+            f"pretrain_gpt.py: --tokenizer-type {args.tokenizer_type} "
+            + _tokenizer_flags(args, tokenizer.vocab_size)
+        )
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     builders, counts = {}, {}

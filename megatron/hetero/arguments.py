@@ -26,7 +26,13 @@ TOKENIZER_TYPES = (
     "ByteLevelTokenizer",
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
 )
+# the ones whose --tokenizer-model is one file (SentencePiece's .model, tiktoken's .json)
+_MODEL_FILE_TOKENIZERS = TOKENIZER_TYPES[4:]
 BYTE_LEVEL_VOCAB_SIZE = 256  # byte values; byte 0 (NUL) doubles as end-of-document
 
 
@@ -435,12 +441,28 @@ def _add_data_args(parser):
     g.add_argument(
         "--tokenizer-model",
         default=None,
-        help="HuggingFaceTokenizer: a local folder holding tokenizer.json.",
+        help="HuggingFaceTokenizer: a local folder holding tokenizer.json; SentencePieceTokenizer "
+        "(GPTSentencePieceTokenizer, Llama2Tokenizer): a .model file; TikTokenizer: a tiktoken "
+        "vocabulary in Megatron's JSON format.",
     )
     g.add_argument(
         "--tiktoken-pattern",
         default=None,
-        help="TikTokenizer's split pattern (v1 or v2); read only by that tokenizer.",
+        choices=["v1", "v2"],
+        help="TikTokenizer's split pattern (default v2, megatron-core's).",
+    )
+    g.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        help="TikTokenizer: ids reserved for special tokens, before the vocabulary's.",
+    )
+    g.add_argument(
+        "--tokenizer-special-tokens",
+        nargs="+",
+        default=None,
+        help="Special tokens of SentencePiece and TikTokenizer vocabularies (TikTokenizer's must "
+        "include <unk> <s> </s> <mask> <pad> <cls> <sep>).",
     )
     g.add_argument(
         "--no-mmap-bin-files",
@@ -865,8 +887,8 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         _require(
             not (args.vocab_file or args.merge_file or args.tokenizer_model),
             "--vocab-file/--merge-file/--tokenizer-model given without --tokenizer-type: add "
-            "--tokenizer-type GPT2BPETokenizer (vocab and merges) or HuggingFaceTokenizer (a "
-            "folder)",
+            "--tokenizer-type GPT2BPETokenizer (vocab and merges), HuggingFaceTokenizer (a "
+            "folder), SentencePieceTokenizer (a .model) or TikTokenizer (a .json)",
         )
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
     if args.tokenizer_type == "GPT2BPETokenizer":
@@ -885,23 +907,41 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a local folder with "
             f"tokenizer.json, got {args.tokenizer_model}",
         )
-    if args.tokenizer_type in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):
-        if args.vocab_size is not None:  # Megatron-LM's scripts pass it; the files decide
-            warnings.warn(
-                f"--vocab-size is ignored with --tokenizer-type {args.tokenizer_type} (its "
-                "files define the vocabulary)",
-                stacklevel=2,
-            )
-    elif args.tokenizer_type == "NullTokenizer":
+    elif args.tokenizer_type in _MODEL_FILE_TOKENIZERS:
+        from .text_tokenizers import TokenizerFileError, tiktoken_vocab_size
+
+        _require(
+            args.tokenizer_model is not None and os.path.isfile(args.tokenizer_model),
+            f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model: a file, got "
+            f"{args.tokenizer_model}",
+        )
+        if args.tokenizer_type == "TikTokenizer":
+            try:
+                tiktoken_vocab_size(
+                    args.tokenizer_model,
+                    args.vocab_size,
+                    args.tiktoken_num_special_tokens,
+                    args.tokenizer_special_tokens,
+                )
+            except TokenizerFileError as err:
+                raise ArgumentError(str(err)) from None
+    if args.tokenizer_type == "NullTokenizer":
         _require(
             args.vocab_size is not None and args.vocab_size > 0,
             "--tokenizer-type NullTokenizer needs a positive --vocab-size",
         )
-    elif args.vocab_size is not None:
+    elif args.tokenizer_type == "ByteLevelTokenizer":
         _require(
-            args.vocab_size == BYTE_LEVEL_VOCAB_SIZE,
+            args.vocab_size in (None, BYTE_LEVEL_VOCAB_SIZE),
             f"--vocab-size {args.vocab_size} contradicts --tokenizer-type ByteLevelTokenizer "
             f"(its vocabulary has {BYTE_LEVEL_VOCAB_SIZE} entries; omit --vocab-size)",
+        )
+    elif args.tokenizer_type != "TikTokenizer" and args.vocab_size is not None:
+        # Megatron-LM's scripts pass it; the files decide (TikTokenizer's is checked above)
+        warnings.warn(
+            f"--vocab-size is ignored with --tokenizer-type {args.tokenizer_type} (its "
+            "files define the vocabulary)",
+            stacklevel=2,
         )
     if args.data_path:
         from .dataset_files import DatasetFileError, check_indexed_dataset

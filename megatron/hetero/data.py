@@ -28,18 +28,33 @@ def build_tokenizer(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     tokenizer_model: str | None = None,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = 1000,
+    special_tokens: list[str] | None = None,
 ):
     """Offline tokenizers, by Megatron-LM's --tokenizer-type.
 
     NullTokenizer: ids are given (mock data, pre-tokenized text); vocab_size + 1 entries, the
     last one is end-of-document. ByteLevelTokenizer: UTF-8 bytes, 256 entries, byte 0 is
-    end-of-document (both megatron-core's). GPT2BPETokenizer (vocab_file, merge_file) and
-    HuggingFaceTokenizer (tokenizer_model: a local folder): text_tokenizers.
+    end-of-document (both megatron-core's). GPT2BPETokenizer (vocab_file, merge_file),
+    HuggingFaceTokenizer (tokenizer_model: a local folder), the SentencePiece ones
+    (tokenizer_model: a .model file) and TikTokenizer (tokenizer_model: a .json vocabulary):
+    text_tokenizers.
     """
     if tokenizer_type == "GPT2BPETokenizer":
         return text_tokenizers.gpt2_bpe(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
         return text_tokenizers.huggingface(tokenizer_model)
+    if tokenizer_type in text_tokenizers.SENTENCEPIECE_TYPES:
+        return text_tokenizers.sentencepiece(tokenizer_type, tokenizer_model, special_tokens)
+    if tokenizer_type == "TikTokenizer":
+        return text_tokenizers.tiktoken(
+            tokenizer_model,
+            tiktoken_pattern,
+            vocab_size,
+            tiktoken_num_special_tokens,
+            special_tokens,
+        )
     library = _TOKENIZER_LIBRARY[tokenizer_type]
     if tokenizer_type == "ByteLevelTokenizer":
         vocab_size = BYTE_LEVEL_VOCAB_SIZE
@@ -51,7 +66,14 @@ def build_tokenizer(
 def tokenizer_from_args(args):
     """The tokenizer pretrain_gpt.py's flags name."""
     return build_tokenizer(
-        args.tokenizer_type, args.vocab_size, args.vocab_file, args.merge_file, args.tokenizer_model
+        args.tokenizer_type,
+        args.vocab_size,
+        args.vocab_file,
+        args.merge_file,
+        args.tokenizer_model,
+        args.tiktoken_pattern,
+        args.tiktoken_num_special_tokens,
+        args.tokenizer_special_tokens,
     )
 
 

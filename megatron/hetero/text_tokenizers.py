@@ -1,16 +1,20 @@
-"""Megatron-LM's file-based tokenizers, offline, on Hugging Face's `tokenizers` library.
+"""Megatron-LM's file-based tokenizers, offline.
 
 megatron-core's own GPT2BPETokenizer and HuggingFaceTokenizer go through `transformers`
 (AutoTokenizer), a large dependency that reaches for the hub; the Rust `tokenizers` library
 reads the same files (GPT-2's vocab.json + merges.txt, a folder's tokenizer.json) with nothing
 else. `FileTokenizer` has the interface megatron-core's datasets use: vocab_size, eod, pad,
-tokenize, detokenize.
+tokenize, detokenize. SentencePieceTokenizer and TikTokenizer are megatron-core's own (what
+Megatron-LM builds for them unless --legacy-tokenizer): they read local files only; this module
+checks those files and flags first, so a mistake is named instead of failing an assert.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import types
 from collections import OrderedDict
 
 GPT2_EOD = "<|endoftext|>"
@@ -103,9 +107,10 @@ def _configured_eos(folder: str) -> str | None:
 
 
 def train_byte_level_bpe(texts, vocab_size: int, output_dir: str) -> dict:
-    """Train a byte-level BPE (GPT-2's kind) on `texts` and write vocab.json, merges.txt and
-    tokenizer.json into `output_dir`: what GPT2BPETokenizer (--vocab-file, --merge-file) and
-    HuggingFaceTokenizer (--tokenizer-model output_dir) read. Returns the paths."""
+    """Train a byte-level BPE (GPT-2's kind) on `texts` and write vocab.json, merges.txt,
+    tokenizer.json and tiktoken.json into `output_dir`: what GPT2BPETokenizer (--vocab-file,
+    --merge-file), HuggingFaceTokenizer (--tokenizer-model output_dir) and TikTokenizer
+    (--tokenizer-model output_dir/tiktoken.json) read. Returns the paths."""
     from tokenizers import ByteLevelBPETokenizer
 
     os.makedirs(output_dir, exist_ok=True)
@@ -117,4 +122,168 @@ def train_byte_level_bpe(texts, vocab_size: int, output_dir: str) -> dict:
     tokenizer.save(os.path.join(output_dir, "tokenizer.json"))
     with open(os.path.join(output_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": GPT2_EOD}, f)
-    return {"vocab_file": vocab, "merge_file": merges, "tokenizer_model": output_dir}
+    tiktoken_file = write_tiktoken_vocab(merges, os.path.join(output_dir, "tiktoken.json"))
+    return {
+        "vocab_file": vocab,
+        "merge_file": merges,
+        "tokenizer_model": output_dir,
+        "tiktoken_file": tiktoken_file,
+    }
+
+
+# Megatron-LM's names that megatron-core reads with the sentencepiece library
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# megatron-core's TikTokenizer: the special tokens every vocabulary must list, and the default size
+TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
+TIKTOKEN_DEFAULT_VOCAB_SIZE = 2**17
+
+
+def _megatron_core_tokenizer(**flags):
+    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+
+    defaults = dict(
+        tokenizer_special_tokens=None,
+        tokenizer_metadata=None,
+        tokenizer_sentencepiece_legacy=False,
+        tiktoken_pattern=None,
+        tiktoken_num_special_tokens=1000,
+        vocab_size=None,
+    )
+    return build_tokenizer(types.SimpleNamespace(**{**defaults, **flags}))
+
+
+def sentencepiece(tokenizer_type: str, model: str, special_tokens=None):
+    """SentencePieceTokenizer (and Megatron-LM's other names for it): a .model file."""
+    if not model or not os.path.isfile(model):
+        raise TokenizerFileError(
+            f"--tokenizer-type {tokenizer_type} needs --tokenizer-model: a SentencePiece .model "
+            f"file, got {model!r}"
+        )
+    try:
+        return _megatron_core_tokenizer(
+            tokenizer_type=tokenizer_type,
+            tokenizer_model=model,
+            tokenizer_special_tokens=special_tokens,
+        )
+    except (RuntimeError, OSError) as err:  # sentencepiece's parse error
+        raise TokenizerFileError(f"--tokenizer-model {model}: {err}") from None
+
+
+def tiktoken_vocab_size(
+    path: str, vocab_size: int | None, num_special_tokens: int, special_tokens=None
+) -> int:
+    """The vocabulary size TikTokenizer will have, after checking the file and flags the way
+    megatron-core's asserts would, but naming them: special ids come first
+    (--tiktoken-num-special-tokens), then the file's first vocab_size - that many entries."""
+    if not path or not path.endswith(".json") or not os.path.isfile(path):
+        raise TokenizerFileError(
+            "--tokenizer-type TikTokenizer needs --tokenizer-model: a tiktoken vocabulary "
+            f"(.json, Megatron's format), got {path!r}"
+        )
+    special = list(special_tokens or TIKTOKEN_SPECIAL_TOKENS)
+    missing = [t for t in TIKTOKEN_SPECIAL_TOKENS if t not in special]
+    if missing or len(set(special)) != len(special):
+        raise TokenizerFileError(
+            "--tokenizer-special-tokens must be distinct and include "
+            f"{' '.join(TIKTOKEN_SPECIAL_TOKENS)} (TikTokenizer), missing {' '.join(missing)}"
+        )
+    size = vocab_size or TIKTOKEN_DEFAULT_VOCAB_SIZE
+    if not len(special) <= num_special_tokens < size:
+        raise TokenizerFileError(
+            f"--tiktoken-num-special-tokens ({num_special_tokens}) must be at least the "
+            f"{len(special)} special tokens and below --vocab-size ({size})"
+        )
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+        for rank, entry in enumerate(entries):
+            token = base64.b64decode(entry["token_bytes"])
+            if entry["rank"] != rank or (rank < 256 and token != bytes([rank])):
+                raise ValueError(f"entry {rank} is out of order")
+    except (ValueError, KeyError, TypeError) as err:
+        raise TokenizerFileError(
+            f"--tokenizer-model {path}: not a tiktoken vocabulary (a list of "
+            f"{{rank, token_bytes, token_str}}, the 256 single bytes first): {err}"
+        ) from None
+    if size - num_special_tokens > len(entries):
+        raise TokenizerFileError(
+            f"--vocab-size {size}: TikTokenizer takes --tiktoken-num-special-tokens "
+            f"({num_special_tokens}) plus at most the {len(entries)} entries of {path}: "
+            f"pass --vocab-size {num_special_tokens + len(entries)} or less"
+        )
+    return size
+
+
+def tiktoken(
+    path: str,
+    pattern: str | None,
+    vocab_size: int | None,
+    num_special_tokens: int,
+    special_tokens=None,
+):
+    """TikTokenizer: a tiktoken vocabulary in Megatron's JSON format."""
+    size = tiktoken_vocab_size(path, vocab_size, num_special_tokens, special_tokens)
+    return _megatron_core_tokenizer(
+        tokenizer_type="TikTokenizer",
+        tokenizer_model=path,
+        tiktoken_pattern=pattern,
+        vocab_size=size,
+        tiktoken_num_special_tokens=num_special_tokens,
+        tokenizer_special_tokens=special_tokens,
+    )
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each byte as the printable character vocab.json spells it
+    with (printable Latin-1 bytes stand for themselves, the rest are shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    shifted = iter(range(256, 512))
+    return {chr(b if b in printable else next(shifted)): b for b in range(256)}
+
+
+def write_tiktoken_vocab(merge_file: str, path: str) -> str:
+    """The byte-level BPE of `merge_file` as a tiktoken vocabulary in Megatron's format: the 256
+    bytes, then each merge's token in merge order (tiktoken merges by the rank of the result)."""
+    alphabet = _gpt2_byte_alphabet()
+    ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
+    with open(merge_file, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#version") or not line.strip():
+                continue
+            left, right = line.rstrip("\n").split(" ")
+            token = bytes(alphabet[c] for c in left + right)
+            ranks.setdefault(token, len(ranks))
+    entries = [
+        {
+            "rank": rank,
+            "token_bytes": base64.b64encode(token).decode("ascii"),
+            "token_str": token.decode("utf-8", errors="replace"),
+        }
+        for token, rank in ranks.items()
+    ]
+    with open(path, "w") as f:
+        json.dump(entries, f)
+    return path
+
+
+def train_sentencepiece(texts, vocab_size: int, output_dir: str) -> str:
+    """Train a SentencePiece BPE model on `texts` (line by line; whitespace kept, so code reads
+    back as written) and write sentencepiece.model into `output_dir`. Returns its path."""
+    import sentencepiece as spm
+
+    os.makedirs(output_dir, exist_ok=True)
+    prefix = os.path.join(output_dir, "sentencepiece")
+    lines = (line for text in texts for line in text.splitlines() if line.strip())
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines,
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    return prefix + ".model"
