@@ -67,6 +67,11 @@ OWN_FLAGS = (
     "--save",
     "--load",
     "--het-tp-emulate-dilation",
+    # compare.py's runs count iterations (--iters): no sample-based length, schedule or ramp
+    "--train-samples",
+    "--lr-decay-samples",
+    "--lr-warmup-samples",
+    "--rampup-batch-size",
 )
 
 

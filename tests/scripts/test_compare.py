@@ -120,6 +120,7 @@ def test_report_only_rebuilds_the_same_table(quick):
             "real-contention scenarios need --dilation 1",
         ),
         (["--", "--het-tp-emulate-dilation", "2"], "may not set --het-tp-emulate-dilation"),
+        (["--", "--rampup-batch-size", "2", "2", "8"], "may not set --rampup-batch-size"),
     ],
 )
 def test_bad_arguments_name_the_flag(argv, message, tmp_path):
