@@ -560,6 +560,29 @@ def _refuse_other_unit(args, unit: str, other: str) -> None:
         )
 
 
+def _check_split_sizes(args, weights: list[float], sequences: dict[str, int]) -> None:
+    """Every split that will be sampled holds at least one sequence of every dataset.
+
+    megatron-core's builder cuts each dataset's sequences at the rounded --split bounds; a split
+    left empty that is still asked for samples makes its epoch count loop forever (0 tokens per
+    epoch never reach the samples asked), so it is refused here, naming the split."""
+    weights = weights + [0.0] * (3 - len(weights))
+    total = sum(weights)
+    bounds = [sum(weights[:i]) / total for i in range(4)]
+    sampled = (True, args.eval_iters > 0, args.eval_iters > 0)  # train, validation, test
+    for i, name in enumerate(("training", "validation", "test")):
+        if weights[i] == 0 or not sampled[i]:
+            continue  # not built
+        for prefix, count in sequences.items():
+            first, last = round(bounds[i] * count), round(bounds[i + 1] * count)
+            _require(
+                last > first,
+                f"--split '{args.split}': the {name} split of {prefix} gets none of its {count} "
+                f"sequences (each split needs at least one; give it a larger weight, more data"
+                + (", or --eval-iters 0)" if i else ")"),
+            )
+
+
 def _validate_schedule(args) -> None:
     """Training length and the learning-rate schedule, in iterations or in samples, as
     Megatron-LM: either way the scheduler counts samples (lr_*_steps below), so a checkpoint
@@ -946,6 +969,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     if args.data_path:
         from .dataset_files import DatasetFileError, check_indexed_dataset
 
+        sequences = {}
         for prefix in parse_data_path(args.data_path)[0]:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             _require(
@@ -954,7 +978,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
                 "(build one with scripts/preprocess_data.py)",
             )
             try:
-                check_indexed_dataset(prefix)
+                sequences[prefix] = check_indexed_dataset(prefix)
             except DatasetFileError as err:
                 raise ArgumentError(f"--data-path {prefix}: {err}") from None
         split = [s for s in args.split.replace(" ", "").replace("/", ",").split(",") if s]
@@ -964,6 +988,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             and sum(map(float, split)) > 0,
             f"--split '{args.split}' must be up to three non-negative weights, e.g. 969,30,1",
         )
+        _check_split_sizes(args, [float(s) for s in split], sequences)
 
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError(

@@ -19,8 +19,9 @@ class DatasetFileError(ValueError):
     """An indexed dataset file is damaged; the message names it."""
 
 
-def check_indexed_dataset(prefix: str) -> None:
-    """Raise DatasetFileError naming the file if `prefix`.idx/.bin cannot be a valid pair."""
+def check_indexed_dataset(prefix: str) -> int:
+    """Raise DatasetFileError naming the file if `prefix`.idx/.bin cannot be a valid pair;
+    otherwise return its number of sequences (what megatron-core's --split divides)."""
     from megatron.core.datasets.indexed_dataset import DType
 
     idx, bin_ = prefix + ".idx", prefix + ".bin"
@@ -48,7 +49,7 @@ def check_indexed_dataset(prefix: str) -> None:
                 f"needs {expected}",
             )
         if documents == 0 or sequences == 0:
-            return
+            return sequences
         f.seek(_PREAMBLE + 4 * (sequences - 1))
         (last_length,) = struct.unpack("<i", f.read(4))
         f.seek(_PREAMBLE + 4 * sequences + 8 * (sequences - 1))
@@ -61,3 +62,4 @@ def check_indexed_dataset(prefix: str) -> None:
     have = os.path.getsize(bin_)
     if have < needed:
         raise bad(bin_, f"{have} bytes, but {idx} indexes {needed}")
+    return sequences

@@ -119,7 +119,7 @@ def test_data_flags_reach_dataset_config(tmp_path):
     prefixes = []
     for name in ("a", "b"):  # validation reads the index headers: real (tiny) datasets
         (tmp_path / name).mkdir()
-        prefixes.append(make_corpus(tmp_path / name))
+        prefixes.append(make_corpus(tmp_path / name, documents=10))
     args = _args(f"--eod-mask-loss --data-cache-path {tmp_path} --seed 7")
     cfg = dataset_config(args, build_tokenizer(args.tokenizer_type, args.vocab_size))
     assert cfg.eod_mask_loss and cfg.path_to_cache == str(tmp_path) and cfg.random_seed == 7

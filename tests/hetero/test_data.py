@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron.hetero.data import PretrainingSampler, build_tokenizer
-from tests.utils import ROOT, damage, make_corpus
+from tests.utils import BASE, ROOT, damage, make_corpus
 
 
 def test_dp_ranks_split_each_global_batch_like_megatron():
@@ -139,3 +139,27 @@ def test_a_damaged_dataset_file_is_named_before_training(tmp_path, ext, how, mes
         check_indexed_dataset(prefix)
     assert str(err.value).startswith(prefix + ext + " is corrupt"), err.value
     assert message in str(err.value)
+
+
+def test_a_split_left_without_sequences_is_refused_naming_it(tmp_path):
+    """megatron-core would loop forever building it (0 tokens per epoch never reach the
+    samples asked); 4 sequences at 969,30,1 leave validation and test none."""
+    from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
+
+    prefix = make_corpus(tmp_path)
+    base = BASE.replace("--mock-data --vocab-size 255", f"--data-path {prefix}")
+
+    def check(extra):
+        args = build_parser().parse_args((base + " " + extra).split())
+        validate_args(args, 1, cuda_available=False)
+
+    with pytest.raises(ArgumentError) as err:
+        check("--eval-iters 1")
+    assert str(err.value) == (
+        f"--split '969, 30, 1': the validation split of {prefix} gets none of its 4 sequences "
+        "(each split needs at least one; give it a larger weight, more data, or --eval-iters 0)"
+    )
+    check("--eval-iters 0")  # validation and test are not built
+    check("--eval-iters 1 --split 50,25,25")  # 2, 1 and 1 sequences
+    with pytest.raises(ArgumentError, match="the training split of .* gets none of its 4"):
+        check("--eval-iters 0 --split 1,99,0")

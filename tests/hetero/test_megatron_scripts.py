@@ -79,7 +79,7 @@ def paths(tmp_path_factory):
 
     files = train_byte_level_bpe(["def f(x):\n    return x\n" * 50] * 4, 300, str(tokenizer))
     return {
-        "data": make_corpus(folder),
+        "data": make_corpus(folder, documents=1000),  # 949,50,1 leaves every split a sequence
         "vocab": files["vocab_file"],
         "merges": files["merge_file"],
         "ckpt": str(folder / "ckpt"),
