@@ -126,6 +126,14 @@ class ComputeFit:
                 self._points.append((w, c * scale, x * scale))
                 self._line = None
 
+    def rescale(self, factor: float) -> None:
+        """Every step's work was multiplied by `factor` (a batch ramp changed the micro-batch
+        count): the seconds learned so far scale with it."""
+        points = [(w, c * factor, x * factor) for w, c, x in self._points]
+        self._points.clear()
+        self._points.extend(points)
+        self._line = None
+
     def state_dict(self) -> dict:
         return {"points": [list(p) for p in self._points]}
 

@@ -308,6 +308,19 @@ class ControlLoop:
         self.detector.rebase()
         self._steps = []  # a report's steps share one split
 
+    def work_scaled(self, factor: float) -> None:
+        """Every rank's per-step work was multiplied by `factor` (a batch-size ramp changed the
+        micro-batch count). No rank's speed changed: slowdowns carry across the change through
+        the anchor, as across a decision, the detector starts its window over (it holds
+        seconds), and the fit's seconds scale with the work."""
+        if not factor > 0:
+            raise ValueError(f"work scale must be positive, got {factor}")
+        self.fit.rescale(factor)
+        if self.anchor.active:
+            self.anchor.rebase(self.detector.current().slowdown)
+        self.detector.rebase()
+        self._steps = []  # a report's steps share one batch
+
     def state_dict(self) -> dict:
         return {
             "fit": self.fit.state_dict(),

@@ -111,6 +111,10 @@ class Controller:
         self.loop.close(due, verdict)
         return due.report, verdict
 
+    def work_scaled(self, factor: float) -> None:
+        """Each step now does `factor` times the work (the micro-batch count changed)."""
+        self.loop.work_scaled(factor)
+
     def applied(self) -> None:
         """The verdict's decision was applied everywhere: anchor the slowdowns and re-base
         the detector; the report interval starts over."""

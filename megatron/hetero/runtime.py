@@ -94,6 +94,7 @@ class HetTPRuntime:
         self._plan_why = None
         self._saved_shares = None
         self._pending = None  # per-rank state loaded before attach()
+        self._microbatches = None  # per step, as last seen (a batch ramp changes it)
 
     @classmethod
     def from_args(cls, args, cuda_available: bool | None = None) -> HetTPRuntime | None:
@@ -194,6 +195,7 @@ class HetTPRuntime:
                     self.resizer.load_state_dict(pending["resizer"])
                 if self.controller is not None and pending.get("controller") is not None:
                     self.controller.load_state_dict(pending["controller"])
+                    self._microbatches = pending.get("microbatches")
         if config.resize_shares is not None:  # fixed shares; after loading, they freeze units
             self.resizer.resize(state, config.resize_shares)
             self.events.resize(iteration, self.resizer, "initial")
@@ -221,9 +223,14 @@ class HetTPRuntime:
 
     # ---- every step ---------------------------------------------------------------------
 
-    def begin_step(self, iteration: int) -> None:
+    def begin_step(self, iteration: int, num_microbatches: int | None = None) -> None:
         """Before the step that will be `iteration`, on every rank: arm the timers, and tell the
-        resizer whether its scorer observes this step."""
+        resizer whether its scorer observes this step. `num_microbatches`: the step's (it
+        changes under --rampup-batch-size, and the control loop's seconds scale with it)."""
+        if num_microbatches is not None:
+            last, self._microbatches = self._microbatches, num_microbatches
+            if self.controller is not None and last is not None and num_microbatches != last:
+                self.controller.work_scaled(num_microbatches / last)
         if self.resizer is not None:
             self.resizer.begin_step(iteration)
         if self.controller is not None:
@@ -337,6 +344,7 @@ class HetTPRuntime:
         cost fit and planner, and the timings of the report interval in progress."""
         return {
             "config": self._fingerprint(),
+            "microbatches": self._microbatches,  # what the controller's seconds were taken at
             "resizer": self.resizer.state_dict() if self.resizer is not None else None,
             "controller": (self.controller.state_dict() if self.controller is not None else None),
         }

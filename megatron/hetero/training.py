@@ -426,7 +426,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
                     saved_at = save(iteration)
             lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
             if runtime is not None:
-                runtime.begin_step(iteration + 1)
+                runtime.begin_step(iteration + 1, batch.num_microbatches)
             profiler.before_step(iteration + 1)
             start = time.perf_counter()
             loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime, batch)

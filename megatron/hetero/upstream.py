@@ -268,7 +268,10 @@ class StepHook:
         return cls(runtime)
 
     def begin_step(self, iteration: int) -> None:
-        self.runtime.begin_step(iteration)
+        # upstream's train() has updated megatron-core's global calculator for this step
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        self.runtime.begin_step(iteration, get_num_microbatches())
         self._start = time.perf_counter()
 
     def end_step(self, iteration: int):

@@ -171,3 +171,39 @@ def test_work_of_vanilla_layers_is_an_even_share():
     assert work_of(None, None, (0.0, 0.0), 2) == (1.0, 1.0)
     plan = PartitionPlan.even(2, 1, 2, 8)
     assert work_of(plan, UNIT_WORK, (0.0, 0.5), 2) == (8.0, 6.0)
+
+
+def test_a_batch_ramp_mid_straggle_does_not_hide_its_end():
+    """Each step's work grows 4x while rank 1 straggles (a batch-size ramp), then the straggle
+    ends: told of the ramp, the loop moves the units back. Seconds compared across the ramp
+    would put rank 1's time at its end 2x above its straggling time before, and never end it."""
+    even = PartitionPlan.even(2, 2, 4, 64)
+    loop, plan, shares, scale = _loop("migrate"), even, (0.0, 0.0), 1
+    rows = [(1, [1, 1])] * 2 + [(1, [1, 2])] * 4 + [(4, [1, 2])] * 4 + [(4, [1, 1])] * 6
+    actions = []
+    for n, (microbatches, factors) in enumerate(rows, 1):
+        if microbatches != scale:
+            loop.work_scaled(microbatches / scale)
+            scale = microbatches
+        report = _report(n * 4, plan, shares, factors, 1e-3 * scale, 0.05 * scale)
+        verdict = loop.report(report, plan, shares)
+        if verdict.decision is not None:
+            actions.append((n, verdict.decision.action))
+            plan, shares = verdict.decision.plan, verdict.decision.shares
+            loop.applied()
+    assert [a for _, a in actions] == ["migrate", "migrate"], actions
+    assert actions[0][0] <= 4 and actions[1][0] >= 11  # at the onset, then at the end only
+    assert plan_work(plan, UNIT_WORK) == plan_work(even, UNIT_WORK)
+
+
+def test_the_fit_scales_with_the_work():
+    from hettp.costfit import ComputeFit
+
+    fit = ComputeFit()
+    fit.add([10.0, 20.0], [1.1, 2.1], [1.0, 1.0], [0.1, 0.1])
+    fit.add([10.0, 30.0], [1.1, 3.1], [1.0, 1.0], [0.1, 0.1])
+    before = fit.line()
+    fit.rescale(4.0)
+    after = fit.line()
+    assert after.per_unit == pytest.approx(4 * before.per_unit)
+    assert after.fixed == pytest.approx(4 * before.fixed)
