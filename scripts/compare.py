@@ -67,7 +67,9 @@ OWN_FLAGS = (
     "--save",
     "--load",
     "--het-tp-emulate-dilation",
-    # compare.py's runs count iterations (--iters): no sample-based length, schedule or ramp
+)
+# compare.py's runs count iterations (--iters): no sample-based length, schedule or ramp
+SAMPLE_FLAGS = (
     "--train-samples",
     "--lr-decay-samples",
     "--lr-warmup-samples",
@@ -344,6 +346,12 @@ def parse(argv):
     taken = [f for f in extra if f.split("=")[0] in OWN_FLAGS]
     if taken:
         p.error(f"model flags after -- may not set {', '.join(taken)}: compare.py sets them")
+    samples = [f for f in extra if f.split("=")[0] in SAMPLE_FLAGS]
+    if samples:
+        p.error(
+            f"model flags after -- may not set {', '.join(samples)}: compare.py's runs count "
+            "iterations (--iters)"
+        )
     a.model = extra or model_flags(a.quick)
     world = a.tp * a.dp
     if world > len(_cores()) and any(s.real for s in a.scenario_list):

@@ -206,6 +206,10 @@ def _tokenizer_flags(args, vocab_size: int) -> str:
         flags += f" --vocab-size {vocab_size}"
         if args.tiktoken_num_special_tokens != 1000:
             flags += f" --tiktoken-num-special-tokens {args.tiktoken_num_special_tokens}"
+        if args.tiktoken_pattern:
+            flags += f" --tiktoken-pattern {args.tiktoken_pattern}"
+        if args.tokenizer_special_tokens:
+            flags += " --tokenizer-special-tokens " + " ".join(args.tokenizer_special_tokens)
     return flags
 
 

@@ -461,8 +461,8 @@ def _add_data_args(parser):
         "--tokenizer-special-tokens",
         nargs="+",
         default=None,
-        help="Special tokens of SentencePiece and TikTokenizer vocabularies (TikTokenizer's must "
-        "include <unk> <s> </s> <mask> <pad> <cls> <sep>).",
+        help="TikTokenizer's special tokens (must include <unk> <s> </s> <mask> <pad> <cls> "
+        "<sep>; default: those).",
     )
     g.add_argument(
         "--no-mmap-bin-files",
@@ -560,26 +560,37 @@ def _refuse_other_unit(args, unit: str, other: str) -> None:
         )
 
 
-def _check_split_sizes(args, weights: list[float], sequences: dict[str, int]) -> None:
-    """Every split that will be sampled holds at least one sequence of every dataset.
+def _check_split_sizes(args, blend_weights, lengths: dict) -> None:
+    """Every split megatron-core will build holds enough tokens of every dataset.
 
-    megatron-core's builder cuts each dataset's sequences at the rounded --split bounds; a split
-    left empty that is still asked for samples makes its epoch count loop forever (0 tokens per
-    epoch never reach the samples asked), so it is refused here, naming the split."""
-    weights = weights + [0.0] * (3 - len(weights))
-    total = sum(weights)
-    bounds = [sum(weights[:i]) / total for i in range(4)]
-    sampled = (True, args.eval_iters > 0, args.eval_iters > 0)  # train, validation, test
-    for i, name in enumerate(("training", "validation", "test")):
-        if weights[i] == 0 or not sampled[i]:
-            continue  # not built
-        for prefix, count in sequences.items():
-            first, last = round(bounds[i] * count), round(bounds[i + 1] * count)
+    The builder cuts each dataset's sequences at the --split bounds (its own arithmetic, used
+    here) and builds every split of non-zero weight, asked for samples or not. A split with no
+    tokens loops forever (0 tokens per epoch never reach the samples asked); in an unweighted
+    blend, where each dataset is built once through, one with less than a sample
+    (--seq-length + 1 tokens) fails an assert. Both are refused here, naming the split."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
+    once_through = len(lengths) > 1 and blend_weights is None
+    need = args.seq_length + 1 if once_through else 1
+    for bounds, name in zip(matrix, ("training", "validation", "test")):
+        if bounds is None:
+            continue  # weight 0: not built
+        for prefix, sizes in lengths.items():
+            first = int(round(bounds[0] * float(len(sizes))))
+            last = int(round(bounds[1] * float(len(sizes))))
+            tokens = int(sizes[first:last].sum())
             _require(
-                last > first,
-                f"--split '{args.split}': the {name} split of {prefix} gets none of its {count} "
-                f"sequences (each split needs at least one; give it a larger weight, more data"
-                + (", or --eval-iters 0)" if i else ")"),
+                tokens >= need,
+                f"--split '{args.split}': the {name} split of {prefix} gets "
+                + (f"{tokens} tokens of its" if last > first else "none of its")
+                + f" {len(sizes)} sequences"
+                + (f" (an unweighted blend needs --seq-length + 1 = {need})" if need > 1 else "")
+                + "; megatron-core cannot build it: give the split weight 0 or a larger one, or "
+                "more data",
             )
 
 
@@ -938,6 +949,11 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model: a file, got "
             f"{args.tokenizer_model}",
         )
+        _require(
+            args.tokenizer_type == "TikTokenizer" or not args.tokenizer_special_tokens,
+            f"--tokenizer-special-tokens: {args.tokenizer_type} takes its special tokens from "
+            "the model file",
+        )
         if args.tokenizer_type == "TikTokenizer":
             try:
                 tiktoken_vocab_size(
@@ -967,10 +983,11 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             stacklevel=2,
         )
     if args.data_path:
-        from .dataset_files import DatasetFileError, check_indexed_dataset
+        from .dataset_files import DatasetFileError, check_indexed_dataset, sequence_lengths
 
-        sequences = {}
-        for prefix in parse_data_path(args.data_path)[0]:
+        lengths = {}
+        prefixes, blend_weights = parse_data_path(args.data_path)
+        for prefix in prefixes:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             _require(
                 not missing,
@@ -978,7 +995,8 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
                 "(build one with scripts/preprocess_data.py)",
             )
             try:
-                sequences[prefix] = check_indexed_dataset(prefix)
+                check_indexed_dataset(prefix)
+                lengths[prefix] = sequence_lengths(prefix)
             except DatasetFileError as err:
                 raise ArgumentError(f"--data-path {prefix}: {err}") from None
         split = [s for s in args.split.replace(" ", "").replace("/", ",").split(",") if s]
@@ -988,7 +1006,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             and sum(map(float, split)) > 0,
             f"--split '{args.split}' must be up to three non-negative weights, e.g. 969,30,1",
         )
-        _check_split_sizes(args, [float(s) for s in split], sequences)
+        _check_split_sizes(args, blend_weights, lengths)
 
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError(

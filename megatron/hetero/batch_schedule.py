@@ -30,28 +30,27 @@ class Rampup:
     samples: int
 
     def problems(self, global_batch_size: int, per_microbatch: int) -> list[str]:
-        """Why this ramp cannot run, in the flag's words (empty when it can). Every batch on the
-        ramp must split into whole micro-batches: megatron-core only asserts it mid-run."""
+        """Why this ramp cannot run, in the flag's words (empty when it can). Every batch the
+        ramp reaches must split into whole micro-batches: megatron-core only asserts it
+        mid-run."""
         flag = f"--rampup-batch-size {self.start} {self.increment} {self.samples}"
-        if self.start <= 0 or self.increment <= 0 or self.samples < 0:
-            return [f"{flag}: START and INCREMENT must be positive and SAMPLES >= 0"]
-        found = []
+        if self.start <= 0 or self.increment <= 0 or self.samples <= 0:
+            return [f"{flag}: START, INCREMENT and SAMPLES must be positive"]
         if self.start >= global_batch_size:
-            found.append(
-                f"{flag}: START must be smaller than --global-batch-size ({global_batch_size})"
-            )
-        elif (global_batch_size - self.start) % self.increment:
-            found.append(
+            return [f"{flag}: START must be smaller than --global-batch-size ({global_batch_size})"]
+        if (global_batch_size - self.start) % self.increment:
+            return [
                 f"{flag}: --global-batch-size ({global_batch_size}) minus START is not a "
                 "multiple of INCREMENT"
-            )
-        if self.start % per_microbatch or self.increment % per_microbatch:
-            found.append(
-                f"{flag}: START and INCREMENT must be multiples of --micro-batch-size x "
-                f"data-parallel size ({per_microbatch}), so every batch on the ramp splits into "
-                "whole micro-batches"
-            )
-        return found
+            ]
+        schedule = BatchSchedule(global_batch_size, 1, 1, self)  # every size is whole here
+        uneven = [b for b in schedule.reached() if b % per_microbatch]
+        if uneven:
+            return [
+                f"{flag}: the ramp reaches a global batch of {uneven[0]}, not a multiple of "
+                f"--micro-batch-size x data-parallel size ({per_microbatch})"
+            ]
+        return []
 
 
 class BatchSchedule:
@@ -98,6 +97,21 @@ class BatchSchedule:
             args.micro_batch_size,
             args.data_parallel_size,
             None if ramp is None else Rampup(*ramp),
+        )
+
+    def reached(self) -> list[int]:
+        """The global batch sizes a run goes through, in order (the ramp's, then the full)."""
+        sizes, consumed = [], 0
+        while self.rampup is not None and consumed <= self.rampup.samples:
+            self._calculator.update(consumed, consistency_check=False)
+            size = self._calculator.get_current_global_batch_size()
+            if not sizes or sizes[-1] != size:
+                sizes.append(size)
+            consumed += size
+        return (
+            sizes
+            if sizes and sizes[-1] == self.global_batch_size
+            else sizes + [self.global_batch_size]
         )
 
     def at(self, consumed: int) -> StepBatch:

@@ -119,10 +119,11 @@ def dataset_config(args, tokenizer) -> GPTDatasetConfig:
 
 
 def num_samples(args):
-    """Samples needed per split: every training iteration, every evaluation, one test pass."""
+    """Samples asked of each split, as Megatron-LM asks them: --train-samples (or every
+    iteration's global batch), every evaluation, one test pass."""
     evals = args.train_iters // args.eval_interval + 1
     return [
-        args.train_iters * args.global_batch_size,
+        args.train_samples or args.train_iters * args.global_batch_size,
         evals * args.eval_iters * args.global_batch_size,
         args.eval_iters * args.global_batch_size,
     ]

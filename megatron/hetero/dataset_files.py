@@ -19,9 +19,8 @@ class DatasetFileError(ValueError):
     """An indexed dataset file is damaged; the message names it."""
 
 
-def check_indexed_dataset(prefix: str) -> int:
-    """Raise DatasetFileError naming the file if `prefix`.idx/.bin cannot be a valid pair;
-    otherwise return its number of sequences (what megatron-core's --split divides)."""
+def check_indexed_dataset(prefix: str) -> None:
+    """Raise DatasetFileError naming the file if `prefix`.idx/.bin cannot be a valid pair."""
     from megatron.core.datasets.indexed_dataset import DType
 
     idx, bin_ = prefix + ".idx", prefix + ".bin"
@@ -49,7 +48,7 @@ def check_indexed_dataset(prefix: str) -> int:
                 f"needs {expected}",
             )
         if documents == 0 or sequences == 0:
-            return sequences
+            return
         f.seek(_PREAMBLE + 4 * (sequences - 1))
         (last_length,) = struct.unpack("<i", f.read(4))
         f.seek(_PREAMBLE + 4 * sequences + 8 * (sequences - 1))
@@ -62,4 +61,18 @@ def check_indexed_dataset(prefix: str) -> int:
     have = os.path.getsize(bin_)
     if have < needed:
         raise bad(bin_, f"{have} bytes, but {idx} indexes {needed}")
-    return sequences
+
+
+def sequence_lengths(prefix: str):
+    """The tokens of each sequence of a checked `prefix`.idx (what --split divides), mapped
+    from the file rather than read."""
+    import numpy as np
+
+    with open(prefix + ".idx", "rb") as f:
+        f.seek(len(_HEADER) + 9)
+        (sequences,) = struct.unpack("<Q", f.read(8))
+    if sequences == 0:
+        return np.zeros(0, dtype=np.int32)
+    return np.memmap(
+        prefix + ".idx", dtype=np.int32, mode="r", offset=_PREAMBLE, shape=(sequences,)
+    )

@@ -152,19 +152,53 @@ def _megatron_core_tokenizer(**flags):
     return build_tokenizer(types.SimpleNamespace(**{**defaults, **flags}))
 
 
-def sentencepiece(tokenizer_type: str, model: str, special_tokens=None):
+class SentencePieceVocab:
+    """megatron-core's SentencePiece tokenizer (ids, end of document), with the vocabulary size
+    Megatron-LM gives the model: it sizes the embedding from its legacy tokenizer, which appends
+    <CLS> <SEP> <EOD> <MASK> and any pad/bos/eos piece the model lacks, so checkpoints keep
+    Megatron-LM's shapes."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    def __getattr__(self, name):  # eod, pad, tokenize, detokenize, unique_identifiers, ...
+        return getattr(self._tokenizer, name)
+
+
+def _megatron_lm_sentencepiece_size(model: str) -> int:
+    """Megatron-LM's legacy _SentencePieceTokenizer's vocabulary size for `model`."""
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_file=model)
+    pieces = {processor.id_to_piece(i) for i in range(len(processor))}
+    added = ["<CLS>", "<SEP>", "<EOD>", "<MASK>"]
+    for piece_id, fallback in (
+        (processor.pad_id(), "<PAD>"),
+        (processor.bos_id(), "<BOS>"),
+        (processor.eos_id(), "<EOS>"),
+    ):
+        try:
+            added.append(processor.id_to_piece(piece_id))
+        except IndexError:  # the model has none (id -1)
+            added.append(fallback)
+    return len(pieces | set(added))
+
+
+def sentencepiece(tokenizer_type: str, model: str, special_tokens=None) -> SentencePieceVocab:
     """SentencePieceTokenizer (and Megatron-LM's other names for it): a .model file."""
     if not model or not os.path.isfile(model):
         raise TokenizerFileError(
             f"--tokenizer-type {tokenizer_type} needs --tokenizer-model: a SentencePiece .model "
             f"file, got {model!r}"
         )
-    try:
-        return _megatron_core_tokenizer(
-            tokenizer_type=tokenizer_type,
-            tokenizer_model=model,
-            tokenizer_special_tokens=special_tokens,
+    if special_tokens:  # megatron-core's non-legacy SentencePiece takes none
+        raise TokenizerFileError(
+            f"--tokenizer-special-tokens: {tokenizer_type} takes its special tokens from the "
+            "model file"
         )
+    try:
+        tokenizer = _megatron_core_tokenizer(tokenizer_type=tokenizer_type, tokenizer_model=model)
+        return SentencePieceVocab(tokenizer, _megatron_lm_sentencepiece_size(model))
     except (RuntimeError, OSError) as err:  # sentencepiece's parse error
         raise TokenizerFileError(f"--tokenizer-model {model}: {err}") from None
 

@@ -48,11 +48,12 @@ def test_without_a_ramp_every_step_is_the_full_batch():
 @pytest.mark.parametrize(
     "ramp, message",
     [
-        ("0 2 24", "START and INCREMENT must be positive and SAMPLES >= 0"),
-        ("2 2 -1", "START and INCREMENT must be positive and SAMPLES >= 0"),
+        ("0 2 24", "START, INCREMENT and SAMPLES must be positive"),
+        ("2 2 0", "START, INCREMENT and SAMPLES must be positive"),  # megatron-core: 0/0
         ("8 2 24", "START must be smaller than --global-batch-size (8)"),
         ("2 4 24", "--global-batch-size (8) minus START is not a multiple of INCREMENT"),
-        ("1 1 24", "must be multiples of --micro-batch-size x data-parallel size (2)"),
+        ("1 1 24", "reaches a global batch of 1, not a multiple of --micro-batch-size x "),
+        ("2 1 24", "reaches a global batch of 3, not a multiple of --micro-batch-size x "),
     ],
 )
 def test_a_ramp_that_cannot_run_is_refused_naming_the_flag(ramp, message):
@@ -81,3 +82,15 @@ def test_the_training_length_counts_the_ramps_steps():
     )
     validate_args(args, 1, cuda_available=False)
     assert args.train_iters == 12
+
+
+def test_only_the_batches_a_ramp_reaches_must_split_into_micro_batches():
+    """4 -> 8 by 2 over 4 samples jumps from 4 straight to 8 (6 is never reached): Megatron-LM
+    runs it with micro-batch 4, so it is accepted."""
+    assert BatchSchedule(8, 4, 1, Rampup(4, 2, 4)).reached() == [4, 8]
+    argv = BASE.replace("--train-iters 10", "--train-samples 64")
+    args = build_parser().parse_args(
+        (argv + " --micro-batch-size 4 --global-batch-size 8 --rampup-batch-size 4 2 4").split()
+    )
+    validate_args(args, 1, cuda_available=False)
+    assert BatchSchedule(8, 2, 1, Rampup(2, 2, 24)).reached() == [2, 4, 6, 8]

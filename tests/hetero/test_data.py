@@ -141,9 +141,10 @@ def test_a_damaged_dataset_file_is_named_before_training(tmp_path, ext, how, mes
     assert message in str(err.value)
 
 
-def test_a_split_left_without_sequences_is_refused_naming_it(tmp_path):
-    """megatron-core would loop forever building it (0 tokens per epoch never reach the
-    samples asked); 4 sequences at 969,30,1 leave validation and test none."""
+def test_a_split_megatron_core_cannot_build_is_refused_naming_it(tmp_path):
+    """Every split of non-zero weight is built, asked for samples or not; one left no tokens
+    would make megatron-core's builder loop forever (0 tokens per epoch never reach the
+    samples asked): 4 sequences at 969,30,1 leave validation and test none."""
     from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
 
     prefix = make_corpus(tmp_path)
@@ -153,13 +154,31 @@ def test_a_split_left_without_sequences_is_refused_naming_it(tmp_path):
         args = build_parser().parse_args((base + " " + extra).split())
         validate_args(args, 1, cuda_available=False)
 
+    for eval_iters in ("1", "0"):
+        with pytest.raises(ArgumentError) as err:
+            check(f"--eval-iters {eval_iters}")
+        assert str(err.value) == (
+            f"--split '969, 30, 1': the validation split of {prefix} gets none of its 4 "
+            "sequences; megatron-core cannot build it: give the split weight 0 or a larger one, "
+            "or more data"
+        )
+    check("--split 50,25,25")  # 2, 1 and 1 sequences
+    check("--split 3,1,0")  # 3 and 1; no test split
+    # megatron-core's arithmetic: 0.7/0.2/0.1 of 5 puts 1 in validation and none in test
+    (tmp_path / "five").mkdir()
+    five = make_corpus(tmp_path / "five", documents=5)
+    with pytest.raises(ArgumentError, match="the test split of .* gets none of its 5"):
+        check(f"--data-path {five} --split 0.7,0.2,0.1")
+    # an unweighted blend builds each dataset once through: a split needs a whole sample
+    blend = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        blend.append(make_corpus(tmp_path / name, documents=8))  # 56 tokens each
+    seq = "--seq-length 128 --max-position-embeddings 128 --split 6,1,1"
     with pytest.raises(ArgumentError) as err:
-        check("--eval-iters 1")
-    assert str(err.value) == (
-        f"--split '969, 30, 1': the validation split of {prefix} gets none of its 4 sequences "
-        "(each split needs at least one; give it a larger weight, more data, or --eval-iters 0)"
-    )
-    check("--eval-iters 0")  # validation and test are not built
-    check("--eval-iters 1 --split 50,25,25")  # 2, 1 and 1 sequences
-    with pytest.raises(ArgumentError, match="the training split of .* gets none of its 4"):
-        check("--eval-iters 0 --split 1,99,0")
+        check(f"{seq} --data-path {blend[0]} {blend[1]}")
+    assert (
+        f"the validation split of {blend[0]} gets 56 tokens of its 8 sequences (an unweighted "
+        "blend needs --seq-length + 1 = 129)"
+    ) in str(err.value)
+    check(f"{seq} --data-path 0.5 {blend[0]} 0.5 {blend[1]}")  # weighted: sampled in epochs

@@ -155,8 +155,8 @@ def test_sentencepiece_and_tiktoken_read_back_what_they_were_trained_on(trained)
     assert tokenizer.eod == 2  # megatron-core's </s>, after <unk> and <s>
     if args.tokenizer_type == "TikTokenizer":  # 16 special ids, then the BPE's 511 entries
         assert tokenizer.vocab_size == args.vocab_size == 16 + 511
-    else:
-        assert tokenizer.vocab_size == 512
+    else:  # Megatron-LM's size: the model's 512 pieces and <CLS> <SEP> <EOD> <MASK> <PAD>
+        assert tokenizer.vocab_size == 517
 
 
 def test_tiktoken_flags_are_checked_by_name(bpe, tmp_path):
@@ -179,6 +179,11 @@ def test_tiktoken_flags_are_checked_by_name(bpe, tmp_path):
         args(f"--tokenizer-model {not_tiktoken} --vocab-size 1100")
     with pytest.raises(ArgumentError, match="needs --tokenizer-model: a file"):
         args(f"--tokenizer-model {tmp_path} --tokenizer-type SentencePieceTokenizer")
+    with pytest.raises(ArgumentError, match="SentencePieceTokenizer takes its special tokens"):
+        args(
+            f"--tokenizer-model {vocab} --tokenizer-type SentencePieceTokenizer "
+            "--tokenizer-special-tokens <unk>"
+        )
 
 
 def test_a_tp2_model_learns_with_sentencepiece_and_tiktoken(trained):
