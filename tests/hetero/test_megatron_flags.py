@@ -51,7 +51,7 @@ def test_a_ramped_up_batch_resumes_mid_ramp_on_the_same_losses(tmp_path):
     sizes, a checkpoint at each change of the micro-batch count, and a resume mid-ramp."""
     ramp = (
         "--train-samples 60 --rampup-batch-size 2 2 24 --lr-warmup-samples 8 "
-        "--lr-decay-style cosine --het-tp"
+        "--lr-decay-style cosine --het-tp-policy none"  # timed: told of each change
     )
     whole = run_ranks(train, 2, _argv(ramp, iters=""))[0]
     first = run_ranks(train, 2, _argv(ramp + f" --save {tmp_path} --exit-interval 5", iters=""))[0]
