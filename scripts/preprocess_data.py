@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 
 from megatron.hetero.arguments import TOKENIZER_TYPES  # noqa: E402
-from megatron.hetero.data import build_tokenizer  # noqa: E402
+from megatron.hetero.data import tokenizer_from_args  # noqa: E402
 from megatron.hetero.text_tokenizers import (  # noqa: E402
     SENTENCEPIECE_TYPES,
     TokenizerFileError,
@@ -218,16 +218,7 @@ def main(argv=None):
     if args.train_bpe is not None:
         train(args)
     try:
-        tokenizer = build_tokenizer(
-            args.tokenizer_type,
-            args.vocab_size,
-            args.vocab_file,
-            args.merge_file,
-            args.tokenizer_model,
-            args.tiktoken_pattern,
-            args.tiktoken_num_special_tokens,
-            args.tokenizer_special_tokens,
-        )
+        tokenizer = tokenizer_from_args(args)  # this script's flags have pretrain_gpt.py's names
     except TokenizerFileError as err:
         raise SystemExit(f"preprocess_data.py: error: {err}") from None
     if args.train_bpe is not None:
