@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 
-from megatron.hetero.arguments import TOKENIZER_TYPES  # noqa: E402
+from megatron.hetero.arguments import add_tokenizer_args  # noqa: E402
 from megatron.hetero.data import tokenizer_from_args  # noqa: E402
 from megatron.hetero.text_tokenizers import (  # noqa: E402
     SENTENCEPIECE_TYPES,
@@ -62,29 +62,16 @@ def parse_args(argv=None):
     p.add_argument("--glob", default="*", help="file pattern inside input folders (default: *)")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--output-prefix", required=True)
-    p.add_argument(
-        "--tokenizer-type",
-        default=None,
-        choices=TOKENIZER_TYPES,
-        help="default: ByteLevelTokenizer, or GPT2BPETokenizer with --train-bpe",
+    add_tokenizer_args(
+        p, type_help="default: ByteLevelTokenizer, or GPT2BPETokenizer with --train-bpe"
     )
     p.add_argument(
         "--vocab-size",
         type=int,
         default=None,
-        help="for NullTokenizer: documents are whitespace-separated ids below this",
+        help="for NullTokenizer: documents are whitespace-separated ids below this; "
+        "TikTokenizer: its vocabulary size",
     )
-    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
-    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
-    p.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="HuggingFaceTokenizer: folder with tokenizer.json; SentencePiece: a .model file; "
-        "TikTokenizer: a .json vocabulary",
-    )
-    p.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
-    p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    p.add_argument("--tokenizer-special-tokens", nargs="+", default=None)
     p.add_argument(
         "--train-bpe",
         type=int,

@@ -423,6 +423,39 @@ def _add_mixed_precision_args(parser):
     )
 
 
+def add_tokenizer_args(group, type_help: str | None = None) -> None:
+    """The tokenizer flags, Megatron-LM's names (pretrain_gpt.py and preprocess_data.py)."""
+    group.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help=type_help)
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json.")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt.")
+    group.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="HuggingFaceTokenizer: a local folder holding tokenizer.json; SentencePieceTokenizer "
+        "(GPTSentencePieceTokenizer, Llama2Tokenizer): a .model file; TikTokenizer: a tiktoken "
+        "vocabulary in Megatron's JSON format.",
+    )
+    group.add_argument(
+        "--tiktoken-pattern",
+        default=None,
+        choices=["v1", "v2"],
+        help="TikTokenizer's split pattern (default v2, megatron-core's).",
+    )
+    group.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        help="TikTokenizer: ids reserved for special tokens, before the vocabulary's.",
+    )
+    group.add_argument(
+        "--tokenizer-special-tokens",
+        nargs="+",
+        default=None,
+        help="TikTokenizer's special tokens (must include <unk> <s> </s> <mask> <pad> <cls> "
+        "<sep>; default: those).",
+    )
+
+
 def _add_data_args(parser):
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--mock-data", action="store_true")
@@ -435,35 +468,7 @@ def _add_data_args(parser):
     )
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json.")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt.")
-    g.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="HuggingFaceTokenizer: a local folder holding tokenizer.json; SentencePieceTokenizer "
-        "(GPTSentencePieceTokenizer, Llama2Tokenizer): a .model file; TikTokenizer: a tiktoken "
-        "vocabulary in Megatron's JSON format.",
-    )
-    g.add_argument(
-        "--tiktoken-pattern",
-        default=None,
-        choices=["v1", "v2"],
-        help="TikTokenizer's split pattern (default v2, megatron-core's).",
-    )
-    g.add_argument(
-        "--tiktoken-num-special-tokens",
-        type=int,
-        default=1000,
-        help="TikTokenizer: ids reserved for special tokens, before the vocabulary's.",
-    )
-    g.add_argument(
-        "--tokenizer-special-tokens",
-        nargs="+",
-        default=None,
-        help="TikTokenizer's special tokens (must include <unk> <s> </s> <mask> <pad> <cls> "
-        "<sep>; default: those).",
-    )
+    add_tokenizer_args(g)
     g.add_argument(
         "--no-mmap-bin-files",
         action="store_false",
