@@ -247,7 +247,9 @@ def full_batch(args) -> StepBatch:
     return StepBatch(args.global_batch_size, args.num_microbatches)
 
 
-def train_step(args, state: TrainState, data_iterator, runtime=None, batch: StepBatch = None):
+def train_step(
+    args, state: TrainState, data_iterator, runtime=None, batch: StepBatch | None = None
+):
     """One optimizer step on `batch` (default: the full global batch)."""
     batch = batch or full_batch(args)
     model, optimizer = state.model, state.optimizer
