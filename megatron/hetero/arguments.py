@@ -817,17 +817,18 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         _require(0.0 <= value < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
 
     # Parallel layout.
-    tp = args.tensor_model_parallel_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _require(
-        args.pipeline_model_parallel_size == 1,
-        f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
-        "pipeline parallelism is not supported yet (use 1)",
+        world_size % (tp * pp) == 0,
+        f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+        f"--pipeline-model-parallel-size ({pp})",
     )
     _require(
-        world_size % tp == 0,
-        f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp})",
+        args.num_layers % pp == 0,
+        f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size "
+        f"({pp})",
     )
-    args.data_parallel_size = world_size // tp
+    args.data_parallel_size = world_size // (tp * pp)
 
     # Model shape.
     heads = args.num_attention_heads
@@ -1020,6 +1021,11 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
 
     het_tp = het_tp_config(args, cuda_available)
+    _require(
+        pp == 1 or not het_tp.active,
+        f"--pipeline-model-parallel-size {pp}: het-TP inside pipeline stages is not supported "
+        "yet; pipelines run vanilla megatron-core layers (no --het-tp flags)",
+    )
 
     # Checkpointing.
     if args.save_interval is not None:

@@ -87,13 +87,20 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _per_tp_rank(key: str, value) -> ShardedObject:
-    """One object per TP position; data-parallel replicas share it (replica_id = DP rank)."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    """One object per model-parallel position (pipeline stage x TP rank; at PP=1 the layout of
+    checkpoints from before pipelines); data-parallel replicas share it (replica_id = DP
+    rank)."""
     return ShardedObject(
         key,
         value,
-        (1, tp),
-        (0, parallel_state.get_tensor_model_parallel_rank()),
+        (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
+        (
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+        ),
         replica_id=parallel_state.get_data_parallel_rank(),
     )
 
@@ -150,6 +157,7 @@ def save_checkpoint(
     state["scheduler_units"] = SCHEDULER_UNITS
     state["args"] = {name: getattr(args, name) for name in SHAPE_ARGS}
     state["args"]["tensor_model_parallel_size"] = args.tensor_model_parallel_size
+    state["args"]["pipeline_model_parallel_size"] = args.pipeline_model_parallel_size
     state["args"]["het_tp_state"] = runtime is not None
 
     final = checkpoint_dir(root, iteration)
@@ -228,8 +236,11 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {path} was saved with a different model: " + ", ".join(mismatched)
         )
-    # RNG states are per TP rank: they only carry over to the same TP size.
-    with_rng = saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
+    # RNG states are per TP rank and stage: they only carry over to the same TP and PP sizes.
+    with_rng = (
+        saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
+        and saved.get("pipeline_model_parallel_size", 1) == args.pipeline_model_parallel_size
+    )
     loading = checkpoint_optimizer(optimizer, model, is_loading=True)
     state = _sharded_state(model, loading, scheduler, with_rng=with_rng, is_loading=True)
     with_runtime = runtime is not None and with_rng and saved.get("het_tp_state", False)

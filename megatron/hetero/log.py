@@ -201,6 +201,7 @@ class Logger:
         self.info(
             f"> hettp {__version__} on megatron-core: world size {args.world_size}, "
             f"tensor-model-parallel size {args.tensor_model_parallel_size}, "
+            f"pipeline-model-parallel size {args.pipeline_model_parallel_size}, "
             f"data-parallel size {args.data_parallel_size}, "
             f"{'CUDA' if torch.cuda.is_available() else 'CPU'} / {args.distributed_backend}"
         )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from .arguments import padded_vocab_size
 from .spec import get_local_gpt_layer_spec, gpt_block_spec
@@ -67,13 +69,14 @@ def build_gpt_model(args, config: TransformerConfig, vocab_size: int, layer_spec
         layer_spec = get_local_gpt_layer_spec(args.normalization)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_block_spec(layer_spec, args.num_layers),
+        # this pipeline stage's layers (megatron-core numbers them from the stage's offset)
+        transformer_layer_spec=gpt_block_spec(layer_spec, get_num_layers_to_build(config)),
         vocab_size=padded_vocab_size(
             vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         ),
         max_sequence_length=args.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,

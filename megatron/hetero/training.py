@@ -211,10 +211,13 @@ def _add_reports(total, losses_reduced):
 
 
 def _token_mean(total) -> float:
-    """Token-weighted mean lm loss from summed [loss sum, tokens] over all DP replicas."""
+    """Token-weighted mean lm loss from summed [loss sum, tokens] over all DP replicas, on
+    every rank (only the last pipeline stage computes losses; the others add zeros)."""
     if torch.cuda.is_available():
         total = total.cuda()
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     return (total[0] / total[1].clamp(min=1)).item()
 
 

@@ -95,7 +95,22 @@ def test_gpu_defaults_and_precision():
             "--lr-warmup-iters (10) must be smaller than --lr-decay-iters (10)",
         ),
         ("--save-interval 5", 1, "--save-interval needs --save"),
-        ("--pipeline-model-parallel-size 2", 2, "pipeline parallelism is not supported yet"),
+        (
+            "--pipeline-model-parallel-size 2 --het-tp",
+            2,
+            "--pipeline-model-parallel-size 2: het-TP inside pipeline stages is not supported yet",
+        ),
+        (
+            "--pipeline-model-parallel-size 3",
+            3,
+            "--num-layers (2) must be divisible by --pipeline-model-parallel-size (3)",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2",
+            6,
+            "world size (6) is not divisible by --tensor-model-parallel-size (2) x "
+            "--pipeline-model-parallel-size (2)",
+        ),
         (
             "--max-position-embeddings 16",
             1,

@@ -57,7 +57,6 @@ LLAMA3 = """
 # What hettp refuses in each, on a CPU machine, in the order validation meets it; each
 # (flags to drop or replace, the error) pair is removed before the next is checked.
 GPT3_REFUSALS = [
-    ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 2: pipeline"),
     # Megatron-LM refuses this pair in its own script too (iteration-based training, no ramp)
     ("--rampup-batch-size 2 2 16", "--rampup-batch-size 2 2 16 goes with --train-samples"),
     ("--fp16", "--fp16 needs CUDA"),
@@ -121,7 +120,8 @@ def test_what_cannot_run_here_is_refused_by_name_and_the_rest_validates(template
         flags = (flags + " ").replace(drop if drop.endswith(" ") else drop + " ", " ", 1)
         flags = " ".join(flags.split())
     args = _check(flags)
-    assert args.tensor_model_parallel_size == 2 and args.data_parallel_size == 2
+    assert args.tensor_model_parallel_size == 2
+    assert args.pipeline_model_parallel_size * args.data_parallel_size == 2  # gpt3: PP=2
 
 
 def test_the_llama_scripts_settings_reach_the_run(paths):
@@ -143,13 +143,12 @@ def test_the_gpt3_scripts_ramp_runs_once_its_schedule_counts_samples(paths):
     for old, new in [
         ("--train-iters 20", "--train-samples 160"),
         ("--lr-decay-iters 18", "--lr-decay-samples 144"),
-        ("--pipeline-model-parallel-size 2", ""),
         ("--fp16", ""),
     ]:
         flags = flags.replace(old, new)
     args = _check(flags)
-    # 4 ranks at TP=2: DP 2, micro-batch 1; batches 2, 2, 2, 4, 4, 6 reach sample 20 > 16,
-    # then (160 - 20) // 8 = 17 full steps
+    # 4 ranks at TP=2 x PP=2: DP 1, micro-batch 1; batches 2, 2, 2, 4, 4, 6 reach sample
+    # 20 > 16, then (160 - 20) // 8 = 17 full steps
     assert args.rampup_batch_size == [2, 2, 16] and args.train_iters == 23
     assert args.lr_decay_steps == 144
 
@@ -157,7 +156,7 @@ def test_the_gpt3_scripts_ramp_runs_once_its_schedule_counts_samples(paths):
 def test_on_a_gpu_host_only_what_needs_transformer_engine_or_new_features_is_refused(paths):
     """cuda_available=True: --fp16, the fused cross entropy and nsys profiling pass; FP8 and
     Transformer Engine's attention are refused (hettp's layers are megatron-core's local ones),
-    as are ramp-up with --train-iters (Megatron-LM's own rule) and pipeline parallelism."""
+    as is ramp-up with --train-iters (Megatron-LM's own rule)."""
     llama = _flags(LLAMA3, paths)
     for drop in ("--fp8-param-gather", "--fp8-format hybrid", "--attention-backend fused"):
         with pytest.raises(ArgumentError, match=re.escape(drop)):
@@ -166,8 +165,9 @@ def test_on_a_gpu_host_only_what_needs_transformer_engine_or_new_features_is_ref
     args = _check(llama, cuda=True)
     assert args.cross_entropy_loss_fusion and args.profile and not args.use_pytorch_profiler
     gpt3 = _flags(GPT3, paths)
-    for drop in ("--pipeline-model-parallel-size 2", "--rampup-batch-size 2 2 16"):
-        with pytest.raises(ArgumentError, match=re.escape(drop)):
-            _check(gpt3, cuda=True)
-        gpt3 = " ".join((gpt3 + " ").replace(drop + " ", " ", 1).split())
-    assert _check(gpt3, cuda=True).fp16
+    drop = "--rampup-batch-size 2 2 16"
+    with pytest.raises(ArgumentError, match=re.escape(drop)):
+        _check(gpt3, cuda=True)
+    gpt3 = " ".join((gpt3 + " ").replace(drop + " ", " ", 1).split())
+    args = _check(gpt3, cuda=True)
+    assert args.fp16 and args.pipeline_model_parallel_size == 2
