@@ -11,6 +11,7 @@ in one line, and serialisable to JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -225,6 +226,31 @@ class PartitionPlan:
         ):
             if mine != theirs:
                 raise PlanError(f"plan has {mine} {what}, the model has {theirs}")
+
+    def stage(self, first: int, count: int) -> PartitionPlan:
+        """Layers first..first+count-1: a pipeline stage's part of a whole-model plan."""
+        if first < 0 or count < 1 or first + count > self.num_layers:
+            raise PlanError(
+                f"plan has {self.num_layers} layers, a stage of layers {first}-{first + count - 1} "
+                "does not fit"
+            )
+        return dataclasses.replace(self, layers=self.layers[first : first + count])
+
+    @classmethod
+    def joined(cls, stages: Sequence[PartitionPlan]) -> PartitionPlan:
+        """The whole-model plan of pipeline stages' plans, in stage order."""
+        first = stages[0]
+        for other in stages[1:]:
+            if (other.tp_size, other.attn_units, other.mlp_units, other.mlp_unit_size) != (
+                first.tp_size,
+                first.attn_units,
+                first.mlp_units,
+                first.mlp_unit_size,
+            ):
+                raise PlanError("plan: pipeline stages disagree on the TP size or unit counts")
+        return dataclasses.replace(
+            first, layers=tuple(layer for plan in stages for layer in plan.layers)
+        )
 
     def summary(self) -> str:
         """One line: per-rank unit counts, with runs of identical layers merged."""

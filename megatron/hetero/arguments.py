@@ -1022,9 +1022,10 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
 
     het_tp = het_tp_config(args, cuda_available)
     _require(
-        pp == 1 or not het_tp.active,
-        f"--pipeline-model-parallel-size {pp}: het-TP inside pipeline stages is not supported "
-        "yet; pipelines run vanilla megatron-core layers (no --het-tp flags)",
+        pp == 1 or not (het_tp.timed or het_tp.resizes),
+        f"--pipeline-model-parallel-size {pp}: het-TP's timing, decisions and resizing do not "
+        "run inside pipeline stages yet; het-TP layers with a fixed plan do (--het-tp, "
+        "--het-tp-plan)",
     )
 
     # Checkpointing.

@@ -24,6 +24,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch.distributed as dist
+from megatron.core import parallel_state
+
 from hettp.config import HetTPConfig
 from hettp.exchange import Migration, TransferError
 from hettp.loop import work_of
@@ -127,14 +130,42 @@ class HetTPRuntime:
 
         self.partition = HetPartition(module)
         plan, self._plan_why = self.partition.plan, "initial"
-        given = self.config.partition_plan
-        if saved is not None and not self.config.keeps_given_plan and self._fits(saved.plan):
-            plan, self._plan_why = saved.plan, RESUMED
+        # plans name every layer of the model; a pipeline stage takes its own layers
+        given = self._stage_of(self.config.partition_plan)
+        saved_plan = self._stage_of(saved.plan) if saved is not None else None
+        if saved_plan is not None and not self.config.keeps_given_plan and self._fits(saved_plan):
+            plan, self._plan_why = saved_plan, RESUMED
             self._saved_shares = saved.shares
         elif given is not None:
             plan = given
         if plan != self.partition.plan:
             self.partition.install(module, plan)
+
+    def _stage_of(self, plan: PartitionPlan | None) -> PartitionPlan | None:
+        """This pipeline stage's layers of a whole-model plan (stages hold equal numbers of
+        layers); None for a plan of another layer count (it does not fit)."""
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        if plan is None or stages == 1:
+            return plan
+        local = self.partition.plan.num_layers
+        if plan.num_layers != local * stages:
+            return None
+        return plan.stage(parallel_state.get_pipeline_model_parallel_rank() * local, local)
+
+    def whole_plan(self) -> PartitionPlan | None:
+        """Every layer's partition: the pipeline stages' plans joined (collective over the
+        pipeline group; this stage's alone without pipelining)."""
+        if self.partition is None:
+            return None
+        plan = self.partition.plan
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        if stages == 1:
+            return plan
+        gathered = [None] * stages
+        dist.all_gather_object(
+            gathered, plan.to_json(), group=parallel_state.get_pipeline_model_parallel_group()
+        )
+        return PartitionPlan.joined([PartitionPlan.from_json(text) for text in gathered])
 
     def load_state_dict(self, state: dict | None) -> None:
         """This TP rank's saved runtime state (priorities, detector); taken up by attach()."""
@@ -166,7 +197,7 @@ class HetTPRuntime:
             cost_model = self.partition.cost_model if self.partition is not None else None
             self.controller = Controller(config, state.model, unit_work, cost_model)
         if self.partition is not None:
-            self.events.plan(iteration, self.partition.plan, self._plan_why)
+            self.events.plan(iteration, self.whole_plan(), self._plan_why)
         self._resume(state, iteration)
 
     def _resume(self, state: TrainState, iteration: int) -> None:
@@ -334,10 +365,11 @@ class HetTPRuntime:
     # ---- checkpoints ------------------------------------------------------------------------
 
     def checkpoint_plan(self) -> SavedPlan | None:
-        """The plan-wide part of a checkpoint (the same on every rank)."""
+        """The plan-wide part of a checkpoint (the same on every rank; collective over the
+        pipeline group)."""
         if self.partition is None:
             return None
-        return SavedPlan(self.partition.plan, tuple(self.shares))
+        return SavedPlan(self.whole_plan(), tuple(self.shares))
 
     def state_dict(self) -> dict:
         """This TP rank's part: priorities and evidence since the last refresh, the detector,

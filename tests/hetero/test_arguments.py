@@ -96,9 +96,9 @@ def test_gpu_defaults_and_precision():
         ),
         ("--save-interval 5", 1, "--save-interval needs --save"),
         (
-            "--pipeline-model-parallel-size 2 --het-tp",
-            2,
-            "--pipeline-model-parallel-size 2: het-TP inside pipeline stages is not supported yet",
+            "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --het-tp-resize 0,0.5",
+            4,
+            "--pipeline-model-parallel-size 2: het-TP's timing, decisions and resizing do not run",
         ),
         (
             "--pipeline-model-parallel-size 3",

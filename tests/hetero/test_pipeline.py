@@ -1,6 +1,7 @@
-"""Pipeline parallelism with vanilla megatron-core layers on real gloo ranks: megatron-core's 1F1B
-schedule over 2 stages (with and without TP=2) continues a single-stage checkpoint on the
-single-stage run's losses, and a 2-stage checkpoint loads back into one stage."""
+"""Pipeline parallelism on real gloo ranks: megatron-core's 1F1B schedule over 2 stages, with
+vanilla layers (with and without TP=2) and with het-TP layers inside the stages (an uneven
+plan, a migration at a step boundary), continues a single-stage checkpoint on the single-stage
+run's losses; two-stage checkpoints load back into one stage, het-TP's in its plan."""
 
 from __future__ import annotations
 
@@ -8,18 +9,23 @@ import shutil
 
 import pytest
 
-from tests.utils import MHA, run_ranks, train
+from tests.utils import MHA, run_ranks, train, train_with_repartitions
 
 # 4 layers (2 per stage), tied embeddings (their gradients meet across the first and last
 # stage), dropout 0, a fixed decay length so every run shares the schedule
 MODEL = (
     MHA.replace("--num-layers 2", "--num-layers 4").replace("--train-iters 1", "")
-    + " --global-batch-size 8 --eval-iters 0 --log-interval 1 --lr-decay-iters 6"
+    + " --global-batch-size 8 --eval-iters 0 --log-interval 1 --lr-decay-iters 8"
 )
+TP2_PP2 = "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2"
+
+
+def _argv(extra: str) -> list[str]:
+    return (MODEL + " " + extra).split()
 
 
 def _run(ranks: int, extra: str) -> dict:
-    return run_ranks(train, ranks, (MODEL + " " + extra).split())[0]["losses"]
+    return run_ranks(train, ranks, _argv(extra))[0]["losses"]
 
 
 def _close(got: dict, want: dict, iterations) -> None:
@@ -29,32 +35,72 @@ def _close(got: dict, want: dict, iterations) -> None:
 
 @pytest.fixture(scope="module")
 def single_stage(tmp_path_factory):
-    """One rank, one stage: 2 iterations saved, then the run continued to 6 (the reference)."""
+    """One rank, one stage: 2 iterations saved, then the run continued to 8 (the reference)."""
     root = tmp_path_factory.mktemp("pipeline")
     _run(1, f"--train-iters 2 --save {root / 'start'}")
     shutil.copytree(root / "start", root / "reference")
-    return root, _run(1, f"--train-iters 6 --load {root / 'reference'}")
+    return root, _run(1, f"--train-iters 8 --load {root / 'reference'}")
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1-pp2", "tp2-pp2"])
-def test_two_stages_continue_a_single_stage_checkpoint_on_its_losses(single_stage, tp):
+def _from_start(root, name):
+    shutil.copytree(root / "start", root / name)
+    return root / name
+
+
+@pytest.mark.parametrize(
+    "ranks, layout",
+    [
+        (2, "--pipeline-model-parallel-size 2"),
+        (4, TP2_PP2),
+        (4, TP2_PP2 + " --het-tp --het-tp-plan attn=3,1;mlp=160,96"),
+    ],
+    ids=["tp1-pp2", "tp2-pp2", "tp2-pp2-het-uneven"],
+)
+def test_two_stages_continue_a_single_stage_checkpoint_on_its_losses(single_stage, ranks, layout):
     root, reference = single_stage
-    load = root / f"tp{tp}"
-    shutil.copytree(root / "start", load)
-    losses = _run(
-        2 * tp,
-        f"--train-iters 6 --load {load} --pipeline-model-parallel-size 2 "
-        f"--tensor-model-parallel-size {tp}",
-    )
+    load = _from_start(root, f"{ranks}-{len(layout)}")
+    losses = _run(ranks, f"--train-iters 6 --load {load} {layout}")
     assert sorted(losses) == [3, 4, 5, 6]
     _close(losses, reference, range(3, 7))
 
 
 def test_a_two_stage_checkpoint_loads_into_one_stage(single_stage):
     root, reference = single_stage
-    shutil.copytree(root / "start", root / "two")
-    two = root / "two"
+    two = _from_start(root, "two")
     _run(2, f"--train-iters 4 --load {two} --save {two} --pipeline-model-parallel-size 2")
     back = _run(1, f"--train-iters 6 --load {two}")  # saved at 4 by the 2 stages
     assert sorted(back) == [5, 6]
     _close(back, reference, (5, 6))
+
+
+def test_a_migration_inside_the_stages_is_lossless_and_its_checkpoint_loads_anywhere(
+    single_stage,
+):
+    """Both stages move units at 4 (each its own layers); saved at 6 in the moved plan, the
+    checkpoint continues in one vanilla stage and in het-TP's two stages, in that plan."""
+    root, reference = single_stage
+    moved = _from_start(root, "moved")
+    argv = _argv(f"--train-iters 6 --load {moved} --save {moved} {TP2_PP2} --het-tp")
+    ranks = run_ranks(train_with_repartitions, 4, argv, {4: "attn=1,3;mlp=40,216"})
+    assert [len(r["events"]) for r in ranks] == [1, 1, 1, 1]  # every rank moved, once
+    _close(ranks[0]["losses"], reference, range(3, 7))
+    shutil.copytree(moved, root / "moved-vanilla")
+    vanilla = _run(1, f"--train-iters 8 --load {root / 'moved-vanilla'}")
+    _close(vanilla, reference, (7, 8))
+    het = run_ranks(train, 4, _argv(f"--train-iters 8 --load {moved} {TP2_PP2} --het-tp"))[0]
+    assert (
+        "het-TP plan at iteration 6 (resumed from the checkpoint): TP=2 layers 0-3: "
+        in (het["stdout"])
+    )
+    assert "attn 1/3 mlp 40/216" in het["stdout"]
+    _close(het["losses"], reference, (7, 8))
+
+
+def test_timing_and_decisions_inside_stages_are_refused_by_name():
+    from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
+
+    args = build_parser().parse_args(
+        _argv(f"--train-iters 6 {TP2_PP2} --het-tp --het-tp-policy migrate")
+    )
+    with pytest.raises(ArgumentError, match="--pipeline-model-parallel-size 2: het-TP's timing"):
+        validate_args(args, 4, cuda_available=False)

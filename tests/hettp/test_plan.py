@@ -193,3 +193,16 @@ def test_choice_is_the_cheapest_prediction(costs, schedule, expected):
     choice, predictions = model.choose(schedule)
     assert choice == expected
     assert predictions[choice] == min(predictions.values())
+
+
+def test_pipeline_stages_slice_and_join_a_whole_model_plan():
+    whole = PartitionPlan.parse("attn=3,1;mlp=10,54", 2, 4, 4, 64, 4)
+    stages = [whole.stage(0, 2), whole.stage(2, 2)]
+    assert [s.num_layers for s in stages] == [2, 2]
+    assert stages[1].layers == whole.layers[2:]
+    assert PartitionPlan.joined(stages) == whole
+    with pytest.raises(PlanError, match="a stage of layers 3-4 does not fit"):
+        whole.stage(3, 2)
+    other = PartitionPlan.even(2, 2, 4, 32, 8)
+    with pytest.raises(PlanError, match="stages disagree"):
+        PartitionPlan.joined([stages[0], other])
