@@ -352,6 +352,18 @@ def _add_distributed_args(parser):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="Layers of the first pipeline stage (default: an even split over the stages).",
+    )
+    g.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="Layers of the last pipeline stage (default: an even split over the stages).",
+    )
+    g.add_argument(
         "--distributed-backend",
         default=None,
         choices=["nccl", "gloo"],
@@ -552,6 +564,42 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
 def _require(cond, msg):
     if not cond:
         raise ArgumentError(msg)
+
+
+def _validate_stage_layers(args, pp: int) -> None:
+    """Layers per pipeline stage, as megatron-core splits them: --decoder-first/last-pipeline-
+    num-layers for the end stages, the rest evenly over the middle ones; every stage holds at
+    least one layer (het-TP partitions each stage's layers)."""
+    ends = {
+        "--decoder-first-pipeline-num-layers": args.decoder_first_pipeline_num_layers,
+        "--decoder-last-pipeline-num-layers": args.decoder_last_pipeline_num_layers,
+    }
+    given = {flag: n for flag, n in ends.items() if n is not None}
+    for flag, n in given.items():
+        _require(pp > 1, f"{flag} needs --pipeline-model-parallel-size > 1")
+        _require(n > 0, f"{flag} must be positive, got {n}")
+    middle_stages = pp - len(given)
+    middle_layers = args.num_layers - sum(given.values())
+    if not given:
+        _require(
+            args.num_layers % pp == 0,
+            f"--num-layers ({args.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp}) (or set --decoder-first/last-pipeline-num-"
+            "layers)",
+        )
+    elif middle_stages == 0:
+        _require(
+            middle_layers == 0,
+            f"{' and '.join(f'{f} {n}' for f, n in given.items())} must add up to --num-layers "
+            f"({args.num_layers}) with {pp} pipeline stages",
+        )
+    else:
+        _require(
+            middle_layers >= middle_stages and middle_layers % middle_stages == 0,
+            f"--num-layers ({args.num_layers}) minus "
+            f"{' and '.join(f'{f} ({n})' for f, n in given.items())} must split evenly over the "
+            f"other {middle_stages} pipeline stage(s), at least one layer each",
+        )
 
 
 def _refuse_other_unit(args, unit: str, other: str) -> None:
@@ -823,11 +871,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
         f"--pipeline-model-parallel-size ({pp})",
     )
-    _require(
-        args.num_layers % pp == 0,
-        f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size "
-        f"({pp})",
-    )
+    _validate_stage_layers(args, pp)
     args.data_parallel_size = world_size // (tp * pp)
 
     # Model shape.

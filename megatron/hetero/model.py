@@ -36,6 +36,8 @@ def transformer_config(args) -> TransformerConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         sequence_parallel=args.sequence_parallel,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,

@@ -142,15 +142,14 @@ class HetTPRuntime:
             self.partition.install(module, plan)
 
     def _stage_of(self, plan: PartitionPlan | None) -> PartitionPlan | None:
-        """This pipeline stage's layers of a whole-model plan (stages hold equal numbers of
-        layers); None for a plan of another layer count (it does not fit)."""
-        stages = parallel_state.get_pipeline_model_parallel_world_size()
-        if plan is None or stages == 1:
+        """This pipeline stage's layers of a whole-model plan; None for a plan of another
+        layer count (it does not fit)."""
+        if plan is None or parallel_state.get_pipeline_model_parallel_world_size() == 1:
             return plan
-        local = self.partition.plan.num_layers
-        if plan.num_layers != local * stages:
+        layers = unwrap_model(self._module).decoder.layers
+        if plan.num_layers != self._module.config.num_layers:
             return None
-        return plan.stage(parallel_state.get_pipeline_model_parallel_rank() * local, local)
+        return plan.stage(layers[0].layer_number - 1, len(layers))  # numbered from 1, globally
 
     def whole_plan(self) -> PartitionPlan | None:
         """Every layer's partition: the pipeline stages' plans joined (collective over the

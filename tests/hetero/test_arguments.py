@@ -106,6 +106,24 @@ def test_gpu_defaults_and_precision():
             "--num-layers (2) must be divisible by --pipeline-model-parallel-size (3)",
         ),
         (
+            "--decoder-first-pipeline-num-layers 1",
+            1,
+            "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size > 1",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 2",
+            2,
+            "--num-layers (2) minus --decoder-last-pipeline-num-layers (2) must split evenly over "
+            "the other 1 pipeline stage(s), at least one layer each",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 "
+            "--decoder-last-pipeline-num-layers 2",
+            2,
+            "--decoder-first-pipeline-num-layers 1 and --decoder-last-pipeline-num-layers 2 must "
+            "add up to --num-layers (2) with 2 pipeline stages",
+        ),
+        (
             "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2",
             6,
             "world size (6) is not divisible by --tensor-model-parallel-size (2) x "

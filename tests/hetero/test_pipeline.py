@@ -20,6 +20,18 @@ MODEL = (
 TP2_PP2 = "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2"
 
 
+def _layered_plan(path) -> str:
+    """A whole-model plan whose layers differ (rank 1 holds 1, 2, 3, 3 query groups)."""
+    from hettp.plan import PartitionPlan
+
+    counts = [((3, 1), (200, 56)), ((2, 2), (160, 96)), ((1, 3), (60, 196)), ((1, 3), (100, 156))]
+    plan = PartitionPlan.joined(
+        [PartitionPlan.from_counts(2, 1, 4, 256, attn, mlp) for attn, mlp in counts]
+    )
+    path.write_text(plan.to_json())
+    return str(path)
+
+
 def _argv(extra: str) -> list[str]:
     return (MODEL + " " + extra).split()
 
@@ -53,15 +65,24 @@ def _from_start(root, name):
         (2, "--pipeline-model-parallel-size 2"),
         (4, TP2_PP2),
         (4, TP2_PP2 + " --het-tp --het-tp-plan attn=3,1;mlp=160,96"),
+        # 1 layer in the first stage, 3 in the last; the plan's layers 1-3 go to the last
+        (4, TP2_PP2 + " --decoder-first-pipeline-num-layers 1 --het-tp --het-tp-plan {layered}"),
     ],
-    ids=["tp1-pp2", "tp2-pp2", "tp2-pp2-het-uneven"],
+    ids=["tp1-pp2", "tp2-pp2", "tp2-pp2-het-uneven", "tp2-pp2-1+3-layers-het"],
 )
 def test_two_stages_continue_a_single_stage_checkpoint_on_its_losses(single_stage, ranks, layout):
     root, reference = single_stage
     load = _from_start(root, f"{ranks}-{len(layout)}")
-    losses = _run(ranks, f"--train-iters 6 --load {load} {layout}")
+    layout = layout.format(layered=_layered_plan(root / "layered.json"))
+    result = run_ranks(train, ranks, _argv(f"--train-iters 6 --load {load} {layout}"))[0]
+    losses = result["losses"]
     assert sorted(losses) == [3, 4, 5, 6]
     _close(losses, reference, range(3, 7))
+    if "--het-tp-plan" in layout:  # each stage took its layers: joined, they are the plan
+        from hettp.plan import PartitionPlan
+
+        given = PartitionPlan.parse(layout.split("--het-tp-plan ")[1].split()[0], 2, 4, 4, 256, 1)
+        assert f"het-TP plan at iteration 2 (initial): {given.summary()}" in result["stdout"]
 
 
 def test_a_two_stage_checkpoint_loads_into_one_stage(single_stage):
