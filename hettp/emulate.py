@@ -3,10 +3,13 @@
     none
     persistent:rank=1,factor=2[,start=20][,stop=80]
     transient:rank=1,factor=4,start=20,length=10,period=50     bursts of `length` every `period`
+    persistent:global=3,factor=2  (or transient:global=...)    one process: global rank 3
     rotating:factor=2,period=50[,start=0]                       rank (i - start) // period % tp
     multi:factors=8/6/4/2[,start=0]                             ranks 0.. at those factors
 
-Any of them takes `mode=sharded` (the default) or `mode=device`. A slowed rank waits (factor - 1)
+`rank=R` slows TP rank R of every TP group (every pipeline stage, every data-parallel
+replica); `global=G` slows the one process of global rank G. Any of them takes `mode=sharded`
+(the default) or `mode=device`. A slowed rank waits (factor - 1)
 x the compute it just did (megatron/hetero/timing.py), so its injected delay shrinks when its
 work does, as a slow GPU's would: in `sharded` mode after each region of the work its units
 carry (the sharded modules and the optimizer step: what het-TP can move), in `device` mode
@@ -26,16 +29,16 @@ class ScenarioError(ValueError):
 
 _KEYS = {
     "none": set(),
-    "persistent": {"rank", "factor", "start", "stop", "mode"},
-    "transient": {"rank", "factor", "start", "length", "period", "mode"},
+    "persistent": {"rank", "global", "factor", "start", "stop", "mode"},
+    "transient": {"rank", "global", "factor", "start", "length", "period", "mode"},
     "rotating": {"factor", "period", "start", "mode"},
     "multi": {"factors", "start", "mode"},
 }
 MODES = ("sharded", "device")
 _REQUIRED = {
     "none": set(),
-    "persistent": {"rank", "factor"},
-    "transient": {"rank", "factor", "start", "length", "period"},
+    "persistent": {"factor"},
+    "transient": {"factor", "start", "length", "period"},
     "rotating": {"factor", "period"},
     "multi": {"factors"},
 }
@@ -82,6 +85,13 @@ class Scenario:
         missing = _REQUIRED[kind] - set(params)
         if missing:
             raise ScenarioError(f"{flag} '{text}': {kind} needs {', '.join(sorted(missing))}")
+        if kind in ("persistent", "transient") and ("rank" in params) == ("global" in params):
+            raise ScenarioError(
+                f"{flag} '{text}': {kind} needs one of rank= (a TP rank in every group) and "
+                "global= (one global rank)"
+            )
+        if params.get("global", 0) < 0:
+            raise ScenarioError(f"{flag} '{text}': global rank must be >= 0")
         factors = params.get("factors", (params.get("factor", 1.0),))
         if not all(1.0 <= f < math.inf for f in factors):  # nan fails both comparisons
             raise ScenarioError(
@@ -108,18 +118,28 @@ class Scenario:
         """What a slowed rank's slowdown covers: "sharded" or "device" (module docstring)."""
         return dict(self.params).get("mode", "sharded")
 
-    def factor(self, rank: int, iteration: int) -> float:
-        """How many times slower TP rank `rank` computes at `iteration` (1.0: full speed)."""
+    @property
+    def global_rank(self) -> int | None:
+        """The one global rank a `global=` scenario slows (None: TP ranks of every group)."""
+        return dict(self.params).get("global")
+
+    def factor(self, rank: int, iteration: int, global_rank: int | None = None) -> float:
+        """How many times slower TP rank `rank` (global rank `global_rank`) computes at
+        `iteration` (1.0: full speed)."""
         p = dict(self.params)
         start = p.get("start", 0)
         if self.kind == "none" or iteration < start:
             return 1.0
+        if self.kind in ("persistent", "transient"):
+            slowed = rank == p["rank"] if "rank" in p else global_rank == p["global"]
+            if not slowed:
+                return 1.0
         if self.kind == "persistent":
             stop = p.get("stop")
-            return p["factor"] if rank == p["rank"] and (stop is None or iteration < stop) else 1.0
+            return p["factor"] if stop is None or iteration < stop else 1.0
         if self.kind == "transient":
             in_burst = (iteration - start) % p["period"] < p["length"]
-            return p["factor"] if rank == p["rank"] and in_burst else 1.0
+            return p["factor"] if in_burst else 1.0
         if self.kind == "rotating":
             return p["factor"] if rank == (iteration - start) // p["period"] % self.tp_size else 1.0
         factors = p["factors"]

@@ -94,8 +94,13 @@ def run_transfer(
     step: int | None = None,
     fault: Callable[[str], None] | None = None,
     message_bytes: int = MESSAGE_BYTES,
+    agree_over=None,
 ) -> TransferResult:
     """Move every unit of `schedule` within `group` (ranks are group ranks).
+
+    `agree_over`: the process group whose ranks all learn whether any transfer failed (default
+    `group`): the whole job where other groups transfer at the same boundary and all of them
+    must commit, or none (a rebuilt optimizer runs collectives over every rank).
 
     specs(move) gives the shapes and dtypes of a unit's tensors (known to every rank);
     payload(run) the sender's tensors for a run of moves (hettp.wire.runs), each its units'
@@ -115,6 +120,9 @@ def run_transfer(
 
     if primitive == "p2p":
         recv, sums = _stream(layouts, group, rank, payload, device, fault, failures, stages)
+        # as many votes as the collectives' path: groups that agree over the whole job may
+        # have chosen different primitives
+        _vote(failures, group, device, step, agree_over)
     else:
         send: dict[int, torch.Tensor] = {}
         try:
@@ -126,7 +134,7 @@ def run_transfer(
         except Exception as err:  # noqa: BLE001 - every failure aborts the transaction
             failures.append(f"pack: {type(err).__name__}: {err}")
         stages["pack"] = time.perf_counter() - start
-        _vote(failures, group, device, step)
+        _vote(failures, group, device, step, agree_over)
         mark = time.perf_counter()
         recv = {
             src: torch.empty(layout.size, dtype=torch.uint8, device=device)
@@ -160,7 +168,7 @@ def run_transfer(
         failures.append(f"verify: {type(err).__name__}: {err}")
     stages["verify"] = time.perf_counter() - mark
 
-    _vote(failures, group, device, step)
+    _vote(failures, group, device, step, agree_over)
     return TransferResult(
         received,
         primitive,
@@ -270,17 +278,21 @@ class _Outbox:
             self._send(filler[: sizes[self.sent]])
 
 
-def _vote(failures, group, device, step):
-    """All ranks learn whether any rank failed; on failure all raise the same error."""
-    ok = torch.tensor([0 if failures else 1], dtype=torch.int64, device=device)
-    flags = [torch.empty_like(ok) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(flags, ok, group=group)
-    failed = [r for r, flag in enumerate(flags) if flag.item() == 0]
+def _vote(failures, group, device, step, agree_over=None):
+    """All ranks of `agree_over` (default: `group`) learn whether any rank failed; on failure
+    all raise the same error, naming the TP ranks (ranks of `group`) that failed."""
+    voters = group if agree_over is None else agree_over
+    mine = torch.tensor(
+        [0 if failures else 1, dist.get_rank(group)], dtype=torch.int64, device=device
+    )
+    votes = [torch.empty_like(mine) for _ in range(dist.get_world_size(voters))]
+    dist.all_gather(votes, mine, group=voters)
+    failed = sorted({int(v[1].item()) for v in votes if v[0].item() == 0})
     if failed:
         where = f" at iteration {step}" if step is not None else ""
-        mine = f"; this rank: {'; '.join(failures)}" if failures else ""
+        detail = f"; this rank: {'; '.join(failures)}" if failures else ""
         raise TransferError(
-            f"unit transfer{where} aborted: TP rank(s) {failed} failed{mine}. "
+            f"unit transfer{where} aborted: TP rank(s) {failed} failed{detail}. "
             "Every rank keeps its previous partition and state."
         )
 

@@ -58,7 +58,11 @@ class ScenarioSpec:
     def check(self, tp_size: int) -> None:
         if self.emulate and self.real:
             raise ScenarioError(f"scenario '{self.name}': give emulate or noisy_neighbor, not both")
-        self.emulation(tp_size)
+        emulation = self.emulation(tp_size)
+        if emulation is not None and emulation.global_rank is not None:
+            raise ScenarioError(
+                f"scenario '{self.name}': compare.py slows TP ranks (rank=), not one global rank"
+            )
         if self.real and not 0 <= self.neighbor_rank < tp_size:
             raise ScenarioError(
                 f"scenario '{self.name}': noisy_neighbor rank "

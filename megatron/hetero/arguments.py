@@ -1065,6 +1065,12 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
 
     het_tp = het_tp_config(args, cuda_available)
+    slowed = het_tp.scenario.global_rank if het_tp.scenario is not None else None
+    _require(
+        slowed is None or slowed < world_size,
+        f"--het-tp-emulate {args.het_tp_emulate}: global rank {slowed} is not below the world "
+        f"size ({world_size})",
+    )
     _require(
         pp == 1 or not (het_tp.timed or het_tp.resizes),
         f"--pipeline-model-parallel-size {pp}: het-TP's timing, decisions and resizing do not "

@@ -71,7 +71,9 @@ class Controller:
 
     def begin_step(self, iteration: int) -> None:
         """Before the step that will be `iteration`: arm the timer (and the emulated factor)."""
-        factor = self.scenario.factor(self.tp_rank, iteration) if self.scenario else 1.0
+        factor = (
+            self.scenario.factor(self.tp_rank, iteration, dist.get_rank()) if self.scenario else 1.0
+        )
         self.timer.reset(factor)
 
     def end_step(

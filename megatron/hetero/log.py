@@ -45,27 +45,30 @@ class EventLog:
         if self.metrics is not None:
             self.metrics.write("plan", iteration=iteration, why=why, plan=plan.to_json())
 
-    def repartition(self, iteration, migration) -> None:
-        """One line per applied re-partition: what moved, how, and what it cost."""
+    def repartition(
+        self, iteration, migration, plan, units, payload_bytes, wire_bytes, min_bytes
+    ) -> None:
+        """One line per applied re-partition: the whole-model plan, what moved over every
+        pipeline stage, how (this stage's primitive and time), and what it cost."""
         result = migration.result
         predicted = ", ".join(
             f"{p} {t * 1e3:.2f}" for p, t in sorted(migration.predictions.items())
         )
         self.info(
-            f"> het-TP repartition at iteration {iteration}: {migration.after.summary()} | "
-            f"moved {migration.units_moved} units, {result.payload_bytes} bytes "
-            f"({result.wire_bytes} on the wire) via {result.primitive} in "
+            f"> het-TP repartition at iteration {iteration}: {plan.summary()} | "
+            f"moved {units} units, {payload_bytes} bytes "
+            f"({wire_bytes} on the wire) via {result.primitive} in "
             f"{result.seconds * 1e3:.1f} ms (predicted ms: {predicted})"
         )
         if self.metrics is not None:
             self.metrics.write(
                 "repartition",
                 iteration=iteration,
-                plan=migration.after.to_json(),
-                units_moved=migration.units_moved,
-                bytes=result.payload_bytes,
-                min_bytes=migration.minimum_bytes(),
-                wire_bytes=result.wire_bytes,
+                plan=plan.to_json(),
+                units_moved=units,
+                bytes=payload_bytes,
+                min_bytes=min_bytes,
+                wire_bytes=wire_bytes,
                 primitive=result.primitive,
                 seconds=result.seconds,
                 predicted_seconds=migration.predictions,
@@ -227,6 +230,7 @@ class Logger:
                 version=__version__,
                 world_size=args.world_size,
                 tensor_model_parallel_size=args.tensor_model_parallel_size,
+                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                 data_parallel_size=args.data_parallel_size,
                 start_iteration=iteration,
                 parameters_rank0=params,

@@ -115,12 +115,20 @@ class HetPartition:
         with gathered_params(state):
             view = OptimizerView(state.optimizer)
             view.gather()  # whole masters and moments under the distributed optimizer
+            # every TP group of the job (data-parallel replicas, pipeline stages) transfers at
+            # this boundary: all commit or none, and all rebuild if any moved units, since
+            # building an optimizer runs collectives over every rank
             migration, replaced = self._move(
-                state.model, plan, optimizer=view, step=step, fault=fault
+                state.model,
+                plan,
+                optimizer=view,
+                step=step,
+                fault=fault,
+                agree_over=dist.group.WORLD,
             )
-            if migration.units_moved:
-                # Every rank rebuilds, also one whose units did not change: building the
-                # optimizer runs collectives.
+            moved = torch.tensor([migration.units_moved], dtype=torch.int64, device=comm_device())
+            dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+            if moved.item():
                 _rebuild(state, replaced, view)
             else:  # at most a local reorder, done on the gathered copies
                 _write_back(view)
@@ -155,7 +163,7 @@ class HetPartition:
 
     # ------------------------------------------------------------------------------------
 
-    def _move(self, module, plan, optimizer, step, fault):
+    def _move(self, module, plan, optimizer, step, fault, agree_over=None):
         """Transfer and commit; returns the Migration and {old param: (new param, new
         optimizer state)}."""
         blocks = het_blocks(module)
@@ -182,6 +190,7 @@ class HetPartition:
                 device=comm_device(),
                 step=step,
                 fault=fault,
+                agree_over=agree_over,
             )
             replaced = self._commit(blocks, pieces, positions, plan, keys, result)
         migration = Migration(self.plan, plan, schedule, result, predictions)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -37,6 +38,7 @@ from hettp.resize import ResizeError, check_shares
 from .arguments import het_tp_config
 from .log import EventLog
 from .model import unwrap_model
+from .partition import comm_device
 
 # Why a resumed run starts in its checkpoint's plan (the `plan` record's `why`).
 RESUMED = "resumed from the checkpoint"
@@ -318,15 +320,40 @@ class HetTPRuntime:
         return self.resizer.shares if self.resizer is not None else (0.0,) * tp
 
     def repartition(self, plan: PartitionPlan, iteration: int, fault=None) -> Migration:
-        """Move to `plan` (resized ranks keep their priority order); logs the `repartition`
-        record. A failed transfer raises TransferError with every rank's state intact."""
+        """Move to `plan`, a whole-model plan: each pipeline stage moves its own layers, and
+        every rank of the job calls this at the same boundary (resized ranks keep their
+        priority order); logs the `repartition` record. A failed transfer anywhere raises
+        TransferError on every rank, with every rank's state intact. Returns this stage's
+        migration."""
+        mine = self._stage_of(plan)
+        if mine is None:
+            raise PlanError(
+                f"plan has {plan.num_layers} layers, the model has {self._module.config.num_layers}"
+            )
         if self.resizer is not None:
-            migration = self.resizer.repartition(self.state, plan, step=iteration, fault=fault)
+            migration = self.resizer.repartition(self.state, mine, step=iteration, fault=fault)
         else:
-            migration = self.partition.repartition(self.state, plan, step=iteration, fault=fault)
-        self.events.repartition(iteration, migration)
+            migration = self.partition.repartition(self.state, mine, step=iteration, fault=fault)
+        self.events.repartition(iteration, migration, *self._over_stages(migration))
         self._rebase()
         return migration
+
+    def _over_stages(self, migration: Migration) -> tuple:
+        """(whole plan, units moved, payload bytes, wire bytes, fewest bytes possible) over
+        every pipeline stage, for the record (collective over the pipeline group; this stage's
+        alone without one)."""
+        result = migration.result
+        totals = [
+            migration.units_moved,
+            result.payload_bytes,
+            result.wire_bytes,
+            migration.minimum_bytes(),
+        ]
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            summed = torch.tensor(totals, dtype=torch.int64, device=comm_device())
+            dist.all_reduce(summed, group=parallel_state.get_pipeline_model_parallel_group())
+            totals = summed.tolist()
+        return (self.whole_plan(), *totals)
 
     def resize(self, shares, iteration: int, why: str) -> None:
         self.resizer.resize(self.state, shares)

@@ -67,8 +67,14 @@ def _from_start(root, name):
         (4, TP2_PP2 + " --het-tp --het-tp-plan attn=3,1;mlp=160,96"),
         # 1 layer in the first stage, 3 in the last; the plan's layers 1-3 go to the last
         (4, TP2_PP2 + " --decoder-first-pipeline-num-layers 1 --het-tp --het-tp-plan {layered}"),
+        # sequence-parallel activations between stages, the distributed optimizer, evaluation
+        (
+            4,
+            TP2_PP2 + " --het-tp --sequence-parallel --use-distributed-optimizer "
+            "--eval-iters 1 --eval-interval 3",
+        ),
     ],
-    ids=["tp1-pp2", "tp2-pp2", "tp2-pp2-het-uneven", "tp2-pp2-1+3-layers-het"],
+    ids=["tp1-pp2", "tp2-pp2", "tp2-pp2-het-uneven", "tp2-pp2-1+3-layers-het", "tp2-pp2-het-all"],
 )
 def test_two_stages_continue_a_single_stage_checkpoint_on_its_losses(single_stage, ranks, layout):
     root, reference = single_stage
@@ -76,6 +82,7 @@ def test_two_stages_continue_a_single_stage_checkpoint_on_its_losses(single_stag
     layout = layout.format(layered=_layered_plan(root / "layered.json"))
     result = run_ranks(train, ranks, _argv(f"--train-iters 6 --load {load} {layout}"))[0]
     losses = result["losses"]
+    assert "pipeline-model-parallel size 2" in result["stdout"]  # it did run in 2 stages
     assert sorted(losses) == [3, 4, 5, 6]
     _close(losses, reference, range(3, 7))
     if "--het-tp-plan" in layout:  # each stage took its layers: joined, they are the plan
@@ -94,26 +101,49 @@ def test_a_two_stage_checkpoint_loads_into_one_stage(single_stage):
     _close(back, reference, (5, 6))
 
 
-def test_a_migration_inside_the_stages_is_lossless_and_its_checkpoint_loads_anywhere(
-    single_stage,
-):
-    """Both stages move units at 4 (each its own layers); saved at 6 in the moved plan, the
-    checkpoint continues in one vanilla stage and in het-TP's two stages, in that plan."""
+def _whole(*layers) -> str:
+    """A whole-model plan (JSON) from per-layer ((attn counts), (mlp counts))."""
+    from hettp.plan import PartitionPlan
+
+    return PartitionPlan.joined(
+        [PartitionPlan.from_counts(2, 1, 4, 256, attn, mlp) for attn, mlp in layers]
+    ).to_json()
+
+
+EVEN, MOVED, OTHER = ((2, 2), (128, 128)), ((1, 3), (40, 216)), ((3, 1), (200, 56))
+
+
+def test_migrations_inside_stages_are_lossless_and_their_checkpoint_loads_anywhere(single_stage):
+    """At 4 only the first stage's layers move, at 5 only the last stage's; at 6 a move fails
+    on a TP rank of the first stage only, and every rank keeps its state (building optimizers
+    runs collectives over the whole job, so all stages commit or none). Saved at 6 in the
+    moved plan, the checkpoint continues in one vanilla stage and in het-TP's two stages."""
     root, reference = single_stage
     moved = _from_start(root, "moved")
     argv = _argv(f"--train-iters 6 --load {moved} --save {moved} {TP2_PP2} --het-tp")
-    ranks = run_ranks(train_with_repartitions, 4, argv, {4: "attn=1,3;mlp=40,216"})
-    assert [len(r["events"]) for r in ranks] == [1, 1, 1, 1]  # every rank moved, once
-    _close(ranks[0]["losses"], reference, range(3, 7))
+    plans = {4: _whole(MOVED, MOVED, EVEN, EVEN), 5: _whole(MOVED, MOVED, OTHER, OTHER)}
+    plans[6] = _whole(EVEN, EVEN, OTHER, OTHER)
+    faults = ({"iteration": 6, "rank": 1, "stage": "pack", "pipeline_stage": 0},)
+    ranks = run_ranks(train_with_repartitions, 4, argv, plans, faults)
+    for rank, result in enumerate(ranks):  # ranks 0-1: the first stage, 2-3: the last
+        moves = [e for e in result["events"] if "error" not in e]
+        assert [e["units_moved"] for e in moves] == (
+            [2 + 88 * 2, 0] if rank < 2 else [0, 2 + 72 * 2]
+        )
+        assert [e["plan"] for e in moves] == [plans[4], plans[5]]
+        failed = [e for e in result["events"] if "error" in e]
+        assert [e["iteration"] for e in failed] == [6], result["events"]
+        assert failed[0]["unchanged"] and failed[0]["plan_kept"]
+        assert "aborted: TP rank(s) [1] failed" in failed[0]["error"]
+        _close(result["losses"], reference, range(3, 7))
     shutil.copytree(moved, root / "moved-vanilla")
     vanilla = _run(1, f"--train-iters 8 --load {root / 'moved-vanilla'}")
     _close(vanilla, reference, (7, 8))
     het = run_ranks(train, 4, _argv(f"--train-iters 8 --load {moved} {TP2_PP2} --het-tp"))[0]
     assert (
-        "het-TP plan at iteration 6 (resumed from the checkpoint): TP=2 layers 0-3: "
-        in (het["stdout"])
-    )
-    assert "attn 1/3 mlp 40/216" in het["stdout"]
+        "het-TP plan at iteration 6 (resumed from the checkpoint): TP=2 layers 0-1: attn 1/3 "
+        "mlp 40/216; layers 2-3: attn 3/1 mlp 200/56"
+    ) in het["stdout"]
     _close(het["losses"], reference, (7, 8))
 
 

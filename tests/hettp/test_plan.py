@@ -196,10 +196,14 @@ def test_choice_is_the_cheapest_prediction(costs, schedule, expected):
 
 
 def test_pipeline_stages_slice_and_join_a_whole_model_plan():
-    whole = PartitionPlan.parse("attn=3,1;mlp=10,54", 2, 4, 4, 64, 4)
-    stages = [whole.stage(0, 2), whole.stage(2, 2)]
-    assert [s.num_layers for s in stages] == [2, 2]
-    assert stages[1].layers == whole.layers[2:]
+    layers = [
+        PartitionPlan.from_counts(2, 1, 4, 64, (a, 4 - a), (8 * a, 64 - 8 * a), 4) for a in range(4)
+    ]
+    whole = PartitionPlan.joined(layers)  # every layer differs
+    assert [whole.counts(i, "attn") for i in range(4)] == [(0, 4), (1, 3), (2, 2), (3, 1)]
+    stages = [whole.stage(0, 1), whole.stage(1, 3)]
+    assert [s.num_layers for s in stages] == [1, 3]
+    assert stages[1].layers == tuple(layer.layers[0] for layer in layers[1:])
     assert PartitionPlan.joined(stages) == whole
     with pytest.raises(PlanError, match="a stage of layers 3-4 does not fit"):
         whole.stage(3, 2)

@@ -341,6 +341,10 @@ def test_scenarios():
     s = Scenario.parse("multi:factors=8/6/4/2", 8)
     assert s.speeds(0) == (1 / 8, 1 / 6, 1 / 4, 1 / 2, 1, 1, 1, 1)
     assert Scenario.parse("none", 2).speeds(7) == (1.0, 1.0)
+    s = Scenario.parse("persistent:global=3,factor=2,start=4", 2)  # one process, any stage
+    assert s.global_rank == 3 and s.factor(1, 5, global_rank=3) == 2.0
+    assert s.factor(1, 5, global_rank=1) == 1.0 and s.factor(1, 3, global_rank=3) == 1.0
+    assert Scenario.parse("persistent:rank=1,factor=2", 2).global_rank is None
 
 
 @pytest.mark.parametrize(
@@ -358,6 +362,9 @@ def test_scenarios():
         ("transient:rank=0,factor=2,start=0,length=5,period=3", "length exceeds period"),
         ("multi:factors=8/6/4", "3 factors for 2 TP ranks"),
         ("persistent:rank=one,factor=2", "bad value for rank: 'one'"),
+        ("persistent:factor=2", "persistent needs one of rank= (a TP rank in every group) and"),
+        ("transient:rank=1,global=3,factor=2,start=0,length=1,period=2", "needs one of rank="),
+        ("persistent:global=-1,factor=2", "global rank must be >= 0"),
     ],
 )
 def test_bad_scenarios_name_the_flag(text, message):

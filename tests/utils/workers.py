@@ -183,7 +183,8 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
     list of them applied in turn) after that iteration.
 
     A fault {"iteration": i, "rank": r, "stage": s} makes TP rank r fail at stage s of the
-    transfer at iteration i; the hook then records whether anything changed and goes on.
+    transfer at iteration i (in every pipeline stage, or in "pipeline_stage" p only); the hook
+    then records whether anything changed and goes on.
     """
     import weakref
 
@@ -222,7 +223,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
 
     def apply(iteration, spec, state, runtime):
         partition = runtime.partition
-        current = partition.plan
+        current = runtime.whole_plan()  # every layer of the model, over pipeline stages
         if spec.startswith("rebalance:"):  # new counts, fewest moves from the current plan
             counts = dict(part.split("=") for part in spec[len("rebalance:") :].split(";"))
             plan = current.rebalanced(
@@ -238,6 +239,9 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                 current.mlp_unit_size,
             )
         tp_rank = dist.get_rank(partition.group)
+        from megatron.core import parallel_state
+
+        pp_stage = parallel_state.get_pipeline_model_parallel_rank()
 
         def inject(stage):
             for fault in faults:
@@ -245,7 +249,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     iteration,
                     stage,
                     tp_rank,
-                ):
+                ) and fault.get("pipeline_stage", pp_stage) == pp_stage:
                     raise RuntimeError(f"injected failure at {stage}")
 
         before = snapshot(state)
@@ -272,7 +276,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     "iteration": iteration,
                     "error": str(err),
                     "unchanged": same,
-                    "plan_kept": partition.plan == current,
+                    "plan_kept": runtime.whole_plan() == current,
                 }
             )
             return
@@ -300,7 +304,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                 "bytes": result.payload_bytes,
                 "primitive": result.primitive,
                 "moves": [(m.layer, m.block, m.unit, m.src, m.dst) for m in schedule.moves],
-                "plan": partition.plan.to_json(),
+                "plan": runtime.whole_plan().to_json(),
                 "local_units": {
                     f"{k[0]}.{k[1]}": list(b.units) for k, b in het_blocks(state.model).items()
                 },
