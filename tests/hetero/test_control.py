@@ -216,3 +216,17 @@ def test_policy_none_is_vanilla_megatron_core_timed(tmp_path):
         assert grown > 0.75 * max(plain_report["compute_s"])
         # ... and a rank cannot have computed longer than its steps took
         assert max(report["compute_s"]) <= report["step_s"]
+
+
+def test_global_emulation_slows_the_one_process_it_names(tmp_path):
+    """global=G: the process of global rank G (here TP rank 0 of the only group), whichever TP
+    rank, stage or replica it is."""
+    ranks, records = _run(
+        tmp_path,
+        "global",
+        ["--het-tp-policy", "migrate", "--het-tp-emulate", "persistent:global=0,factor=3,start=10"],
+    )
+    decisions = [r for r in records if r["kind"] == "decision"]
+    assert decisions and all("ranks [0]" in r["reason"] for r in decisions), decisions
+    timing = {r["iteration"]: r["slowdown"] for r in records if r["kind"] == "timing"}
+    assert timing[min(i for i in timing if i >= decisions[0]["iteration"])][0] > 1.5
