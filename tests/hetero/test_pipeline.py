@@ -1,4 +1,4 @@
-"""Pipeline parallelism on real gloo ranks: megatron-core's 1F1B schedule over 2 stages, with
+"""Pipeline parallelism on real gloo ranks: megatron-core's 1F1B schedule over 2 or 3 stages, with
 vanilla layers (with and without TP=2) and with het-TP layers inside the stages (an uneven
 plan, a migration at a step boundary), continues a single-stage checkpoint on the single-stage
 run's losses; two-stage checkpoints load back into one stage, het-TP's in its plan."""
@@ -63,7 +63,8 @@ def _from_start(root, name):
     "ranks, layout",
     [
         (2, "--pipeline-model-parallel-size 2"),
-        (4, TP2_PP2),
+        # a middle stage (neither embedding nor loss): layers 2 + 1 + 1
+        (3, "--pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 2"),
         (4, TP2_PP2 + " --het-tp --het-tp-plan attn=3,1;mlp=160,96"),
         # 1 layer in the first stage, 3 in the last; the plan's layers 1-3 go to the last
         (4, TP2_PP2 + " --decoder-first-pipeline-num-layers 1 --het-tp --het-tp-plan {layered}"),
@@ -74,15 +75,24 @@ def _from_start(root, name):
             "--eval-iters 1 --eval-interval 3",
         ),
     ],
-    ids=["tp1-pp2", "tp2-pp2", "tp2-pp2-het-uneven", "tp2-pp2-1+3-layers-het", "tp2-pp2-het-all"],
+    ids=[
+        "tp1-pp2",
+        "tp1-pp3",
+        "tp2-pp2-het-uneven",
+        "tp2-pp2-1+3-layers-het",
+        "tp2-pp2-het-all",
+    ],
 )
-def test_two_stages_continue_a_single_stage_checkpoint_on_its_losses(single_stage, ranks, layout):
+def test_pipeline_stages_continue_a_single_stage_checkpoint_on_its_losses(
+    single_stage, ranks, layout
+):
     root, reference = single_stage
     load = _from_start(root, f"{ranks}-{len(layout)}")
     layout = layout.format(layered=_layered_plan(root / "layered.json"))
     result = run_ranks(train, ranks, _argv(f"--train-iters 6 --load {load} {layout}"))[0]
     losses = result["losses"]
-    assert "pipeline-model-parallel size 2" in result["stdout"]  # it did run in 2 stages
+    stages = layout.split("--pipeline-model-parallel-size ")[1].split()[0]
+    assert f"pipeline-model-parallel size {stages}" in result["stdout"]  # it ran in stages
     assert sorted(losses) == [3, 4, 5, 6]
     _close(losses, reference, range(3, 7))
     if "--het-tp-plan" in layout:  # each stage took its layers: joined, they are the plan
