@@ -1,6 +1,6 @@
 """Pipeline parallelism on real gloo ranks: megatron-core's 1F1B schedule over 2 or 3 stages, with
-vanilla layers (with and without TP=2) and with het-TP layers inside the stages (an uneven
-plan, a migration at a step boundary), continues a single-stage checkpoint on the single-stage
+vanilla layers and with het-TP layers inside the stages at TP=2 (uneven plans, migrations at
+step boundaries, a failed one), continues a single-stage checkpoint on the single-stage
 run's losses; two-stage checkpoints load back into one stage, het-TP's in its plan."""
 
 from __future__ import annotations
