@@ -99,20 +99,25 @@ class BatchSchedule:
             None if ramp is None else Rampup(*ramp),
         )
 
-    def reached(self) -> list[int]:
-        """The global batch sizes a run goes through, in order (the ramp's, then the full)."""
-        sizes, consumed = [], 0
-        while self.rampup is not None and consumed <= self.rampup.samples:
+    def _ramp_steps(self):
+        """(samples consumed before, global batch) of each step on the ramp, up to the first
+        that starts past its end (Megatron-LM's walk, shared by reached() and iterations())."""
+        consumed = 0
+        while consumed <= self.rampup.samples:
             self._calculator.update(consumed, consistency_check=False)
             size = self._calculator.get_current_global_batch_size()
+            yield consumed, size
+            consumed += size
+
+    def reached(self) -> list[int]:
+        """The global batch sizes a run goes through, in order (the ramp's, then the full)."""
+        sizes = []
+        for _, size in self._ramp_steps() if self.rampup is not None else ():
             if not sizes or sizes[-1] != size:
                 sizes.append(size)
-            consumed += size
-        return (
-            sizes
-            if sizes and sizes[-1] == self.global_batch_size
-            else sizes + [self.global_batch_size]
-        )
+        if not sizes or sizes[-1] != self.global_batch_size:
+            sizes.append(self.global_batch_size)
+        return sizes
 
     def at(self, consumed: int) -> StepBatch:
         self._calculator.update(consumed, consistency_check=True)
@@ -125,9 +130,10 @@ class BatchSchedule:
         if self.rampup is None:
             return train_samples // self.global_batch_size
         steps, consumed = 0, 0
-        while consumed <= self.rampup.samples and consumed <= train_samples:
-            consumed += self.at(consumed).global_batch_size
-            steps += 1
+        for before, size in self._ramp_steps():
+            if before > train_samples:
+                break
+            steps, consumed = steps + 1, before + size
         if train_samples > consumed:
             steps += (train_samples - consumed) // self.global_batch_size
         return steps
