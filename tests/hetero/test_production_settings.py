@@ -128,7 +128,7 @@ def test_resize_then_restore_under_all_settings():
     """Rank 1 skips half its units from the start (bit-identical weights and Adam state while
     skipped) and computes them again from step 4."""
     argv = _argv(SETTINGS["all"], iters=7) + ["--het-tp-resize", "0,0.5"]
-    ranks = run_ranks(train_with_resizes, 4, argv, {3: [("resize", (0.0, 0.0))]})
+    ranks = run_ranks(train_with_resizes, 4, argv, {3: [("resize", (0.0, 0.0))]}, range(1, 6))
     records = ranks[1]["records"]
     skipped = {k: set(b["units"][b["active"] :]) for k, b in records[1]["blocks"].items()}
     assert any(skipped.values())
@@ -162,9 +162,13 @@ def test_priorities_under_the_distributed_optimizer_are_the_plain_optimizers(sco
         "--het-tp-priority-sample-interval",
         "1",
     ]
-    plain = run_ranks(train_with_resizes, 4, _argv(OVERLAP, iters=7) + flags, {})
+    plain = run_ranks(train_with_resizes, 4, _argv(OVERLAP, iters=7) + flags, {}, (7,))
     sharded = run_ranks(
-        train_with_resizes, 4, _argv(f"{OVERLAP} {DISTOPT} {PARAM_GATHER}", iters=7) + flags, {}
+        train_with_resizes,
+        4,
+        _argv(f"{OVERLAP} {DISTOPT} {PARAM_GATHER}", iters=7) + flags,
+        {},
+        (7,),
     )
 
     def orders(rank, iteration):

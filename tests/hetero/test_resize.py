@@ -94,6 +94,7 @@ def resized_run():
         2,
         TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "4", "--bf16"],
         actions,
+        range(1, 9),
     )
 
 
@@ -162,7 +163,7 @@ def test_scorer_observes_only_sampled_iterations():
         "--train-iters",
         "7",
     ]
-    records = run_ranks(train_with_resizes, 2, argv, {})[1]["records"]
+    records = run_ranks(train_with_resizes, 2, argv, {}, ())[1]["records"]
     once = records[3]["observed"]  # unit-steps observed at iteration 3
     assert once > 0
     assert [records[it]["observed"] for it in range(1, 8)] == [
@@ -182,6 +183,7 @@ def test_paper_baseline_updates_skipped_units_with_imputed_gradients():
         2,
         TRAIN + ["--het-tp-policy", "zero", "--het-tp-resize", "0,0.5", "--train-iters", "4"],
         {},
+        (2, 3),
     )
     records = result[1]["records"]
     assert "skipped gradients imputed with 1e-08" in result[0]["stdout"]
@@ -209,11 +211,11 @@ def test_resize_state_survives_a_checkpoint(tmp_path):
         "10",
     ]
     actions = {6: [("resize", (0.0, 0.0))]}
-    straight = run_ranks(train_with_resizes, 2, argv, actions)[0]["losses"]
+    straight = run_ranks(train_with_resizes, 2, argv, actions, ())[0]["losses"]
     ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "5"]
-    run_ranks(train_with_resizes, 2, argv + ckpt + ["--exit-interval", "5"], actions)
+    run_ranks(train_with_resizes, 2, argv + ckpt + ["--exit-interval", "5"], actions, ())
     resumed = run_ranks(
-        train_with_resizes, 2, argv + ckpt + ["--load", str(tmp_path / "ckpt")], actions
+        train_with_resizes, 2, argv + ckpt + ["--load", str(tmp_path / "ckpt")], actions, ()
     )[0]["losses"]
     assert sorted(resumed) == list(range(6, 11))
     assert [resumed[i] for i in range(6, 11)] == [straight[i] for i in range(6, 11)]

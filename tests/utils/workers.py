@@ -567,12 +567,14 @@ def exchange_primitives(world_cases: list) -> dict:
     }
 
 
-def train_with_resizes(argv: list[str], actions: dict) -> dict:
+def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
     """pretrain with resizes and migrations at step boundaries: actions[iteration] is a list of
     ("resize", shares) or ("migrate", "rebalance:attn=..;mlp=..").
 
-    After every step, records this rank's local unit order and active count per block, a copy
-    of every local unit's weights and optimizer state (by unit id), and the priorities."""
+    After every step, records this rank's local unit order and active count per block and the
+    priorities, and at the steps in `values_at` (default: every step) a copy of every local
+    unit's weights and optimizer state (by unit id): thousands of small tensors a step, which
+    take longer to copy and send back than the tiny model takes to train."""
 
     from megatron.hetero.partition import het_blocks
     from megatron.hetero.unit_state import OptimizerView, state_keys, unit_tensors
@@ -595,8 +597,9 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
         blocks = het_blocks(state.model)
         keys = state_keys(optimizer, blocks)
         record = {}
+        copy = values_at is None or iteration in values_at
         for key, block in blocks.items():
-            tensors = unit_tensors(block, optimizer, keys)
+            tensors = unit_tensors(block, optimizer, keys) if copy else []
             n = len(block.units)
             record[key] = {
                 "units": block.units,
@@ -604,7 +607,9 @@ def train_with_resizes(argv: list[str], actions: dict) -> dict:
                 "values": {
                     u: [layout.payload(t, n, i).clone() for t, layout in tensors]
                     for i, u in enumerate(block.units)
-                },
+                }
+                if copy
+                else None,
                 "order_ok": resizer.priorities.order(key, block.units) == block.units,
             }
         evidence = resizer._evidence  # per block: (score sums, observed steps) per unit
