@@ -50,6 +50,9 @@ class UnitShardedLinear:
     # Resizing: compute only the first `active` local units (None: all). The skipped ones are a
     # suffix of the shard, so the active weights are views and the GEMMs are smaller.
     active: int | None = None
+    # Units per checkpoint piece: every rank owns whole aligned runs of this many (the plan's
+    # aligned_run, set by HetPartition; 1 is always valid).
+    checkpoint_run: int = 1
 
     def bind_units(self, units, num_units: int, layouts: dict) -> None:
         self.units = tuple(units)
@@ -95,6 +98,7 @@ class UnitShardedLinear:
                     self.num_units,
                     sharded_offsets,
                     state[key].replica_id,
+                    self.checkpoint_run,
                 )
         return state
 
@@ -168,20 +172,51 @@ class HetRowParallelLinear(UnitShardedLinear, RowParallelLinear):
 
 
 def unit_sharded_factory(
-    key, data, layout: UnitLayout, units, num_units, sharded_offsets, replica_id
+    key, data, layout: UnitLayout, units, num_units, sharded_offsets, replica_id, run: int = 1
 ) -> ShardedTensorFactory:
-    """One ShardedTensor per unit (and part) at its offset in the canonical full tensor.
+    """One ShardedTensor per aligned run of `run` units (and part) at its offset in the canonical
+    full tensor.
 
     A function of (key, tensor) only, so megatron-core applies it to optimizer states too.
-    Every piece has the same shape, so any mix of plans and vanilla shards of the same key
-    passes dist-checkpointing's sharding validation. A rank without units of the block offers a
-    non-main replica of unit 0 instead (never written, loaded and dropped), because
-    dist-checkpointing expects every rank to hold something for every key.
+    Every piece of a key has one shape, as dist-checkpointing requires within a save; the
+    plan's aligned run (the same on every rank) keeps the pieces few: torch checks every pair of
+    a tensor's pieces for overlap when it saves and loads, so one piece per unit made a
+    checkpoint of ffn 1024 x 4 layers take 10-20 s to load on CPU. The pieces hold the units in
+    id order whatever the local order (a resized rank keeps its units in priority order). A
+    rank without units of the block offers a non-main replica of run 0 instead (never written,
+    loaded and dropped), because dist-checkpointing expects every rank to hold something for
+    every key.
     """
     units = tuple(units)
+    if run < 1 or num_units % run:
+        raise ValueError(f"{key}: a checkpoint run of {run} units does not divide {num_units}")
     prepend = len(sharded_offsets)
     empty_shape = list(data.shape)
     empty_shape[layout.axis] = 0
+    position = {unit: i for i, unit in enumerate(units)}
+    runs = sorted({unit // run for unit in units})
+    for k in runs:
+        missing = [u for u in range(k * run, (k + 1) * run) if u not in position]
+        if missing:
+            raise ValueError(
+                f"{key}: units {missing} of the checkpoint run {k} are not held here (the "
+                f"{run}-unit runs do not follow this rank's units)"
+            )
+    n = len(units)
+    # per part, the local element indices of the units in id order (the runs back to back)
+    by_id = [
+        torch.cat(
+            [
+                torch.arange(layout.width) + (part * n + position[u]) * layout.width
+                for k in runs
+                for u in range(k * run, (k + 1) * run)
+            ]
+        )
+        if units
+        else None
+        for part in range(layout.parts)
+    ]
+    width = layout.width * run
 
     def piece(key, tensor, fragment, fragments, replica):
         return ShardedTensor.from_rank_offsets(
@@ -200,20 +235,27 @@ def unit_sharded_factory(
             )
         if not units:
             shape = list(tensor.shape)
-            shape[layout.axis] = layout.width
-            fragment, fragments = layout.global_fragment(0, 0, num_units)
-            return [piece(key, tensor.new_zeros(shape), fragment, fragments, _non_main(replica_id))]
+            shape[layout.axis] = width
+            return [
+                piece(
+                    key,
+                    tensor.new_zeros(shape),
+                    0,
+                    layout.parts * (num_units // run),
+                    _non_main(replica_id),
+                )
+            ]
         pieces = []
         for part in range(layout.parts):
-            for position, unit in enumerate(units):
-                start = (part * len(units) + position) * layout.width
-                fragment, fragments = layout.global_fragment(unit, part, num_units)
+            ordered = tensor.index_select(layout.axis, by_id[part].to(tensor.device))
+            for i, k in enumerate(runs):
+                fragment = part * (num_units // run) + k
                 pieces.append(
                     piece(
                         key,
-                        tensor.narrow(layout.axis, start, layout.width).contiguous(),
+                        ordered.narrow(layout.axis, i * width, width),
                         fragment,
-                        fragments,
+                        layout.parts * (num_units // run),
                         replica_id,
                     )
                 )
@@ -222,7 +264,13 @@ def unit_sharded_factory(
     def merge(pieces):
         if not units:
             return torch.empty(empty_shape, dtype=data.dtype, device=data.device)
-        return torch.cat(list(pieces), dim=layout.axis)
+        pieces = list(pieces)
+        per_part = len(runs)
+        out = pieces[0].new_empty(tuple(data.shape))  # the pieces' dtype: states differ
+        for part in range(layout.parts):
+            ordered = torch.cat(pieces[part * per_part : (part + 1) * per_part], dim=layout.axis)
+            out.index_copy_(layout.axis, by_id[part].to(out.device), ordered)
+        return out
 
     return ShardedTensorFactory(key, data, build, merge, replica_id)
 
@@ -331,6 +379,11 @@ class UnitBlock:
         for name in self.linear_names:
             getattr(self, name).set_shard(units, tensors[name])
         self.set_active(None)
+
+    def set_checkpoint_run(self, run: int) -> None:
+        """Every rank of the TP group owns whole aligned runs of `run` units (the plan says)."""
+        for name in self.linear_names:
+            getattr(self, name).checkpoint_run = run
 
     def reorder(self, units) -> None:
         """Record a new local order whose tensors the caller has permuted in place."""

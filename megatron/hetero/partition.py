@@ -79,6 +79,7 @@ class HetPartition:
         self.plan = even_plan(module, dist.get_world_size(self.group))
         self.cost_model = cost_model or CostModel()
         blocks = het_blocks(module)
+        _set_checkpoint_runs(blocks, self.plan)
         # Parameters per unit of each block kind: the weight of a unit's share of the work.
         self.unit_work = {
             name: sum(
@@ -94,6 +95,11 @@ class HetPartition:
         blocks = het_blocks(model)
         keys = state_keys(OptimizerView(optimizer), blocks)
         return {name: sum(s.nbytes for s in unit_specs(blocks[(0, name)], keys)) for name in BLOCKS}
+
+    def align_checkpoints(self, module, whole: PartitionPlan) -> None:
+        """With pipeline stages: size the checkpoint pieces by the whole model's plan (every
+        stage's layers share the keys), not this stage's alone."""
+        _set_checkpoint_runs(het_blocks(module), whole)
 
     def check(self, plan: PartitionPlan) -> None:
         """Raise PlanError if `plan` does not fit this model (before anything moves)."""
@@ -160,6 +166,7 @@ class HetPartition:
                     block.reorder(new_units)
             _write_back(optimizer)
         self.plan = plan
+        _set_checkpoint_runs(blocks, plan)
 
     # ------------------------------------------------------------------------------------
 
@@ -195,6 +202,7 @@ class HetPartition:
             replaced = self._commit(blocks, pieces, positions, plan, keys, result)
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
+        _set_checkpoint_runs(blocks, plan)
         return migration, replaced
 
     def _commit(self, blocks, pieces, positions, plan, state_keys, result):
@@ -234,6 +242,15 @@ class HetPartition:
             ):
                 replaced[old] = (new, param_moments)
         return replaced
+
+
+def _set_checkpoint_runs(blocks, plan: PartitionPlan) -> None:
+    """Tell each block how many units its checkpoint pieces may join: the same on every rank
+    and layer, since the plan says who owns what (with pipeline stages, the runtime passes the
+    whole model's plan: a key spans every stage's layers)."""
+    runs = {name: plan.aligned_run(name) for name in BLOCKS}
+    for (_, name), block in blocks.items():
+        block.set_checkpoint_run(runs[name])
 
 
 def _write_back(view) -> None:
