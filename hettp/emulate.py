@@ -4,17 +4,19 @@
     persistent:rank=1,factor=2[,start=20][,stop=80]
     transient:rank=1,factor=4,start=20,length=10,period=50     bursts of `length` every `period`
     persistent:global=3,factor=2  (or transient:global=...)    one process: global rank 3
+    persistent:stage=1,factor=2   (or transient:stage=...)     every rank of pipeline stage 1
     rotating:factor=2,period=50[,start=0]                       rank (i - start) // period % tp
     multi:factors=8/6/4/2[,start=0]                             ranks 0.. at those factors
 
 `rank=R` slows TP rank R of every TP group (every pipeline stage, every data-parallel
-replica); `global=G` slows the one process of global rank G. Any of them takes `mode=sharded`
-(the default) or `mode=device`. A slowed rank waits (factor - 1)
-x the compute it just did (megatron/hetero/timing.py), so its injected delay shrinks when its
-work does, as a slow GPU's would: in `sharded` mode after each region of the work its units
-carry (the sharded modules and the optimizer step: what het-TP can move), in `device` mode
-before each collective and at the end of the step, for all the compute since the last one (the
-embedding, norms and loss too, as a slow GPU is slow at everything). Iterations count from 1.
+replica); `global=G` slows the one process of global rank G; `stage=S` every rank of pipeline
+stage S (a whole slow stage, which moving units inside it cannot help). Any of them takes
+`mode=sharded` (the default) or `mode=device`. A slowed rank waits (factor - 1) x the compute
+it just did (megatron/hetero/timing.py), so its injected delay shrinks when its work does, as
+a slow GPU's would: in `sharded` mode after each region of the work its units carry (the
+sharded modules and the optimizer step: what het-TP can move), in `device` mode before each
+collective and at the end of the step, for all the compute since the last one (the embedding,
+norms and loss too, as a slow GPU is slow at everything). Iterations count from 1.
 """
 
 from __future__ import annotations
@@ -29,12 +31,18 @@ class ScenarioError(ValueError):
 
 _KEYS = {
     "none": set(),
-    "persistent": {"rank", "global", "factor", "start", "stop", "mode"},
-    "transient": {"rank", "global", "factor", "start", "length", "period", "mode"},
+    "persistent": {"rank", "global", "stage", "factor", "start", "stop", "mode"},
+    "transient": {"rank", "global", "stage", "factor", "start", "length", "period", "mode"},
     "rotating": {"factor", "period", "start", "mode"},
     "multi": {"factors", "start", "mode"},
 }
 MODES = ("sharded", "device")
+# who a persistent or transient straggle slows
+_WHO = {
+    "rank": "a TP rank in every group",
+    "global": "one global rank",
+    "stage": "every rank of one pipeline stage",
+}
 _REQUIRED = {
     "none": set(),
     "persistent": {"factor"},
@@ -85,13 +93,15 @@ class Scenario:
         missing = _REQUIRED[kind] - set(params)
         if missing:
             raise ScenarioError(f"{flag} '{text}': {kind} needs {', '.join(sorted(missing))}")
-        if kind in ("persistent", "transient") and ("rank" in params) == ("global" in params):
+        if kind in ("persistent", "transient") and len(set(params) & set(_WHO)) != 1:
             raise ScenarioError(
-                f"{flag} '{text}': {kind} needs one of rank= (a TP rank in every group) and "
-                "global= (one global rank)"
+                f"{flag} '{text}': {kind} needs one of "
+                + ", ".join(f"{key}= ({what})" for key, what in _WHO.items())
             )
-        if params.get("global", 0) < 0:
-            raise ScenarioError(f"{flag} '{text}': global rank must be >= 0")
+        for key in ("global", "stage"):
+            if params.get(key, 0) < 0:
+                what = {"global": "global rank", "stage": "pipeline stage"}[key]
+                raise ScenarioError(f"{flag} '{text}': {what} must be >= 0")
         factors = params.get("factors", (params.get("factor", 1.0),))
         if not all(1.0 <= f < math.inf for f in factors):  # nan fails both comparisons
             raise ScenarioError(
@@ -123,16 +133,23 @@ class Scenario:
         """The one global rank a `global=` scenario slows (None: TP ranks of every group)."""
         return dict(self.params).get("global")
 
-    def factor(self, rank: int, iteration: int, global_rank: int | None = None) -> float:
-        """How many times slower TP rank `rank` (global rank `global_rank`) computes at
-        `iteration` (1.0: full speed)."""
+    @property
+    def stage(self) -> int | None:
+        """The pipeline stage a `stage=` scenario slows (None: it names ranks)."""
+        return dict(self.params).get("stage")
+
+    def factor(
+        self, rank: int, iteration: int, global_rank: int | None = None, stage: int = 0
+    ) -> float:
+        """How many times slower TP rank `rank` (global rank `global_rank`, in pipeline stage
+        `stage`) computes at `iteration` (1.0: full speed)."""
         p = dict(self.params)
         start = p.get("start", 0)
         if self.kind == "none" or iteration < start:
             return 1.0
         if self.kind in ("persistent", "transient"):
-            slowed = rank == p["rank"] if "rank" in p else global_rank == p["global"]
-            if not slowed:
+            where = {"rank": rank, "global": global_rank, "stage": stage}
+            if not any(where[key] == p[key] for key in _WHO if key in p):
                 return 1.0
         if self.kind == "persistent":
             stop = p.get("stop")

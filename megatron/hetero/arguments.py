@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hettp.config import ConfigError, HetTPConfig, ModelShape
+from hettp.policy import POLICIES
 from megatron.hetero.batch_schedule import BatchSchedule, Rampup
 
 TOKENIZER_TYPES = (
@@ -1071,11 +1072,20 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         f"--het-tp-emulate {args.het_tp_emulate}: global rank {slowed} is not below the world "
         f"size ({world_size})",
     )
+    stage = het_tp.scenario.stage if het_tp.scenario is not None else None
     _require(
-        pp == 1 or not (het_tp.timed or het_tp.resizes),
-        f"--pipeline-model-parallel-size {pp}: het-TP's timing, decisions and resizing do not "
-        "run inside pipeline stages yet; het-TP layers with a fixed plan do (--het-tp, "
-        "--het-tp-plan)",
+        stage is None or stage < pp,
+        f"--het-tp-emulate {args.het_tp_emulate}: stage {stage} is not a pipeline stage "
+        f"(--pipeline-model-parallel-size {pp})",
+    )
+    _require(
+        pp == 1 or not het_tp.resizes,
+        f"--pipeline-model-parallel-size {pp}: het-TP resizing ("
+        + ", ".join(
+            ["--het-tp-resize"] + [f"--het-tp-policy {n}" for n, p in POLICIES.items() if p.resizes]
+        )
+        + ") does not run inside pipeline stages yet; each stage's TP group times and migrates "
+        "on its own (--het-tp-policy migrate)",
     )
 
     # Checkpointing.

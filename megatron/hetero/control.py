@@ -72,7 +72,14 @@ class Controller:
     def begin_step(self, iteration: int) -> None:
         """Before the step that will be `iteration`: arm the timer (and the emulated factor)."""
         factor = (
-            self.scenario.factor(self.tp_rank, iteration, dist.get_rank()) if self.scenario else 1.0
+            self.scenario.factor(
+                self.tp_rank,
+                iteration,
+                dist.get_rank(),
+                parallel_state.get_pipeline_model_parallel_rank(),
+            )
+            if self.scenario
+            else 1.0
         )
         self.timer.reset(factor)
 

@@ -6,6 +6,7 @@ file gets every iteration so benchmarks and plots need no log parsing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -19,6 +20,46 @@ from hettp import __version__
 
 from .arguments import padded_vocab_size
 from .flops import flops_per_sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMove:
+    """What one pipeline stage's part of a re-partition moved (the whole job's, summed)."""
+
+    units: int
+    payload_bytes: int
+    wire_bytes: int
+    min_bytes: int  # the fewest bytes any transfer to the same plan could move
+    seconds: float
+
+    @classmethod
+    def of(cls, migration) -> StageMove:
+        result = migration.result
+        return cls(
+            migration.units_moved,
+            result.payload_bytes,
+            result.wire_bytes,
+            migration.minimum_bytes(),
+            result.seconds,
+        )
+
+    @classmethod
+    def total(cls, moves) -> StageMove:
+        return cls(
+            sum(m.units for m in moves),
+            sum(m.payload_bytes for m in moves),
+            sum(m.wire_bytes for m in moves),
+            sum(m.min_bytes for m in moves),
+            max(m.seconds for m in moves),
+        )
+
+
+def _at_stage(stage) -> str:
+    return f" (pipeline stage {stage})" if stage is not None else ""
+
+
+def _stage_field(stage) -> dict:
+    return {"stage": stage} if stage is not None else {}
 
 
 def _stamp() -> str:
@@ -45,32 +86,31 @@ class EventLog:
         if self.metrics is not None:
             self.metrics.write("plan", iteration=iteration, why=why, plan=plan.to_json())
 
-    def repartition(
-        self, iteration, migration, plan, units, payload_bytes, wire_bytes, min_bytes
-    ) -> None:
+    def repartition(self, iteration, migration, plan, moved: StageMove) -> None:
         """One line per applied re-partition: the whole-model plan, what moved over every
-        pipeline stage, how (this stage's primitive and time), and what it cost."""
+        pipeline stage (`moved`), how (this stage's primitive and predictions), and what it
+        cost."""
         result = migration.result
         predicted = ", ".join(
             f"{p} {t * 1e3:.2f}" for p, t in sorted(migration.predictions.items())
         )
         self.info(
             f"> het-TP repartition at iteration {iteration}: {plan.summary()} | "
-            f"moved {units} units, {payload_bytes} bytes "
-            f"({wire_bytes} on the wire) via {result.primitive} in "
-            f"{result.seconds * 1e3:.1f} ms (predicted ms: {predicted})"
+            f"moved {moved.units} units, {moved.payload_bytes} bytes "
+            f"({moved.wire_bytes} on the wire) via {result.primitive} in "
+            f"{moved.seconds * 1e3:.1f} ms (predicted ms: {predicted})"
         )
         if self.metrics is not None:
             self.metrics.write(
                 "repartition",
                 iteration=iteration,
                 plan=plan.to_json(),
-                units_moved=units,
-                bytes=payload_bytes,
-                min_bytes=min_bytes,
-                wire_bytes=wire_bytes,
+                units_moved=moved.units,
+                bytes=moved.payload_bytes,
+                min_bytes=moved.min_bytes,
+                wire_bytes=moved.wire_bytes,
                 primitive=result.primitive,
-                seconds=result.seconds,
+                seconds=moved.seconds,
                 predicted_seconds=migration.predictions,
             )
 
@@ -111,15 +151,17 @@ class EventLog:
                 "priorities", iteration=iteration, priority=resizer.scorer, swapped=swapped
             )
 
-    def timing(self, report, verdict) -> None:
+    def timing(self, report, verdict, stage=None) -> None:
         """A timing report (JSONL only): per-rank compute per step (and of it, the part no split
         changes; and all of the rank's compute, busy), work, fitted slowdown
-        factor, and the detector's smoothed slowdowns."""
+        factor, and the detector's smoothed slowdowns; with pipelining, one per stage's TP
+        group, marked with its `stage`."""
         if self.metrics is not None:
             detection = verdict.detection
             self.metrics.write(
                 "timing",
                 iteration=report.iteration,
+                **_stage_field(stage),
                 compute_s=list(report.compute),
                 fixed_s=list(report.fixed) if report.fixed is not None else None,
                 busy_s=list(report.busy) if report.busy is not None else None,
@@ -129,26 +171,28 @@ class EventLog:
                 slowdown=list(detection.slowdown) if detection else None,
             )
 
-    def decision(self, iteration, decision, detection, migration) -> None:
-        """One line per planner decision: what, why, predicted step time before and after."""
+    def decision(self, iteration, decision, detection, moved: StageMove | None, stage=None):
+        """One line per planner decision (with pipelining, per deciding stage): what, why,
+        predicted step time before and after, and what its stage moved."""
         shares = ", ".join(f"{s:.0%}" for s in decision.shares)
         line = (
-            f"> het-TP decision at iteration {iteration}: {decision.action} "
+            f"> het-TP decision at iteration {iteration}{_at_stage(stage)}: {decision.action} "
             f"({decision.reason}) | resize shares {shares} | predicted step "
             f"{decision.predicted_before * 1e3:.1f} ms -> {decision.predicted_after * 1e3:.1f} ms"
         )
         if decision.migrates:
             line += f" | plan {decision.plan.summary()}"
-        if migration is not None:
+        if moved is not None:
             line += (
-                f" | moved {migration.units_moved} units, {migration.result.payload_bytes} "
-                f"bytes in {migration.result.seconds * 1e3:.1f} ms"
+                f" | moved {moved.units} units, {moved.payload_bytes} "
+                f"bytes in {moved.seconds * 1e3:.1f} ms"
             )
         self.info(line)
         if self.metrics is not None:
             self.metrics.write(
                 "decision",
                 iteration=iteration,
+                **_stage_field(stage),
                 action=decision.action,
                 reason=decision.reason,
                 shares=list(decision.shares),
@@ -157,9 +201,9 @@ class EventLog:
                 predicted_after_s=decision.predicted_after,
                 details=decision.details,
                 slowdown=list(detection.slowdown) if detection is not None else None,
-                units_moved=migration.units_moved if migration else 0,
-                bytes=migration.result.payload_bytes if migration else 0,
-                min_bytes=migration.minimum_bytes() if migration else 0,
+                units_moved=moved.units if moved else 0,
+                bytes=moved.payload_bytes if moved else 0,
+                min_bytes=moved.min_bytes if moved else 0,
             )
 
 

@@ -36,7 +36,7 @@ from hettp.planner import Decision
 from hettp.resize import ResizeError, check_shares
 
 from .arguments import het_tp_config
-from .log import EventLog
+from .log import EventLog, StageMove
 from .model import unwrap_model
 from .partition import comm_device
 
@@ -73,6 +73,20 @@ class SavedPlan:
         if not data:
             return None
         return cls(PartitionPlan.from_json(data["plan"]), tuple(data["shares"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageVerdict:
+    """One TP group's report and verdict at a step boundary; `stage` is its pipeline stage
+    (None without pipelining)."""
+
+    stage: int | None
+    report: object  # hettp.loop.TimingReport
+    verdict: object  # hettp.loop.Verdict
+
+    @property
+    def decision(self) -> Decision | None:
+        return self.verdict.decision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +156,7 @@ class HetTPRuntime:
             plan = given
         if plan != self.partition.plan:
             self.partition.install(module, plan)
+        self._align_checkpoints()
 
     def _stage_of(self, plan: PartitionPlan | None) -> PartitionPlan | None:
         """This pipeline stage's layers of a whole-model plan; None for a plan of another
@@ -153,20 +168,21 @@ class HetTPRuntime:
             return None
         return plan.stage(layers[0].layer_number - 1, len(layers))  # numbered from 1, globally
 
+    def _align_checkpoints(self) -> PartitionPlan:
+        """The whole-model plan; with pipeline stages, checkpoint pieces sized by it."""
+        whole = self.whole_plan()
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            self.partition.align_checkpoints(self._module, whole)
+        return whole
+
     def whole_plan(self) -> PartitionPlan | None:
         """Every layer's partition: the pipeline stages' plans joined (collective over the
         pipeline group; this stage's alone without pipelining)."""
         if self.partition is None:
             return None
-        plan = self.partition.plan
-        stages = parallel_state.get_pipeline_model_parallel_world_size()
-        if stages == 1:
-            return plan
-        gathered = [None] * stages
-        dist.all_gather_object(
-            gathered, plan.to_json(), group=parallel_state.get_pipeline_model_parallel_group()
-        )
-        return PartitionPlan.joined([PartitionPlan.from_json(text) for text in gathered])
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return self.partition.plan
+        return PartitionPlan.joined(self._stage_plans())
 
     def load_state_dict(self, state: dict | None) -> None:
         """This TP rank's saved runtime state (priorities, detector); taken up by attach()."""
@@ -304,13 +320,31 @@ class HetTPRuntime:
                 shares,
                 lambda: self.partition.unit_bytes(state.model, state.optimizer),
             )
-            if out is not None:
-                report, verdict = out
-                self.events.timing(report, verdict)
-                if verdict.decision is not None:
-                    self._apply(iteration, verdict.decision, verdict.detection)
+            verdicts = self._over_pipeline(out)
+            for v in verdicts:
+                self.events.timing(v.report, v.verdict, v.stage)
+            decided = [v for v in verdicts if v.decision is not None]
+            if decided:
+                self._apply(iteration, decided)
         rebuilt = (state.model, state.optimizer) != rebuilt_from
         return StepEnd(state.model, state.optimizer, rebuilt)
+
+    def _over_pipeline(self, out) -> list[StageVerdict]:
+        """The reports and verdicts of this step boundary, of every pipeline stage (each stage's
+        TP group times, detects and decides on its own; every rank of the job learns them all,
+        so that a stage's migration is applied everywhere at once). Without pipelining, this
+        group's. One small all-reduce over the pipeline group per step; the verdicts are
+        gathered only at steps where some stage has one."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return [StageVerdict(None, *out)] if out is not None else []
+        group = parallel_state.get_pipeline_model_parallel_group()
+        any_out = torch.tensor([int(out is not None)], dtype=torch.int32, device=comm_device())
+        dist.all_reduce(any_out, op=dist.ReduceOp.MAX, group=group)
+        if not any_out.item():
+            return []
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, out, group=group)
+        return [StageVerdict(stage, *o) for stage, o in enumerate(gathered) if o is not None]
 
     # ---- actions (every rank, same step boundary) -------------------------------------------
 
@@ -325,63 +359,96 @@ class HetTPRuntime:
         priority order); logs the `repartition` record. A failed transfer anywhere raises
         TransferError on every rank, with every rank's state intact. Returns this stage's
         migration."""
+        return self._repartition(plan, iteration, fault)[0]
+
+    def _repartition(self, plan, iteration, fault=None) -> tuple[Migration, list[StageMove]]:
+        """repartition(), also returning what each pipeline stage moved."""
         mine = self._stage_of(plan)
         if mine is None:
             raise PlanError(
                 f"plan has {plan.num_layers} layers, the model has {self._module.config.num_layers}"
             )
+        before = self.partition.plan
         if self.resizer is not None:
             migration = self.resizer.repartition(self.state, mine, step=iteration, fault=fault)
         else:
             migration = self.partition.repartition(self.state, mine, step=iteration, fault=fault)
-        self.events.repartition(iteration, migration, *self._over_stages(migration))
-        self._rebase()
-        return migration
+        moves = self._moves_over_stages(migration)
+        whole = self._align_checkpoints()
+        self.events.repartition(iteration, migration, whole, StageMove.total(moves))
+        if mine != before:  # the stages whose split stayed keep their detectors' reference
+            self._rebase()
+        return migration, moves
 
-    def _over_stages(self, migration: Migration) -> tuple:
-        """(whole plan, units moved, payload bytes, wire bytes, fewest bytes possible) over
-        every pipeline stage, for the record (collective over the pipeline group; this stage's
-        alone without one)."""
-        result = migration.result
-        totals = [
-            migration.units_moved,
-            result.payload_bytes,
-            result.wire_bytes,
-            migration.minimum_bytes(),
-        ]
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            summed = torch.tensor(totals, dtype=torch.int64, device=comm_device())
-            dist.all_reduce(summed, group=parallel_state.get_pipeline_model_parallel_group())
-            totals = summed.tolist()
-        return (self.whole_plan(), *totals)
+    def _moves_over_stages(self, migration: Migration) -> list[StageMove]:
+        """What each pipeline stage's part of a re-partition moved (collective over the
+        pipeline group; this stage's alone without one)."""
+        mine = StageMove.of(migration)
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return [mine]
+        row = torch.tensor(
+            [mine.units, mine.payload_bytes, mine.wire_bytes, mine.min_bytes, mine.seconds],
+            dtype=torch.float64,
+            device=comm_device(),
+        )
+        group = parallel_state.get_pipeline_model_parallel_group()
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, row, group=group)
+        return [StageMove(*(int(v) for v in r[:4].tolist()), float(r[4])) for r in rows]
 
     def resize(self, shares, iteration: int, why: str) -> None:
         self.resizer.resize(self.state, shares)
         self.events.resize(iteration, self.resizer, why)
         self._rebase()
 
-    def _apply(self, iteration: int, decision: Decision, detection) -> None:
-        migration = None
+    def _apply(self, iteration: int, decided: list[StageVerdict]) -> None:
+        """Apply this boundary's decisions, on every rank: the stages that migrate move in one
+        whole-model re-partition (the other stages keep their layers' plans), this stage's
+        resize (if it decided one) is applied here."""
+        here = self._pipeline_stage()
+        own = next((v.decision for v in decided if v.stage == here), None)
+        moving = {v.stage: v.decision.plan for v in decided if v.decision.migrates}
+        moves = None
         before = self.shares
         try:
-            if decision.migrates:
-                if self.resizer is not None:
-                    self.resizer.resize(self.state, decision.shares)  # the move replaces it
+            if own is not None and self.resizer is not None:
+                self.resizer.resize(self.state, own.shares)  # a move replaces the resize
+            if moving:
                 start = time.perf_counter()
-                migration = self.repartition(decision.plan, iteration)
-                if self.controller is not None and migration.predictions:
-                    self.controller.loop.migrated(
-                        time.perf_counter() - start, min(migration.predictions.values())
+                if here is None:
+                    plan = moving[None]
+                else:  # the stages that do not move keep their plans
+                    plan = PartitionPlan.joined(
+                        [moving.get(stage, now) for stage, now in enumerate(self._stage_plans())]
                     )
-            elif self.resizer is not None:
-                self.resizer.resize(self.state, decision.shares)
+                migration, moves = self._repartition(plan, iteration)
+                if own is not None and own.migrates and migration.predictions:
+                    if self.controller is not None:
+                        self.controller.loop.migrated(
+                            time.perf_counter() - start, min(migration.predictions.values())
+                        )
         except TransferError as err:  # every rank raises it; all keep their state
             if self.resizer is not None and self.resizer.shares != before:
                 self.resizer.resize(self.state, before)  # the resize the move would replace
             self.events.info(f"> het-TP decision at iteration {iteration} not applied: {err}")
             return
-        self.events.decision(iteration, decision, detection, migration)
-        self._rebase()
+        for v in decided:
+            moved = moves[v.stage or 0] if moves is not None and v.decision.migrates else None
+            self.events.decision(iteration, v.decision, v.verdict.detection, moved, v.stage)
+        if own is not None:
+            self._rebase()
+
+    def _stage_plans(self) -> list[PartitionPlan]:
+        """Every pipeline stage's plan (collective over the pipeline group)."""
+        group = parallel_state.get_pipeline_model_parallel_group()
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, self.partition.plan, group=group)
+        return gathered
+
+    def _pipeline_stage(self) -> int | None:
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return None
+        return parallel_state.get_pipeline_model_parallel_rank()
 
     def _rebase(self) -> None:
         """The work split changed: the detector's reference starts over from the next report."""

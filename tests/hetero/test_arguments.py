@@ -96,9 +96,16 @@ def test_gpu_defaults_and_precision():
         ),
         ("--save-interval 5", 1, "--save-interval needs --save"),
         (
+            "--pipeline-model-parallel-size 2 --het-tp-emulate persistent:stage=2,factor=2",
+            2,
+            "persistent:stage=2,factor=2: stage 2 is not a pipeline stage "
+            "(--pipeline-model-parallel-size 2)",
+        ),
+        (
             "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --het-tp-resize 0,0.5",
             4,
-            "--pipeline-model-parallel-size 2: het-TP's timing, decisions and resizing do not run",
+            "--pipeline-model-parallel-size 2: het-TP resizing (--het-tp-resize, --het-tp-policy "
+            "resize, --het-tp-policy hybrid, --het-tp-policy zero) does not run inside pipeline",
         ),
         (
             "--pipeline-model-parallel-size 3",

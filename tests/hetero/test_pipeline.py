@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.utils import MHA, run_ranks, train, train_with_repartitions
+from tests.utils import MHA, run_ranks, train, train_with_control, train_with_repartitions
 
 # 4 layers (2 per stage), tied embeddings (their gradients meet across the first and last
 # stage), dropout 0, a fixed decay length so every run shares the schedule
@@ -157,11 +157,72 @@ def test_migrations_inside_stages_are_lossless_and_their_checkpoint_loads_anywhe
     _close(het["losses"], reference, (7, 8))
 
 
-def test_timing_and_decisions_inside_stages_are_refused_by_name():
+# Timing wants the sharded GEMMs to dominate their linears' per-call costs (test_control.py)
+TIMED = (
+    MHA.replace("--num-layers 2", "--num-layers 4")
+    .replace("--train-iters 1", "--train-iters 20")
+    .replace("--hidden-size 64", "--hidden-size 256")
+    .replace("--seq-length 32", "--seq-length 128")
+    .replace("--micro-batch-size 2", "--micro-batch-size 4")
+    + " --global-batch-size 8 --eval-iters 0 --log-interval 1 --het-tp-interval 5"
+    " --het-tp-onset 1.5"
+)
+
+
+def test_a_straggler_in_one_stage_is_acted_on_by_that_stage_only(tmp_path):
+    """Global rank 3 (TP rank 1 of the last stage) is 3x slow from step 10: the last stage's TP
+    group detects it and moves units off it; the first stage, whose TP rank 1 is not slow, keeps
+    its split. Every rank applies the move at the same step boundary, and the losses are those
+    of the same run without a straggler, in which nothing moves."""
+    from hettp.metrics import read_metrics
+    from hettp.plan import PartitionPlan
+
+    metrics = tmp_path / "control.jsonl"
+    argv = (
+        TIMED + f" {TP2_PP2} --het-tp-policy migrate --metrics-file {metrics}"
+        " --het-tp-emulate persistent:global=3,factor=3,start=10"
+    ).split()
+    ranks = run_ranks(train_with_control, 4, argv)
+    records = list(read_metrics(str(metrics)))
+    decisions = [r for r in records if r["kind"] == "decision"]
+    assert decisions and all(d["stage"] == 1 for d in decisions), decisions
+    first = decisions[0]
+    assert first["action"] == "migrate" and "ranks [1]" in first["reason"]
+    assert 11 <= first["iteration"] <= 13 and first["units_moved"] > 0
+    assert "het-TP decision at iteration" in ranks[0]["stdout"]  # printed on stage 0's rank 0
+    # the whole-model plan after the move: the first stage's layers even, the last stage's
+    # lighter on TP rank 1
+    moved = [r for r in records if r["kind"] == "repartition"]
+    assert [r["iteration"] for r in moved] == [d["iteration"] for d in decisions]
+    plan = PartitionPlan.from_json(moved[0]["plan"])
+    for layer in (0, 1):
+        assert plan.counts(layer, "mlp") == (512, 512), plan.summary()
+    for layer in (2, 3):
+        assert plan.counts(layer, "mlp")[1] < plan.counts(layer, "mlp")[0], plan.summary()
+    # each stage's group reported, marked with its stage; stage 0 never saw a straggler
+    timing = [r for r in records if r["kind"] == "timing"]
+    assert {r["stage"] for r in timing} == {0, 1}
+    assert max(max(r["slowdown"]) for r in timing if r["stage"] == 0) < 1.5
+    assert max(r["slowdown"][1] for r in timing if r["stage"] == 1) > 2
+    # the two ranks of each stage changed plans at the same boundaries; stage 0 never did
+    assert ranks[0]["seen"] == ranks[1]["seen"] and ranks[2]["seen"] == ranks[3]["seen"]
+    assert len({seen[0] for seen in ranks[0]["seen"].values()}) == 1
+    changed = [
+        i for i in sorted(ranks[2]["seen"]) if ranks[2]["seen"][i][0] != ranks[2]["seen"][1][0]
+    ]
+    assert changed and changed[0] == first["iteration"]
+    steady = tmp_path / "steady.jsonl"
+    argv = f"{TIMED} {TP2_PP2} --het-tp-policy migrate --metrics-file {steady}".split()
+    reference = run_ranks(train, 4, argv)[0]["losses"]
+    assert not [r for r in read_metrics(str(steady)) if r["kind"] == "decision"]
+    _close(ranks[0]["losses"], reference, range(1, 21))
+
+
+def test_resizing_inside_stages_is_refused_by_name():
     from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
 
     args = build_parser().parse_args(
-        _argv(f"--train-iters 6 {TP2_PP2} --het-tp --het-tp-policy migrate")
+        _argv(f"--train-iters 6 {TP2_PP2} --het-tp --het-tp-policy hybrid")
     )
-    with pytest.raises(ArgumentError, match="--pipeline-model-parallel-size 2: het-TP's timing"):
+    with pytest.raises(ArgumentError, match="--pipeline-model-parallel-size 2: het-TP resizing"):
         validate_args(args, 4, cuda_available=False)

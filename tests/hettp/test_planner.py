@@ -345,6 +345,17 @@ def test_scenarios():
     assert s.global_rank == 3 and s.factor(1, 5, global_rank=3) == 2.0
     assert s.factor(1, 5, global_rank=1) == 1.0 and s.factor(1, 3, global_rank=3) == 1.0
     assert Scenario.parse("persistent:rank=1,factor=2", 2).global_rank is None
+    s = Scenario.parse("transient:stage=1,factor=3,start=2,length=2,period=4", 2)  # a stage
+    assert s.stage == 1 and [s.factor(0, i, 0, stage=1) for i in range(1, 8)] == [
+        1,
+        3,
+        3,
+        1,
+        1,
+        3,
+        3,
+    ]
+    assert s.factor(1, 2, 1, stage=0) == 1.0 and s.global_rank is None
 
 
 @pytest.mark.parametrize(
@@ -362,9 +373,11 @@ def test_scenarios():
         ("transient:rank=0,factor=2,start=0,length=5,period=3", "length exceeds period"),
         ("multi:factors=8/6/4", "3 factors for 2 TP ranks"),
         ("persistent:rank=one,factor=2", "bad value for rank: 'one'"),
-        ("persistent:factor=2", "persistent needs one of rank= (a TP rank in every group) and"),
+        ("persistent:factor=2", "persistent needs one of rank= (a TP rank in every group), glo"),
         ("transient:rank=1,global=3,factor=2,start=0,length=1,period=2", "needs one of rank="),
         ("persistent:global=-1,factor=2", "global rank must be >= 0"),
+        ("persistent:stage=-1,factor=2", "pipeline stage must be >= 0"),
+        ("persistent:stage=1,global=2,factor=2", "stage= (every rank of one pipeline stage)"),
     ],
 )
 def test_bad_scenarios_name_the_flag(text, message):
