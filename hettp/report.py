@@ -47,23 +47,30 @@ class Run:
         cls, records: Iterable[dict], scenario: str, policy: str, repeat: int, path: str
     ) -> Run:
         run = cls(scenario, policy, repeat, path)
+        timing: dict[int, dict[int, dict]] = {}  # iteration -> pipeline stage -> record
+        stages = 1
         for r in records:
             kind = r.get("kind")
             if kind == "train":
                 run.step_s[r["iteration"]] = r["elapsed_ms"] / 1e3
                 run.loss[r["iteration"]] = float(r["lm_loss"])
             elif kind == "timing":
-                run.compute.append((r["iteration"], [float(c) for c in r["compute_s"]]))
-                for name in ("busy", "fixed"):
-                    if r.get(f"{name}_s") is not None:
-                        getattr(run, name).append(
-                            (r["iteration"], [float(c) for c in r[f"{name}_s"]])
-                        )
+                timing.setdefault(r["iteration"], {})[r.get("stage") or 0] = r
             elif kind == "decision":
                 run.decisions.append(r)
             elif kind == "run":
                 args = r["args"]
                 run.tokens_per_step = args["global_batch_size"] * args["seq_length"]
+                stages = args.get("pipeline_model_parallel_size") or 1
+        # per rank: the stages' TP ranks in turn, at the boundaries where every stage reported
+        for iteration, by_stage in sorted(timing.items()):
+            if len(by_stage) < stages:
+                continue
+            for name, key in (("compute", "compute_s"), ("busy", "busy_s"), ("fixed", "fixed_s")):
+                rows = [by_stage[stage].get(key) for stage in range(stages)]
+                if all(row is not None for row in rows):
+                    flat = [float(c) for row in rows for c in row]
+                    getattr(run, name).append((iteration, flat))
         if not run.step_s:
             raise ValueError(f"{path}: no training iterations recorded")
         return run
@@ -98,16 +105,27 @@ class Run:
 
 
 def ideal_step(
-    t_fast: float, slowed: float, speeds: Sequence[float], movable: float | None = None
+    t_fast: float,
+    slowed: float,
+    speeds: Sequence[float],
+    movable: float | None = None,
+    stages: int = 1,
 ) -> float:
     """The step with the units split in proportion to speed: `slowed` is a rank's compute per
     step at full speed that its slowdown stretches, `movable` the part of it that moves with
-    its units (default: all); the rest of the step is unchanged."""
+    its units (default: all); the rest of the step is unchanged. With pipeline stages
+    (`speeds` holds each stage's TP ranks in turn), units move inside a stage only and the
+    slowest stage paces the pipeline."""
     movable = slowed if movable is None else movable
-    model = StepModel(
-        t_fast - slowed, tuple(1.0 / s for s in speeds), movable, max(0.0, slowed - movable)
-    )
-    return model.step_time(model.balanced_work(len(speeds)))
+    tp = len(speeds) // stages
+    steps = []
+    for stage in range(stages):
+        group = speeds[stage * tp : (stage + 1) * tp]
+        model = StepModel(
+            t_fast - slowed, tuple(1.0 / s for s in group), movable, max(0.0, slowed - movable)
+        )
+        steps.append(model.step_time(model.balanced_work(tp)))
+    return max(steps)
 
 
 def measured_speeds(
@@ -155,6 +173,7 @@ def compare(
     varying: dict[str, bool],
     real: set[str] = frozenset(),
     device: set[str] = frozenset(),
+    stages: int = 1,
 ) -> dict:
     """Rows per (scenario, policy) and the baseline. `factors[scenario]` holds the emulated
     slowdown per rank for iterations 1..n; scenarios in `real` get speeds measured from their
@@ -162,7 +181,8 @@ def compare(
     vanilla runs (PLAIN) where the comparison has them. Scenarios in `device` slow all of a
     rank's compute (the emulation's device mode): their bound stretches all of it, where the
     others' stretches the timed compute only; in both, the part of it no split moves (the
-    optimizer step) stays on each rank."""
+    optimizer step) stays on each rank. With pipeline `stages`, per-rank values hold each
+    stage's TP ranks in turn."""
     by_key: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
         by_key.setdefault((run.scenario, run.policy), []).append(run)
@@ -231,7 +251,7 @@ def compare(
         window = vanilla[0].window(vary)
         slowed = baseline["busy_s"] if scenario in device else c
         bounds[scenario] = {"slowed_s": slowed, "movable_s": movable}
-        ideal_per_it = [ideal_step(t_fast, slowed, speeds[i - 1], movable) for i in window]
+        ideal_per_it = [ideal_step(t_fast, slowed, speeds[i - 1], movable, stages) for i in window]
         t_ideal = statistics.fmean(ideal_per_it)
         t_vanilla = statistics.median(r.step_time(vary) for r in vanilla)
         slowed = [i for i, s in enumerate(speeds, 1) if min(s) < 1.0]

@@ -41,27 +41,46 @@ class ScenarioSpec:
             else None
         )
 
-    def factors(self, tp_size: int, iterations: int) -> list[tuple[float, ...]]:
+    def factors(self, tp_size: int, iterations: int, stages: int = 1) -> list[tuple[float, ...]]:
         """Emulated slowdown per rank for iterations 1..n (all 1.0 for real contention: that
-        is measured, not known)."""
+        is measured, not known). With pipeline stages (and one replica), per global rank: the
+        stages' TP ranks in turn."""
         emulation = self.emulation(tp_size)
+        ranks = range(tp_size * stages)
         return [
-            tuple(emulation.factor(r, i) if emulation else 1.0 for r in range(tp_size))
+            tuple(
+                emulation.factor(g % tp_size, i, g, g // tp_size) if emulation else 1.0
+                for g in ranks
+            )
             for i in range(1, iterations + 1)
         ]
 
-    def varying(self, tp_size: int, iterations: int) -> bool:
+    def varying(self, tp_size: int, iterations: int, stages: int = 1) -> bool:
         """Does who is slow change during the run (after the first iteration)? Then its step
         time is the mean over the run, not the steady state of its second half."""
-        return len(set(self.factors(tp_size, iterations)[1:])) > 1
+        return len(set(self.factors(tp_size, iterations, stages)[1:])) > 1
 
-    def check(self, tp_size: int) -> None:
+    def check(self, tp_size: int, stages: int = 1, replicas: int = 1) -> None:
+        """A comparison of `stages` pipeline stages of `replicas` data-parallel replicas of TP
+        groups of `tp_size` can run it (and report its bound)."""
         if self.emulate and self.real:
             raise ScenarioError(f"scenario '{self.name}': give emulate or noisy_neighbor, not both")
         emulation = self.emulation(tp_size)
         if emulation is not None and emulation.global_rank is not None:
+            if replicas > 1:
+                raise ScenarioError(
+                    f"scenario '{self.name}': compare.py slows TP ranks (rank=) or stages "
+                    "(stage=) of data-parallel replicas, not one global rank"
+                )
+            if emulation.global_rank >= tp_size * stages:
+                raise ScenarioError(
+                    f"scenario '{self.name}': global rank {emulation.global_rank} is not below "
+                    f"the world size ({tp_size * stages})"
+                )
+        if emulation is not None and emulation.stage is not None and emulation.stage >= stages:
             raise ScenarioError(
-                f"scenario '{self.name}': compare.py slows TP ranks (rank=), not one global rank"
+                f"scenario '{self.name}': stage {emulation.stage} is not a pipeline stage "
+                f"({stages} stages)"
             )
         if self.real and not 0 <= self.neighbor_rank < tp_size:
             raise ScenarioError(
@@ -70,8 +89,9 @@ class ScenarioSpec:
             )
 
 
-def builtin(tp_size: int, iterations: int) -> dict[str, ScenarioSpec]:
-    """The built-in scenarios for a run of `iterations` steps at this TP size."""
+def builtin(tp_size: int, iterations: int, stages: int = 1) -> dict[str, ScenarioSpec]:
+    """The built-in scenarios for a run of `iterations` steps at this TP size (and these
+    pipeline stages: then also one slow rank in a stage, and a whole slow stage)."""
     n = iterations
     half = max(1, tp_size // 2)
     multi = "/".join(f"{f:g}" for f in (8, 6, 4, 2)[:half])
@@ -136,6 +156,21 @@ def builtin(tp_size: int, iterations: int) -> dict[str, ScenarioSpec]:
             about="rank 1 3x slower at all of its compute, as a slow GPU (needs a core per rank)",
         ),
     ]
+    if stages > 1:
+        last = stages - 1
+        slow = last * tp_size + tp_size - 1  # the last stage's last TP rank, one replica
+        specs += [
+            ScenarioSpec(
+                "stage-rank-2x",
+                f"persistent:global={slow},factor=2",
+                about=f"global rank {slow} (TP rank {tp_size - 1} of stage {last}) 2x slower",
+            ),
+            ScenarioSpec(
+                "stage-2x",
+                f"persistent:stage={last},factor=2",
+                about=f"every rank of stage {last} 2x slower (a slow stage)",
+            ),
+        ]
     return {s.name: s for s in specs}
 
 
@@ -169,10 +204,15 @@ def from_dict(item: dict, where: str) -> ScenarioSpec:
 
 
 def resolve(
-    names: str, tp_size: int, iterations: int, flag: str = "--scenarios"
+    names: str,
+    tp_size: int,
+    iterations: int,
+    flag: str = "--scenarios",
+    stages: int = 1,
+    replicas: int = 1,
 ) -> list[ScenarioSpec]:
     """Comma-separated built-in names and/or JSON files (a list of scenarios each), checked."""
-    known = builtin(tp_size, iterations)
+    known = builtin(tp_size, iterations, stages)
     out: list[ScenarioSpec] = []
     for name in filter(None, (n.strip() for n in names.split(","))):
         if name == "all":
@@ -200,5 +240,5 @@ def resolve(
     if not out:
         raise ScenarioError(f"{flag}: no scenario given")
     for spec in out:
-        spec.check(tp_size)
+        spec.check(tp_size, stages, replicas)
     return out

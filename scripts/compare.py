@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Policies side by side against vanilla Megatron, per straggler scenario, in one command.
 
-    python scripts/compare.py [--tp 2] [--dp 1] [--scenarios none,persistent-2x,transient,noisy]
+    python scripts/compare.py [--tp 2] [--dp 1] [--pp 1] [--microbatches M]
+                              [--scenarios none,persistent-2x,transient,noisy]
                               [--policies resize,migrate,hybrid] [--repeats 3]
                               [--iters 24] [--interval 4] [--out results/compare]
                               [--dilation auto] [--quick] [-- MEGATRON MODEL FLAGS]
@@ -16,7 +17,8 @@ it. All measured here, never taken from a constant. Writes report.md,
 report.json, step_time.png and loss.png under --out, and each run's JSONL under --out/runs.
 
 Scenarios are built-in names (none, persistent-2x, persistent-4x, transient, rotating, multi,
-noisy, mild, rare-3x, episode, slow-rank-0, several, or all) or JSON files (hettp/scenarios.py).
+noisy, mild, rare-3x, episode, slow-rank-0, several, or all; with --pp also stage-rank-2x and
+stage-2x) or JSON files (hettp/scenarios.py).
 `noisy` is real contention: a busy process
 (scripts/noisy_neighbor.py) on rank 1's core; it needs a core per rank. Every rank is pinned to
 a core (rank % cores); with more ranks than cores every run gets --het-tp-emulate-dilation
@@ -48,6 +50,7 @@ sys.path.insert(0, ROOT)
 
 from hettp.emulate import ScenarioError  # noqa: E402
 from hettp.metrics import read_metrics  # noqa: E402
+from hettp.policy import POLICIES as POLICIES_TABLE  # noqa: E402
 from hettp.policy import compared_policies  # noqa: E402
 from hettp.report import PLAIN, VANILLA, Run, compare, markdown  # noqa: E402
 from hettp.scenarios import resolve  # noqa: E402
@@ -55,6 +58,7 @@ from hettp.scenarios import resolve  # noqa: E402
 POLICIES = tuple(compared_policies())
 OWN_FLAGS = (
     "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
     "--train-iters",
     "--het-tp-policy",
     "--het-tp-emulate",
@@ -176,7 +180,7 @@ def launch(
 ) -> None:
     """Run pretrain_gpt.py on tp x dp pinned ranks (rank i on core i % cores); wait, showing
     progress; raise SystemExit naming the run if any rank fails."""
-    world = a.tp * a.dp
+    world = a.tp * a.dp * a.pp
     cores = _cores()
     for stale in (path, path[: -len(".jsonl")] + ".log"):
         if os.path.exists(stale):
@@ -259,6 +263,19 @@ def parse(argv):
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages (--pipeline-model-parallel-size; the model's layers split evenly)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches per step and replica (default 1; 2 x --pp with pipeline stages, so "
+        "that 1F1B reaches its steady state)",
+    )
+    p.add_argument(
         "--scenarios",
         default=None,
         help="comma-separated built-in names and/or JSON files "
@@ -321,12 +338,19 @@ def parse(argv):
     for name, value, low in (
         ("--tp", a.tp, 1),
         ("--dp", a.dp, 1),
+        ("--pp", a.pp, 1),
         ("--repeats", a.repeats, 1),
         ("--iters", a.iters, 4),
         ("--interval", a.interval, 1),
     ):
         if value < low:
             p.error(f"{name} must be >= {low}, got {value}")
+    if a.microbatches is None:
+        a.microbatches = 2 * a.pp if a.pp > 1 else 1
+    if a.microbatches < 1:
+        p.error(f"--microbatches must be >= 1, got {a.microbatches}")
+    if a.pp > 1 and a.dp > 1:
+        p.error("--pp with --dp > 1: a comparison runs pipeline stages of one replica for now")
     if 2 * a.interval > a.iters:
         p.error(f"--interval {a.interval} leaves fewer than two reports in --iters {a.iters}")
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
@@ -337,8 +361,14 @@ def parse(argv):
     # everywhere when asked for
     a.timed_everywhere = VANILLA in policies
     a.policy_list = [PLAIN, VANILLA] + [x for x in dict.fromkeys(policies) if x != VANILLA]
+    resizing = [x for x in policies if POLICIES_TABLE[x].resizes]
+    if a.pp > 1 and resizing:
+        p.error(
+            f"--pp {a.pp}: policies {', '.join(resizing)} resize, which does not run inside "
+            "pipeline stages yet"
+        )
     try:
-        a.scenario_list = resolve(a.scenarios, a.tp, a.iters)
+        a.scenario_list = resolve(a.scenarios, a.tp, a.iters, stages=a.pp, replicas=a.dp)
     except ScenarioError as err:
         p.error(str(err))
     if "none" not in [s.name for s in a.scenario_list]:  # T_fast and C come from it
@@ -353,7 +383,7 @@ def parse(argv):
             "iterations (--iters)"
         )
     a.model = extra or model_flags(a.quick)
-    world = a.tp * a.dp
+    world = a.tp * a.dp * a.pp
     if world > len(_cores()) and any(s.real for s in a.scenario_list):
         p.error(
             f"real-contention scenarios need a core per rank: {world} ranks, {len(_cores())} cores"
@@ -370,6 +400,13 @@ def parse(argv):
             "show; real-contention scenarios need --dilation 1"
         )
     return a
+
+
+def _layout(a) -> str:
+    text = f"TP={a.tp} DP={a.dp}"
+    if a.pp > 1:
+        text += f" PP={a.pp} ({a.microbatches} micro-batches per step)"
+    return text
 
 
 def _dilation(p, value: str, world: int, cores: int) -> float:
@@ -401,8 +438,10 @@ def main(argv=None) -> int:
         *a.model,
         "--tensor-model-parallel-size",
         str(a.tp),
+        "--pipeline-model-parallel-size",
+        str(a.pp),
         "--global-batch-size",
-        str(micro * a.dp),
+        str(micro * a.dp * a.microbatches),
         "--train-iters",
         str(a.iters),
         "--log-interval",
@@ -422,7 +461,7 @@ def main(argv=None) -> int:
     ]
     progress = Progress(len(configs) * a.repeats)
     print(
-        f"compare: TP={a.tp} DP={a.dp}, {len(a.scenario_list)} scenarios, policies "
+        f"compare: {_layout(a)}, {len(a.scenario_list)} scenarios, policies "
         f"{', '.join(a.policy_list)}, {a.repeats} rounds = {progress.total} runs of "
         f"{a.iters} iterations; ranks pinned to cores {cores}",
         flush=True,
@@ -463,10 +502,12 @@ def main(argv=None) -> int:
             provenance = json.load(f)
         minutes, command = provenance.get("minutes", minutes), provenance.get("command", command)
     dilation = provenance.get("dilation", a.dilation)  # how the runs ran, not this machine
-    factors = {s.name: s.factors(a.tp, a.iters) for s in a.scenario_list}
-    varying = {s.name: s.varying(a.tp, a.iters) for s in a.scenario_list}
+    factors = {s.name: s.factors(a.tp, a.iters, a.pp) for s in a.scenario_list}
+    varying = {s.name: s.varying(a.tp, a.iters, a.pp) for s in a.scenario_list}
     device = {s.name for s in a.scenario_list if s.emulate and s.emulation(a.tp).mode == "device"}
-    result = compare(runs, factors, varying, {s.name for s in a.scenario_list if s.real}, device)
+    result = compare(
+        runs, factors, varying, {s.name for s in a.scenario_list if s.real}, device, a.pp
+    )
     machine = (
         f"{platform.node()}: {len(os.sched_getaffinity(0))} cores "
         f"({platform.processor() or platform.machine()}), Python "
@@ -482,7 +523,7 @@ def main(argv=None) -> int:
         for s in a.scenario_list
     ]
     header = [
-        f"# het-TP vs vanilla: TP={a.tp} DP={a.dp}",
+        f"# het-TP vs vanilla: {_layout(a)}",
         "",
         f"`{command}` on {date}, {machine}; {progress.total} runs in {minutes:.1f} min.",
         f"Model: `{' '.join(a.model)}`; {a.iters} iterations per run, reports every "
@@ -494,6 +535,12 @@ def main(argv=None) -> int:
             "(`--het-tp-emulate-dilation`): with more ranks than cores, a sleeping "
             "straggler would otherwise lend its core to the others."
             if dilation > 1
+            else ""
+        )
+        + (
+            f" {a.pp} pipeline stages: units move inside a stage only, so T_ideal is the "
+            "slowest stage's balanced step."
+            if a.pp > 1
             else ""
         ),
         "",
@@ -511,6 +558,8 @@ def main(argv=None) -> int:
                 "minutes": minutes,
                 "tp": a.tp,
                 "dp": a.dp,
+                "pp": a.pp,
+                "microbatches": a.microbatches,
                 "iters": a.iters,
                 "interval": a.interval,
                 "repeats": a.repeats,

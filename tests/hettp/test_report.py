@@ -71,6 +71,22 @@ def test_builtin_scenarios_scale_with_the_run_and_parse():
         spec.check(4)
 
 
+def test_pipeline_scenarios_slow_one_rank_of_a_stage_or_the_whole_stage():
+    specs = builtin(2, 24, stages=2)  # global ranks 0-1: stage 0, 2-3: stage 1
+    assert specs["stage-rank-2x"].factors(2, 1, 2) == [(1.0, 1.0, 1.0, 2.0)]
+    assert specs["stage-2x"].factors(2, 1, 2) == [(1.0, 1.0, 2.0, 2.0)]
+    assert specs["persistent-2x"].factors(2, 1, 2) == [(1.0, 2.0, 1.0, 2.0)]  # TP rank 1 of each
+    for spec in specs.values():
+        spec.check(2, stages=2)
+    assert "stage-2x" not in builtin(2, 24)
+    with pytest.raises(ScenarioError, match="not one global rank"):
+        specs["stage-rank-2x"].check(2, stages=2, replicas=2)
+    with pytest.raises(ScenarioError, match="global rank 3 is not below the world size \\(2\\)"):
+        specs["stage-rank-2x"].check(2)
+    with pytest.raises(ScenarioError, match="stage 1 is not a pipeline stage \\(1 stages\\)"):
+        specs["stage-2x"].check(2)
+
+
 def test_scenario_files_and_errors(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(
@@ -161,6 +177,39 @@ def test_compare_metrics_follow_the_design_definitions():
     assert rows[("none", "hybrid")]["speedup"] == pytest.approx(1 / 1.02)
     table = markdown(result)
     assert "| slow | migrate | 1100.0 (0.0) |" in table and "C/T_fast 0.80" in table
+
+
+def test_pipeline_runs_join_their_stages_reports_and_the_slowest_stage_bounds_the_step():
+    """TP=2 x PP=2: each stage's timing records become one per-rank row (stage 0's ranks, then
+    stage 1's), only where every stage reported; units move inside a stage, so one 2x rank
+    in stage 1 bounds the step at that stage's balanced time, and a whole 2x stage at 2x."""
+
+    def pipeline(steps, compute):
+        records = [{"kind": "run", "args": {"global_batch_size": 8, "seq_length": 128}}]
+        records[0]["args"]["pipeline_model_parallel_size"] = 2
+        for i, t in enumerate(steps, 1):
+            records.append({"kind": "train", "iteration": i, "elapsed_ms": t * 1e3, "lm_loss": 5})
+            for stage in (0, 1) if i % 5 == 0 else (1,) if i == 7 else ():  # 7: stage 1 only
+                row = compute[2 * stage : 2 * stage + 2]
+                records.append({"kind": "timing", "iteration": i, "stage": stage, "compute_s": row})
+        return records
+
+    n = 20
+    runs = [
+        Run.from_records(pipeline([1.0] * n, [0.8] * 4), "none", policy, 0, "x")
+        for policy in ("vanilla", "none")
+    ]
+    assert [it for it, _ in runs[1].compute] == [5, 10, 15, 20]
+    assert runs[1].compute[0][1] == [0.8] * 4
+    slow = [0.8, 0.8, 0.8, 1.6]  # what the vanilla runs measure: T_ideal's speeds
+    runs.append(Run.from_records(pipeline([1.5] * n, slow), "slow", "vanilla", 0, "y"))
+    runs.append(Run.from_records(pipeline([1.2] * n, [0.8] * 4), "slow", "migrate", 0, "z"))
+    factors = {"none": [(1.0,) * 4] * n, "slow": [(1.0, 1.0, 1.0, 2.0)] * n}
+    result = compare(runs, factors, {"none": False, "slow": False}, stages=2)
+    row = next(r for r in result["rows"] if r["policy"] == "migrate")
+    assert row["t_ideal_s"] == pytest.approx(0.2 + 0.8 * 2 / 1.5)
+    assert ideal_step(1.0, 0.8, (1.0, 1.0, 0.5, 0.5), stages=2) == pytest.approx(1.8)
+    assert ideal_step(1.0, 0.8, (1.0, 0.5, 1.0, 1.0), stages=2) == pytest.approx(0.2 + 1.6 / 1.5)
 
 
 def test_medians_over_repeats_and_varying_scenarios():

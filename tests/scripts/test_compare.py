@@ -121,6 +121,9 @@ def test_report_only_rebuilds_the_same_table(quick):
         ),
         (["--", "--het-tp-emulate-dilation", "2"], "may not set --het-tp-emulate-dilation"),
         (["--", "--rampup-batch-size", "2", "2", "8"], "may not set --rampup-batch-size"),
+        (["--pp", "2", "--dp", "2"], "--pp with --dp > 1"),
+        (["--pp", "2", "--policies", "migrate,hybrid"], "--pp 2: policies hybrid resize"),
+        (["--scenarios", "stage-2x"], "unknown scenario 'stage-2x'"),  # a --pp scenario
     ],
 )
 def test_bad_arguments_name_the_flag(argv, message, tmp_path):
@@ -132,6 +135,50 @@ def test_bad_arguments_name_the_flag(argv, message, tmp_path):
     )
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "x").exists()  # nothing launched, nothing written
+
+
+def test_pipeline_stages_run_and_the_slow_stage_is_measured(tmp_path):
+    """--pp 2 at TP=1 (2 ranks): each run has two stages and 4 micro-batches per step; the
+    timed runs report per stage, and the whole slow stage's speed is measured from them."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--quick",
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            "--scenarios",
+            "stage-2x",
+            "--policies",
+            "none",
+            "--repeats",
+            "1",
+            "--iters",
+            "6",
+            "--interval",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["pp"] == 2 and report["microbatches"] == 4
+    rows = {(r["scenario"], r["policy"]): r for r in report["rows"]}
+    assert set(rows) == {(s, p) for s in ("none", "stage-2x") for p in ("vanilla", "none")}
+    path = tmp_path / rows[("stage-2x", "none")]["runs"][0]
+    args = list(read_metrics(path, "run"))[0]["args"]
+    assert args["pipeline_model_parallel_size"] == 2 and args["global_batch_size"] == 8
+    assert {r["stage"] for r in read_metrics(path, "timing")} == {0, 1}
+    fast, slow = report["speeds"]["stage-2x"][-1]  # stage 0's rank, stage 1's
+    assert fast == 1.0 and slow < 0.75, report["speeds"]["stage-2x"][-1]
+    assert "PP=2 (4 micro-batches per step)" in (tmp_path / "report.md").read_text()
 
 
 def test_a_failing_run_is_named_with_its_log(tmp_path):
