@@ -37,11 +37,11 @@ _KEYS = {
     "multi": {"factors", "start", "mode"},
 }
 MODES = ("sharded", "device")
-# who a persistent or transient straggle slows
+# who a persistent or transient straggle slows: (what the key names, its name in errors)
 _WHO = {
-    "rank": "a TP rank in every group",
-    "global": "one global rank",
-    "stage": "every rank of one pipeline stage",
+    "rank": ("a TP rank in every group", "TP rank"),
+    "global": ("one global rank", "global rank"),
+    "stage": ("every rank of one pipeline stage", "pipeline stage"),
 }
 _REQUIRED = {
     "none": set(),
@@ -96,12 +96,11 @@ class Scenario:
         if kind in ("persistent", "transient") and len(set(params) & set(_WHO)) != 1:
             raise ScenarioError(
                 f"{flag} '{text}': {kind} needs one of "
-                + ", ".join(f"{key}= ({what})" for key, what in _WHO.items())
+                + ", ".join(f"{key}= ({what})" for key, (what, _) in _WHO.items())
             )
         for key in ("global", "stage"):
             if params.get(key, 0) < 0:
-                what = {"global": "global rank", "stage": "pipeline stage"}[key]
-                raise ScenarioError(f"{flag} '{text}': {what} must be >= 0")
+                raise ScenarioError(f"{flag} '{text}': {_WHO[key][1]} must be >= 0")
         factors = params.get("factors", (params.get("factor", 1.0),))
         if not all(1.0 <= f < math.inf for f in factors):  # nan fails both comparisons
             raise ScenarioError(
@@ -161,6 +160,3 @@ class Scenario:
             return p["factor"] if rank == (iteration - start) // p["period"] % self.tp_size else 1.0
         factors = p["factors"]
         return factors[rank] if rank < len(factors) else 1.0
-
-    def speeds(self, iteration: int) -> tuple[float, ...]:
-        return tuple(1.0 / self.factor(r, iteration) for r in range(self.tp_size))

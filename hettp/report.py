@@ -41,6 +41,7 @@ class Run:
     fixed: list[tuple[int, list[float]]] = field(default_factory=list)  # of compute, unmovable
     decisions: list[dict] = field(default_factory=list)
     tokens_per_step: int = 0
+    stages: int = 1  # pipeline stages: per-rank lists hold each stage's TP ranks in turn
 
     @classmethod
     def from_records(
@@ -62,12 +63,16 @@ class Run:
                 args = r["args"]
                 run.tokens_per_step = args["global_batch_size"] * args["seq_length"]
                 stages = args.get("pipeline_model_parallel_size") or 1
-        # per rank: the stages' TP ranks in turn, at the boundaries where every stage reported
+        # per rank: the stages' TP ranks in turn, at every report, each stage's latest (a stage
+        # reports on its own when its detection changes, and a decision restarts its interval)
+        run.stages = stages
+        latest: dict[int, dict] = {}
         for iteration, by_stage in sorted(timing.items()):
-            if len(by_stage) < stages:
+            latest.update(by_stage)
+            if len(latest) < stages:
                 continue
             for name, key in (("compute", "compute_s"), ("busy", "busy_s"), ("fixed", "fixed_s")):
-                rows = [by_stage[stage].get(key) for stage in range(stages)]
+                rows = [latest[stage].get(key) for stage in range(stages)]
                 if all(row is not None for row in rows):
                     flat = [float(c) for row in rows for c in row]
                     getattr(run, name).append((iteration, flat))
@@ -173,7 +178,6 @@ def compare(
     varying: dict[str, bool],
     real: set[str] = frozenset(),
     device: set[str] = frozenset(),
-    stages: int = 1,
 ) -> dict:
     """Rows per (scenario, policy) and the baseline. `factors[scenario]` holds the emulated
     slowdown per rank for iterations 1..n; scenarios in `real` get speeds measured from their
@@ -181,8 +185,14 @@ def compare(
     vanilla runs (PLAIN) where the comparison has them. Scenarios in `device` slow all of a
     rank's compute (the emulation's device mode): their bound stretches all of it, where the
     others' stretches the timed compute only; in both, the part of it no split moves (the
-    optimizer step) stays on each rank. With pipeline `stages`, per-rank values hold each
-    stage's TP ranks in turn."""
+    optimizer step) stays on each rank. With pipeline stages (the runs say how many),
+    per-rank values hold each stage's TP ranks in turn, units move inside a stage only, and
+    T_ideal is the slowest stage's balanced step with the rest of the step unchanged: an
+    approximation that leaves out how 1F1B's bubbles scale with the slowest stage."""
+    stages = {run.stages for run in runs}
+    if len(stages) > 1:
+        raise ValueError(f"the runs have different pipeline sizes: {sorted(stages)}")
+    stages = stages.pop() if stages else 1
     by_key: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
         by_key.setdefault((run.scenario, run.policy), []).append(run)

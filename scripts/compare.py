@@ -349,7 +349,7 @@ def parse(argv):
         a.microbatches = 2 * a.pp if a.pp > 1 else 1
     if a.microbatches < 1:
         p.error(f"--microbatches must be >= 1, got {a.microbatches}")
-    if a.pp > 1 and a.dp > 1:
+    if a.pp > 1 and a.dp > 1:  # scenarios map global ranks to (stage, TP rank) with one replica
         p.error("--pp with --dp > 1: a comparison runs pipeline stages of one replica for now")
     if 2 * a.interval > a.iters:
         p.error(f"--interval {a.interval} leaves fewer than two reports in --iters {a.iters}")
@@ -383,6 +383,9 @@ def parse(argv):
             "iterations (--iters)"
         )
     a.model = extra or model_flags(a.quick)
+    layers = int(_flag_value(a.model, "--num-layers", "1"))
+    if layers % a.pp:
+        p.error(f"--pp {a.pp}: the model's --num-layers {layers} do not split evenly over it")
     world = a.tp * a.dp * a.pp
     if world > len(_cores()) and any(s.real for s in a.scenario_list):
         p.error(
@@ -505,9 +508,7 @@ def main(argv=None) -> int:
     factors = {s.name: s.factors(a.tp, a.iters, a.pp) for s in a.scenario_list}
     varying = {s.name: s.varying(a.tp, a.iters, a.pp) for s in a.scenario_list}
     device = {s.name for s in a.scenario_list if s.emulate and s.emulation(a.tp).mode == "device"}
-    result = compare(
-        runs, factors, varying, {s.name for s in a.scenario_list if s.real}, device, a.pp
-    )
+    result = compare(runs, factors, varying, {s.name for s in a.scenario_list if s.real}, device)
     machine = (
         f"{platform.node()}: {len(os.sched_getaffinity(0))} cores "
         f"({platform.processor() or platform.machine()}), Python "

@@ -217,6 +217,14 @@ def unit_sharded_factory(
         for part in range(layout.parts)
     ]
     width = layout.width * run
+    # where a part's units in id order are one stretch of the local shard (the usual case: a
+    # rank holding runs of units in order), pieces are views of it rather than a copy
+    stretch = [
+        (int(idx[0]), len(idx))
+        if idx is not None and torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + len(idx)))
+        else None
+        for idx in by_id
+    ]
 
     def piece(key, tensor, fragment, fragments, replica):
         return ShardedTensor.from_rank_offsets(
@@ -247,7 +255,10 @@ def unit_sharded_factory(
             ]
         pieces = []
         for part in range(layout.parts):
-            ordered = tensor.index_select(layout.axis, by_id[part].to(tensor.device))
+            if stretch[part] is not None:
+                ordered = tensor.narrow(layout.axis, *stretch[part])
+            else:
+                ordered = tensor.index_select(layout.axis, by_id[part].to(tensor.device))
             for i, k in enumerate(runs):
                 fragment = part * (num_units // run) + k
                 pieces.append(

@@ -24,13 +24,15 @@ from .flops import flops_per_sample
 
 @dataclasses.dataclass(frozen=True)
 class StageMove:
-    """What one pipeline stage's part of a re-partition moved (the whole job's, summed)."""
+    """What one pipeline stage's part of a re-partition moved, and how."""
 
     units: int
     payload_bytes: int
     wire_bytes: int
     min_bytes: int  # the fewest bytes any transfer to the same plan could move
     seconds: float
+    primitive: str
+    predictions: dict  # primitive -> predicted seconds
 
     @classmethod
     def of(cls, migration) -> StageMove:
@@ -41,16 +43,23 @@ class StageMove:
             result.wire_bytes,
             migration.minimum_bytes(),
             result.seconds,
+            result.primitive,
+            dict(migration.predictions),
         )
 
     @classmethod
     def total(cls, moves) -> StageMove:
+        """Over the stages: sums, the slowest stage's time, and how the stage that moved the
+        most bytes moved them."""
+        main = max(moves, key=lambda m: m.payload_bytes)
         return cls(
             sum(m.units for m in moves),
             sum(m.payload_bytes for m in moves),
             sum(m.wire_bytes for m in moves),
             sum(m.min_bytes for m in moves),
             max(m.seconds for m in moves),
+            main.primitive,
+            main.predictions,
         )
 
 
@@ -86,18 +95,16 @@ class EventLog:
         if self.metrics is not None:
             self.metrics.write("plan", iteration=iteration, why=why, plan=plan.to_json())
 
-    def repartition(self, iteration, migration, plan, moved: StageMove) -> None:
+    def repartition(self, iteration, plan, moves) -> None:
         """One line per applied re-partition: the whole-model plan, what moved over every
-        pipeline stage (`moved`), how (this stage's primitive and predictions), and what it
-        cost."""
-        result = migration.result
-        predicted = ", ".join(
-            f"{p} {t * 1e3:.2f}" for p, t in sorted(migration.predictions.items())
-        )
+        pipeline stage (`moves`, one StageMove per stage), how (the stage that moved the most)
+        and what it cost."""
+        moved = StageMove.total(moves)
+        predicted = ", ".join(f"{p} {t * 1e3:.2f}" for p, t in sorted(moved.predictions.items()))
         self.info(
             f"> het-TP repartition at iteration {iteration}: {plan.summary()} | "
             f"moved {moved.units} units, {moved.payload_bytes} bytes "
-            f"({moved.wire_bytes} on the wire) via {result.primitive} in "
+            f"({moved.wire_bytes} on the wire) via {moved.primitive} in "
             f"{moved.seconds * 1e3:.1f} ms (predicted ms: {predicted})"
         )
         if self.metrics is not None:
@@ -109,9 +116,9 @@ class EventLog:
                 bytes=moved.payload_bytes,
                 min_bytes=moved.min_bytes,
                 wire_bytes=moved.wire_bytes,
-                primitive=result.primitive,
+                primitive=moved.primitive,
                 seconds=moved.seconds,
-                predicted_seconds=migration.predictions,
+                predicted_seconds=moved.predictions,
             )
 
     def resize(self, iteration, resizer, why) -> None:

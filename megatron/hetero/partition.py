@@ -79,7 +79,7 @@ class HetPartition:
         self.plan = even_plan(module, dist.get_world_size(self.group))
         self.cost_model = cost_model or CostModel()
         blocks = het_blocks(module)
-        _set_checkpoint_runs(blocks, self.plan)
+        self._size_checkpoint_runs(blocks)
         # Parameters per unit of each block kind: the weight of a unit's share of the work.
         self.unit_work = {
             name: sum(
@@ -97,9 +97,16 @@ class HetPartition:
         return {name: sum(s.nbytes for s in unit_specs(blocks[(0, name)], keys)) for name in BLOCKS}
 
     def align_checkpoints(self, module, whole: PartitionPlan) -> None:
-        """With pipeline stages: size the checkpoint pieces by the whole model's plan (every
-        stage's layers share the keys), not this stage's alone."""
+        """With pipeline stages, after every change of owners: size the checkpoint pieces by
+        the whole model's plan (every stage's layers share the checkpoint keys), which the
+        runtime knows and this stage does not."""
         _set_checkpoint_runs(het_blocks(module), whole)
+
+    def _size_checkpoint_runs(self, blocks) -> None:
+        """Without pipeline stages this plan is the whole model's (with them, the runtime calls
+        align_checkpoints)."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            _set_checkpoint_runs(blocks, self.plan)
 
     def check(self, plan: PartitionPlan) -> None:
         """Raise PlanError if `plan` does not fit this model (before anything moves)."""
@@ -165,8 +172,7 @@ class HetPartition:
                     permute(unit_tensors(block, optimizer, keys), block.units, new_units)
                     block.reorder(new_units)
             _write_back(optimizer)
-        self.plan = plan
-        _set_checkpoint_runs(blocks, plan)
+        self.plan = plan  # the same owners: the checkpoint runs stay
 
     # ------------------------------------------------------------------------------------
 
@@ -202,7 +208,7 @@ class HetPartition:
             replaced = self._commit(blocks, pieces, positions, plan, keys, result)
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
-        _set_checkpoint_runs(blocks, plan)
+        self._size_checkpoint_runs(blocks)
         return migration, replaced
 
     def _commit(self, blocks, pieces, positions, plan, state_keys, result):

@@ -156,7 +156,8 @@ class HetTPRuntime:
             plan = given
         if plan != self.partition.plan:
             self.partition.install(module, plan)
-        self._align_checkpoints()
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            self.partition.align_checkpoints(module, self.whole_plan())
 
     def _stage_of(self, plan: PartitionPlan | None) -> PartitionPlan | None:
         """This pipeline stage's layers of a whole-model plan; None for a plan of another
@@ -167,13 +168,6 @@ class HetTPRuntime:
         if plan.num_layers != self._module.config.num_layers:
             return None
         return plan.stage(layers[0].layer_number - 1, len(layers))  # numbered from 1, globally
-
-    def _align_checkpoints(self) -> PartitionPlan:
-        """The whole-model plan; with pipeline stages, checkpoint pieces sized by it."""
-        whole = self.whole_plan()
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            self.partition.align_checkpoints(self._module, whole)
-        return whole
 
     def whole_plan(self) -> PartitionPlan | None:
         """Every layer's partition: the pipeline stages' plans joined (collective over the
@@ -374,8 +368,9 @@ class HetTPRuntime:
         else:
             migration = self.partition.repartition(self.state, mine, step=iteration, fault=fault)
         moves = self._moves_over_stages(migration)
-        whole = self._align_checkpoints()
-        self.events.repartition(iteration, migration, whole, StageMove.total(moves))
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            self.partition.align_checkpoints(self._module, plan)  # every stage moved to plan
+        self.events.repartition(iteration, plan, moves)
         if mine != before:  # the stages whose split stayed keep their detectors' reference
             self._rebase()
         return migration, moves
@@ -386,15 +381,10 @@ class HetTPRuntime:
         mine = StageMove.of(migration)
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             return [mine]
-        row = torch.tensor(
-            [mine.units, mine.payload_bytes, mine.wire_bytes, mine.min_bytes, mine.seconds],
-            dtype=torch.float64,
-            device=comm_device(),
-        )
         group = parallel_state.get_pipeline_model_parallel_group()
-        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(rows, row, group=group)
-        return [StageMove(*(int(v) for v in r[:4].tolist()), float(r[4])) for r in rows]
+        moves = [None] * dist.get_world_size(group)
+        dist.all_gather_object(moves, mine, group=group)
+        return moves
 
     def resize(self, shares, iteration: int, why: str) -> None:
         self.resizer.resize(self.state, shares)

@@ -348,15 +348,25 @@ def test_padded_vocab_size():
     assert padded_vocab_size(50257, 128, 8) == 51200
 
 
-def _run_cli(args, world_size=1):
+def _run_cli(args, world_size=1, timeout=120):
+    popen = _start_cli(args, world_size)
+    try:
+        out, err = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        raise
+    return subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
+
+
+def _start_cli(args, world_size=1):
     env = dict(os.environ, WORLD_SIZE=str(world_size))
     env.pop("RANK", None)
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=120,
     )
 
 
@@ -436,8 +446,11 @@ def test_early_errors_exit_2_with_one_line(tmp_path):
             f"{prefix}.bin is corrupt",
         ),
     ]
-    for argv, world, message in cases:
-        proc = _run_cli(argv, world_size=world)
+    # each case is a fresh interpreter that fails at start: launched side by side
+    started = [_start_cli(argv, world_size=world) for argv, world, _ in cases]
+    for (argv, _, message), popen in zip(cases, started):
+        out, err = popen.communicate(timeout=300)
+        proc = subprocess.CompletedProcess(argv, popen.returncode, out, err)
         assert proc.returncode == 2, (message, proc.stderr)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error:"), proc.stderr

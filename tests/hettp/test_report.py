@@ -181,7 +181,7 @@ def test_compare_metrics_follow_the_design_definitions():
 
 def test_pipeline_runs_join_their_stages_reports_and_the_slowest_stage_bounds_the_step():
     """TP=2 x PP=2: each stage's timing records become one per-rank row (stage 0's ranks, then
-    stage 1's), only where every stage reported; units move inside a stage, so one 2x rank
+    stage 1's), each stage's latest at every report; units move inside a stage, so one 2x rank
     in stage 1 bounds the step at that stage's balanced time, and a whole 2x stage at 2x."""
 
     def pipeline(steps, compute):
@@ -199,13 +199,14 @@ def test_pipeline_runs_join_their_stages_reports_and_the_slowest_stage_bounds_th
         Run.from_records(pipeline([1.0] * n, [0.8] * 4), "none", policy, 0, "x")
         for policy in ("vanilla", "none")
     ]
-    assert [it for it, _ in runs[1].compute] == [5, 10, 15, 20]
+    # 7: stage 1 alone (its detection changed), joined with stage 0's report of 5
+    assert [it for it, _ in runs[1].compute] == [5, 7, 10, 15, 20] and runs[1].stages == 2
     assert runs[1].compute[0][1] == [0.8] * 4
     slow = [0.8, 0.8, 0.8, 1.6]  # what the vanilla runs measure: T_ideal's speeds
     runs.append(Run.from_records(pipeline([1.5] * n, slow), "slow", "vanilla", 0, "y"))
     runs.append(Run.from_records(pipeline([1.2] * n, [0.8] * 4), "slow", "migrate", 0, "z"))
     factors = {"none": [(1.0,) * 4] * n, "slow": [(1.0, 1.0, 1.0, 2.0)] * n}
-    result = compare(runs, factors, {"none": False, "slow": False}, stages=2)
+    result = compare(runs, factors, {"none": False, "slow": False})
     row = next(r for r in result["rows"] if r["policy"] == "migrate")
     assert row["t_ideal_s"] == pytest.approx(0.2 + 0.8 * 2 / 1.5)
     assert ideal_step(1.0, 0.8, (1.0, 1.0, 0.5, 0.5), stages=2) == pytest.approx(1.8)

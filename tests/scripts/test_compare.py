@@ -122,6 +122,10 @@ def test_report_only_rebuilds_the_same_table(quick):
         (["--", "--het-tp-emulate-dilation", "2"], "may not set --het-tp-emulate-dilation"),
         (["--", "--rampup-batch-size", "2", "2", "8"], "may not set --rampup-batch-size"),
         (["--pp", "2", "--dp", "2"], "--pp with --dp > 1"),
+        (
+            ["--pp", "4", "--policies", "migrate"],
+            "--pp 4: the model's --num-layers 2 do not split evenly over it",
+        ),
         (["--pp", "2", "--policies", "migrate,hybrid"], "--pp 2: policies hybrid resize"),
         (["--scenarios", "stage-2x"], "unknown scenario 'stage-2x'"),  # a --pp scenario
     ],
