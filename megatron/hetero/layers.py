@@ -179,9 +179,8 @@ def unit_sharded_factory(
 
     A function of (key, tensor) only, so megatron-core applies it to optimizer states too.
     Every piece of a key has one shape, as dist-checkpointing requires within a save; the
-    plan's aligned run (the same on every rank) keeps the pieces few: torch checks every pair of
-    a tensor's pieces for overlap when it saves and loads, so one piece per unit made a
-    checkpoint of ffn 1024 x 4 layers take 10-20 s to load on CPU. The pieces hold the units in
+    plan's aligned run (the same on every rank) keeps the pieces few, since torch checks every
+    pair of a tensor's pieces for overlap when it saves and loads. The pieces hold the units in
     id order whatever the local order (a resized rank keeps its units in priority order). A
     rank without units of the block offers a non-main replica of run 0 instead (never written,
     loaded and dropped), because dist-checkpointing expects every rank to hold something for
@@ -203,27 +202,16 @@ def unit_sharded_factory(
                 f"{run}-unit runs do not follow this rank's units)"
             )
     n = len(units)
-    # per part, the local element indices of the units in id order (the runs back to back)
-    by_id = [
-        torch.cat(
-            [
-                torch.arange(layout.width) + (part * n + position[u]) * layout.width
-                for k in runs
-                for u in range(k * run, (k + 1) * run)
-            ]
-        )
-        if units
-        else None
-        for part in range(layout.parts)
-    ]
+    fragments = layout.parts * (num_units // run)
     width = layout.width * run
-    # where a part's units in id order are one stretch of the local shard (the usual case: a
-    # rank holding runs of units in order), pieces are views of it rather than a copy
-    stretch = [
-        (int(idx[0]), len(idx))
-        if idx is not None and torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + len(idx)))
-        else None
-        for idx in by_id
+    # the local positions of the units in id order: the runs back to back
+    in_order = [position[u] for u in sorted(units)]
+    # where those are one stretch of the local shard (the usual case: a rank holding its units
+    # in id order), pieces are views of it rather than a copy
+    stretch = bool(units) and in_order == list(range(in_order[0], in_order[0] + n))
+    by_id = [  # per part, the local element indices of the units in id order
+        torch.cat([torch.arange(layout.width) + (part * n + p) * layout.width for p in in_order])
+        for part in range(layout.parts if units else 0)
     ]
 
     def piece(key, tensor, fragment, fragments, replica):
@@ -244,32 +232,18 @@ def unit_sharded_factory(
         if not units:
             shape = list(tensor.shape)
             shape[layout.axis] = width
-            return [
-                piece(
-                    key,
-                    tensor.new_zeros(shape),
-                    0,
-                    layout.parts * (num_units // run),
-                    _non_main(replica_id),
-                )
-            ]
+            return [piece(key, tensor.new_zeros(shape), 0, fragments, _non_main(replica_id))]
         pieces = []
         for part in range(layout.parts):
-            if stretch[part] is not None:
-                ordered = tensor.narrow(layout.axis, *stretch[part])
+            if stretch:
+                start = (part * n + in_order[0]) * layout.width
+                ordered = tensor.narrow(layout.axis, start, n * layout.width)
             else:
                 ordered = tensor.index_select(layout.axis, by_id[part].to(tensor.device))
             for i, k in enumerate(runs):
                 fragment = part * (num_units // run) + k
-                pieces.append(
-                    piece(
-                        key,
-                        ordered.narrow(layout.axis, i * width, width),
-                        fragment,
-                        layout.parts * (num_units // run),
-                        replica_id,
-                    )
-                )
+                view = ordered.narrow(layout.axis, i * width, width)
+                pieces.append(piece(key, view, fragment, fragments, replica_id))
         return pieces
 
     def merge(pieces):

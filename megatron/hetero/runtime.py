@@ -156,13 +156,13 @@ class HetTPRuntime:
             plan = given
         if plan != self.partition.plan:
             self.partition.install(module, plan)
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if _pipelined():
             self.partition.align_checkpoints(module, self.whole_plan())
 
     def _stage_of(self, plan: PartitionPlan | None) -> PartitionPlan | None:
         """This pipeline stage's layers of a whole-model plan; None for a plan of another
         layer count (it does not fit)."""
-        if plan is None or parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        if plan is None or not _pipelined():
             return plan
         layers = unwrap_model(self._module).decoder.layers
         if plan.num_layers != self._module.config.num_layers:
@@ -174,7 +174,7 @@ class HetTPRuntime:
         pipeline group; this stage's alone without pipelining)."""
         if self.partition is None:
             return None
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        if not _pipelined():
             return self.partition.plan
         return PartitionPlan.joined(self._stage_plans())
 
@@ -329,15 +329,15 @@ class HetTPRuntime:
         so that a stage's migration is applied everywhere at once). Without pipelining, this
         group's. One small all-reduce over the pipeline group per step; the verdicts are
         gathered only at steps where some stage has one."""
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        if not _pipelined():
             return [StageVerdict(None, *out)] if out is not None else []
-        group = parallel_state.get_pipeline_model_parallel_group()
         any_out = torch.tensor([int(out is not None)], dtype=torch.int32, device=comm_device())
-        dist.all_reduce(any_out, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(
+            any_out, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group()
+        )
         if not any_out.item():
             return []
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, out, group=group)
+        gathered = _over_stages(out)
         return [StageVerdict(stage, *o) for stage, o in enumerate(gathered) if o is not None]
 
     # ---- actions (every rank, same step boundary) -------------------------------------------
@@ -368,7 +368,7 @@ class HetTPRuntime:
         else:
             migration = self.partition.repartition(self.state, mine, step=iteration, fault=fault)
         moves = self._moves_over_stages(migration)
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if _pipelined():
             self.partition.align_checkpoints(self._module, plan)  # every stage moved to plan
         self.events.repartition(iteration, plan, moves)
         if mine != before:  # the stages whose split stayed keep their detectors' reference
@@ -379,12 +379,7 @@ class HetTPRuntime:
         """What each pipeline stage's part of a re-partition moved (collective over the
         pipeline group; this stage's alone without one)."""
         mine = StageMove.of(migration)
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            return [mine]
-        group = parallel_state.get_pipeline_model_parallel_group()
-        moves = [None] * dist.get_world_size(group)
-        dist.all_gather_object(moves, mine, group=group)
-        return moves
+        return _over_stages(mine) if _pipelined() else [mine]
 
     def resize(self, shares, iteration: int, why: str) -> None:
         self.resizer.resize(self.state, shares)
@@ -412,11 +407,11 @@ class HetTPRuntime:
                         [moving.get(stage, now) for stage, now in enumerate(self._stage_plans())]
                     )
                 migration, moves = self._repartition(plan, iteration)
-                if own is not None and own.migrates and migration.predictions:
-                    if self.controller is not None:
-                        self.controller.loop.migrated(
-                            time.perf_counter() - start, min(migration.predictions.values())
-                        )
+                learns = own is not None and own.migrates and self.controller is not None
+                if learns and migration.predictions:
+                    self.controller.loop.migrated(
+                        time.perf_counter() - start, min(migration.predictions.values())
+                    )
         except TransferError as err:  # every rank raises it; all keep their state
             if self.resizer is not None and self.resizer.shares != before:
                 self.resizer.resize(self.state, before)  # the resize the move would replace
@@ -430,13 +425,10 @@ class HetTPRuntime:
 
     def _stage_plans(self) -> list[PartitionPlan]:
         """Every pipeline stage's plan (collective over the pipeline group)."""
-        group = parallel_state.get_pipeline_model_parallel_group()
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, self.partition.plan, group=group)
-        return gathered
+        return _over_stages(self.partition.plan)
 
     def _pipeline_stage(self) -> int | None:
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        if not _pipelined():
             return None
         return parallel_state.get_pipeline_model_parallel_rank()
 
@@ -481,6 +473,18 @@ class HetTPRuntime:
         except PlanError:
             return False
         return True
+
+
+def _pipelined() -> bool:
+    return parallel_state.get_pipeline_model_parallel_world_size() > 1
+
+
+def _over_stages(obj) -> list:
+    """`obj` of every pipeline stage, in stage order (collective over the pipeline group)."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def runtime_of(model) -> HetTPRuntime | None:
