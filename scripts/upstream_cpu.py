@@ -41,8 +41,26 @@ def main(argv):
     if "--distributed-backend" not in flags:
         flags += ["--distributed-backend", "gloo"]  # CPU ranks: nccl needs GPUs
     sys.argv = [entry, *flags]
-    runpy.run_path(entry, run_name="__main__")
+    try:
+        runpy.run_path(entry, run_name="__main__")
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
+        _shut_down()
+        raise
+    _shut_down()
     return 0
+
+
+def _shut_down():
+    """Close the process group on every rank together. Upstream's script exits with it open,
+    which NCCL tolerates; with gloo, a rank whose peer has already exited can abort (SIGABRT)
+    when its pairs see the closed sockets, after training went well."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ STRAGGLER = ["--het-tp-emulate", "persistent:rank=1,factor=3", "--het-tp-interva
 # the weight-decay schedule's length follows --train-iters, which a resumed run extends
 RESUME = ["--override-opt_param-scheduler"]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+FAILURE = re.compile(r"error|exception|terminate|what\(\)|abort|traceback|signal", re.I)
 VALIDATION = re.compile(
     r"validation loss at iteration (\d+) on validation set \| lm loss value: ([0-9.E+-]+)"
 )
@@ -57,9 +58,19 @@ class Run:
     def validation(self) -> dict[int, float]:
         return {int(i): float(v) for i, v in VALIDATION.findall(self.output)}
 
-    def __repr__(self):  # what a failing assert shows: the end of the output, warnings left out
+    def __str__(self):
+        """What a failing assert shows (given as a str, which pytest does not shorten): the
+        lines that name an error (a native abort's `terminate called ...` too), then the end
+        of the output, warnings left out."""
         lines = [line for line in self.output.splitlines() if "warn" not in line.lower()]
-        return f"Run(returncode={self.returncode}, output=...\n" + "\n".join(lines[-40:]) + ")"
+        errors = [line for line in lines[:-40] if FAILURE.search(line)][-20:]
+        return (
+            f"Run(returncode={self.returncode}, errors:\n"
+            + "\n".join(errors)
+            + "\noutput ends:\n"
+            + "\n".join(lines[-40:])
+            + ")"
+        )
 
 
 def launch(tree: str, *flags: str, timeout: float = 420) -> Run:
@@ -107,7 +118,7 @@ def vanilla(trees):
     run = launch(
         fresh, "--train-iters", "12", "--save", str(base / "vanilla"), "--save-interval", "100"
     )
-    assert run.returncode == 0, run
+    assert run.returncode == 0, str(run)
     shutil.copytree(fresh, patched, symlinks=True)  # with the built helper
     out = subprocess.run(
         ["bash", os.path.join(ROOT, "patches", "apply.sh"), patched],
@@ -124,7 +135,7 @@ def vanilla_resumed(trees, vanilla):
     this data a resumed run is not bit-identical to an uninterrupted one, in upstream itself)."""
     fresh, _, base = trees
     run = launch(fresh, "--load", str(base / "vanilla"), "--train-iters", "14", *RESUME)
-    assert run.returncode == 0, run
+    assert run.returncode == 0, str(run)
     return run
 
 
@@ -162,12 +173,12 @@ def test_vanilla_upstream_trains_and_resumes_on_cpu_ranks(vanilla, vanilla_resum
 
 def test_migration_under_a_straggler_is_lossless_and_leaves_a_checkpoint_at_12(migrated, vanilla):
     run, save = migrated
-    assert run.returncode == 0, run
+    assert run.returncode == 0, str(run)
     # het-TP layers in Megatron's even split until the straggler is acted on
     even = "het-TP plan at iteration 0 (initial): TP=2 layers 0-1: attn 2/2 mlp 128/128"
     assert even in run.output
     decision = re.search(r"het-TP decision at iteration (\d+): migrate", run.output)
-    assert decision, run
+    assert decision, str(run)
     assert f"het-TP repartition at iteration {decision.group(1)}" in run.output
     _close(run.losses, vanilla.losses, range(1, 13))
     assert sorted(run.losses) == list(range(1, 13))
@@ -189,10 +200,10 @@ def test_migration_under_a_straggler_is_lossless_and_leaves_a_checkpoint_at_12(m
 def test_vanilla_upstream_resumes_the_migrated_checkpoint(trees, vanilla_resumed, migrated):
     fresh, _, base = trees
     run, save = migrated
-    assert run.returncode == 0, run
+    assert run.returncode == 0, str(run)
     load = _copy_checkpoints(save, str(base / "vanilla_resume"))
     resumed = launch(fresh, "--load", load, "--train-iters", "14", *RESUME)
-    assert resumed.returncode == 0, resumed
+    assert resumed.returncode == 0, str(resumed)
     assert sorted(resumed.losses) == [13, 14]
     _close(resumed.losses, vanilla_resumed.losses, (13, 14))
 
@@ -200,7 +211,7 @@ def test_vanilla_upstream_resumes_the_migrated_checkpoint(trees, vanilla_resumed
 def test_het_tp_resumes_in_the_migrated_plan(trees, vanilla_resumed, migrated):
     _, patched, base = trees
     run, save = migrated
-    assert run.returncode == 0, run
+    assert run.returncode == 0, str(run)
     load = _copy_checkpoints(save, str(base / "het_resume"))
     resumed = launch(
         patched,
@@ -214,7 +225,7 @@ def test_het_tp_resumes_in_the_migrated_plan(trees, vanilla_resumed, migrated):
         "--het-tp-interval",
         "2",
     )
-    assert resumed.returncode == 0, resumed
+    assert resumed.returncode == 0, str(resumed)
     last_plan = re.findall(r"het-TP repartition at iteration \d+: (TP=2 .*?) \|", run.output)[-1]
     assert f"het-TP plan at iteration 12 (resumed from the checkpoint): {last_plan}" in (
         resumed.output
@@ -226,8 +237,8 @@ def test_het_tp_resumes_in_the_migrated_plan(trees, vanilla_resumed, migrated):
 def test_resize_under_a_straggler_decides_and_finishes(trees, vanilla):
     _, patched, _ = trees
     run = launch(patched, "--het-tp-policy", "resize", *STRAGGLER, "--train-iters", "8")
-    assert run.returncode == 0, run
-    assert re.search(r"het-TP decision at iteration \d+: resize", run.output), run
+    assert run.returncode == 0, str(run)
+    assert re.search(r"het-TP decision at iteration \d+: resize", run.output), str(run)
     assert sorted(run.losses) == list(range(1, 9))
     assert all(loss == loss and loss < 10 for loss in run.losses.values())
 
