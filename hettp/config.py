@@ -93,6 +93,11 @@ class HetTPConfig:
     or by wall time minus TP collective waits (sees real contention; no more ranks than
     cores). GPUs use CUDA events."""
 
+    pipeline_moves: str = _flag("both", choices=("units", "layers", "both"))
+    """With pipeline stages, what a migrating policy may move: TP units inside a stage (a slow
+    rank's work to its stage's other ranks), whole layers between neighbouring stages (from a
+    slow stage to faster ones, decided on every stage's measured layer compute), or both."""
+
     emulate: str | None = _flag(None, metavar="SCENARIO")
     """Emulated stragglers (CPU): none, persistent:rank=R,factor=F[,start=I][,stop=I],
     transient:rank=R,factor=F,start=I,length=N,period=P, rotating:factor=F,period=P,

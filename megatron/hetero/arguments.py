@@ -1088,6 +1088,12 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         "on its own (--het-tp-policy migrate)",
     )
 
+    _require(
+        pp > 1 or args.het_tp_pipeline_moves == "both",
+        f"--het-tp-pipeline-moves {args.het_tp_pipeline_moves} needs pipeline stages "
+        "(--pipeline-model-parallel-size > 1)",
+    )
+
     # Checkpointing.
     if args.save_interval is not None:
         _require(

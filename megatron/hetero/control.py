@@ -129,6 +129,11 @@ class Controller:
         the detector; the report interval starts over."""
         self.loop.applied()
 
+    def layers_changed(self, model) -> None:
+        """Layers moved between pipeline stages: time the ones held now."""
+        self.timer.rehook(model)
+        self._work = None
+
     def close(self) -> None:
         self.timer.remove()
 

@@ -121,6 +121,45 @@ class EventLog:
                 predicted_seconds=moved.predictions,
             )
 
+    def layers(self, iteration, moves, split=None) -> None:
+        """One line per layer move between pipeline stages: the split before and after, what
+        chose it (`split`, a hettp.stages.LayerSplit; None when asked for directly), and what
+        the stages sent (`moves`, one layer_moves.LayerMigration per stage; bytes counted by
+        the sender and the receiver, so halved)."""
+        first = moves[0]
+        sent = sorted(g for m in moves for g in m.sent)
+        payload = sum(m.bytes for m in moves) // 2
+        seconds = max(m.seconds for m in moves)
+        why = "asked"
+        if split is not None:
+            per_stage = ", ".join(
+                f"{b * 1e3:.1f}->{a * 1e3:.1f}" for b, a in zip(split.before, split.after)
+            )
+            why = (
+                f"layer compute ms per step by stage {per_stage} (predicted), "
+                f"{split.gain:.0%} off the slowest stage, move predicted "
+                f"{split.move_seconds * 1e3:.0f} ms"
+            )
+        split_text = "/".join(str(n) for n in first.after)
+        self.info(
+            f"> het-TP layer move at iteration {iteration}: layers per stage "
+            f"{'/'.join(str(n) for n in first.before)} -> {split_text} ({why}) | moved "
+            f"layer(s) {sent}, {payload} bytes per TP rank in {seconds * 1e3:.1f} ms"
+        )
+        if self.metrics is not None:
+            self.metrics.write(
+                "layers",
+                iteration=iteration,
+                before=list(first.before),
+                after=list(first.after),
+                layers_moved=sent,
+                bytes=payload,
+                seconds=seconds,
+                stage_seconds=list(split.before) if split is not None else None,
+                predicted_stage_seconds=list(split.after) if split is not None else None,
+                predicted_move_seconds=split.move_seconds if split is not None else None,
+            )
+
     def resize(self, iteration, resizer, why) -> None:
         """One line per resize decision: asked and realized skipped shares per rank."""
         realized = resizer.realized_shares()

@@ -108,6 +108,19 @@ class HetPartition:
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             _set_checkpoint_runs(blocks, self.plan)
 
+    def adopt_layers(self, module, plan: PartitionPlan) -> None:
+        """The stage's layers changed (moved between pipeline stages, with their units):
+        `plan` is this stage's part of the whole plan for the layers it holds now."""
+        blocks = het_blocks(module)
+        if len(blocks) != 2 * plan.num_layers:
+            raise PlanError(
+                f"plan has {plan.num_layers} layers, the stage holds {len(blocks) // 2}"
+            )
+        for (index, name), block in blocks.items():
+            if tuple(block.units) != plan.units(index, name, self.rank):
+                raise PlanError(f"layer {index} {name}: the plan names other units")
+        self.plan = plan
+
     def check(self, plan: PartitionPlan) -> None:
         """Raise PlanError if `plan` does not fit this model (before anything moves)."""
         p = self.plan
@@ -268,10 +281,11 @@ def _write_back(view) -> None:
             view.scatter(param, view.master(param), view.state[param])
 
 
-def _rebuild(state, replaced, old):
+def _rebuild(state, replaced, old, extra=None):
     """New DDP wrapper and optimizer around the re-shaped parameters, same training state:
     fp32 masters, moments, step count, loss scaler and learning-rate schedule carry over.
-    `old` is the gathered view of the old optimizer."""
+    `old` is the gathered view of the old optimizer; `extra` gives parameters new to the
+    model (a layer moved in from another stage) their {param: (master, state)}."""
     old_ddp, old_opt = state.model, state.optimizer
 
     model = type(old_ddp)(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
@@ -283,6 +297,7 @@ def _rebuild(state, replaced, old):
             moved.get("master", master),
             {**param_state, **{k: v for k, v in moved.items() if k != "master"}},
         )
+    carried.update(extra or {})
     carry_into(optimizer, carried)
     # The old wrapper's backward hooks stay on unchanged parameters: make them no-ops.
     old_ddp.param_to_bucket_group = {}

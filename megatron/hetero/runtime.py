@@ -64,15 +64,24 @@ class SavedPlan:
 
     plan: PartitionPlan
     shares: tuple[float, ...]
+    stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage (None: one stage)
 
     def to_dict(self) -> dict:
-        return {"plan": self.plan.to_json(), "shares": list(self.shares)}
+        out = {"plan": self.plan.to_json(), "shares": list(self.shares)}
+        if self.stage_layers is not None:
+            out["stage_layers"] = list(self.stage_layers)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict | None) -> SavedPlan | None:
         if not data:
             return None
-        return cls(PartitionPlan.from_json(data["plan"]), tuple(data["shares"]))
+        layers = data.get("stage_layers")
+        return cls(
+            PartitionPlan.from_json(data["plan"]),
+            tuple(data["shares"]),
+            tuple(layers) if layers is not None else None,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +123,8 @@ class HetTPRuntime:
         self._saved_shares = None
         self._pending = None  # per-rank state loaded before attach()
         self._microbatches = None  # per step, as last seen (a batch ramp changes it)
+        self._layers = None  # layers per pipeline stage (pipelined runs)
+        self._fresh = {}  # stage -> its latest report since the last change of any split
 
     @classmethod
     def from_args(cls, args, cuda_available: bool | None = None) -> HetTPRuntime | None:
@@ -132,6 +143,20 @@ class HetTPRuntime:
         from .spec import get_het_gpt_layer_spec
 
         return get_het_gpt_layer_spec(self.normalization, self.config.granularity)
+
+    def configure(self, config, saved: SavedPlan | None = None) -> None:
+        """Before the model is built: with pipeline stages, a checkpoint saved after layer moves
+        starts in its layer split (megatron-core reads it from the config)."""
+        layers = saved.stage_layers if saved is not None else None
+        if (
+            self.config.het_tp
+            and layers is not None
+            and len(layers) == config.pipeline_model_parallel_size > 1
+            and sum(layers) == config.num_layers
+        ):
+            from .layer_moves import set_split
+
+            set_split(config, layers)
 
     def install(self, module, saved: SavedPlan | None = None) -> None:
         """Right after the GPTModel is built (before Float16Module, DDP and the optimizer):
@@ -157,6 +182,9 @@ class HetTPRuntime:
         if plan != self.partition.plan:
             self.partition.install(module, plan)
         if _pipelined():
+            from .layer_moves import stage_counts
+
+            self._layers = stage_counts(module)
             self.partition.align_checkpoints(module, self.whole_plan())
 
     def _stage_of(self, plan: PartitionPlan | None) -> PartitionPlan | None:
@@ -206,6 +234,8 @@ class HetTPRuntime:
 
             unit_work = self.partition.unit_work if self.partition is not None else None
             cost_model = self.partition.cost_model if self.partition is not None else None
+            if _pipelined() and config.pipeline_moves == "layers":
+                unit_work = None  # the stages are timed; no unit moves are planned in them
             self.controller = Controller(config, state.model, unit_work, cost_model)
         if self.partition is not None:
             self.events.plan(iteration, self.whole_plan(), self._plan_why)
@@ -320,6 +350,8 @@ class HetTPRuntime:
             decided = [v for v in verdicts if v.decision is not None]
             if decided:
                 self._apply(iteration, decided)
+            elif verdicts and self._moves_layers():
+                self._balance_layers(iteration, verdicts)
         rebuilt = (state.model, state.optimizer) != rebuilt_from
         return StepEnd(state.model, state.optimizer, rebuilt)
 
@@ -390,6 +422,7 @@ class HetTPRuntime:
         """Apply this boundary's decisions, on every rank: the stages that migrate move in one
         whole-model re-partition (the other stages keep their layers' plans), this stage's
         resize (if it decided one) is applied here."""
+        self._fresh = {}  # every rank: the stages' reports predate this boundary's moves
         here = self._pipeline_stage()
         own = next((v.decision for v in decided if v.stage == here), None)
         moving = {v.stage: v.decision.plan for v in decided if v.decision.migrates}
@@ -423,6 +456,73 @@ class HetTPRuntime:
         if own is not None:
             self._rebase()
 
+    # ---- layers between pipeline stages ------------------------------------------------------
+
+    def _moves_layers(self) -> bool:
+        return (
+            _pipelined()
+            and self.controller is not None
+            and self.config.migrates
+            and self.config.pipeline_moves in ("layers", "both")
+        )
+
+    def _balance_layers(self, iteration: int, verdicts: list[StageVerdict]) -> None:
+        """With every stage's report since the last change of any split (the same on every
+        rank), move layers off a slow stage where hettp.stages predicts it pays."""
+        from hettp.stages import balance_layers
+
+        for v in verdicts:
+            self._fresh[v.stage] = v.report
+        if len(self._fresh) < len(self._layers):
+            return
+        seconds = [_layer_seconds(self._fresh[s]) for s in range(len(self._layers))]
+        split = balance_layers(self._layers, seconds, self._layer_move_seconds())
+        if split is None:
+            return
+        try:
+            self.move_layers(split.counts, iteration, split)
+        except TransferError as err:  # every rank raises it; all keep their state
+            self.events.info(f"> het-TP layer move at iteration {iteration} not applied: {err}")
+
+    def _layer_move_seconds(self) -> float:
+        """Predicted seconds of moving one layer between neighbour stages: each TP rank sends
+        its share of the layer's units (weights, masters, moments) point to point, and every
+        rank rebuilds DDP and the optimizer (the same on every rank: shapes only)."""
+        from hettp.transfer import REBUILD_FACTOR
+
+        plan = self.partition.plan
+        per_unit = self.partition.unit_bytes(self.state.model, self.state.optimizer)
+        layer_bytes = plan.attn_units * per_unit["attn"] + plan.mlp_units * per_unit["mlp"]
+        p2p = self.partition.cost_model.p2p
+        return REBUILD_FACTOR * (p2p.call + p2p.alpha + layer_bytes / plan.tp_size / p2p.beta)
+
+    def move_layers(self, counts, iteration: int, split=None, fault=None):
+        """Every rank of the job at one step boundary: move whole layers between neighbouring
+        pipeline stages so that stage s holds counts[s] (layer_moves.move_layers), and take up
+        the new layers in the partition, timers and checkpoints; logs the `layers` record
+        (`split`: the hettp.stages.LayerSplit that chose it, if one did). A failed move raises
+        TransferError on every rank, with every rank's state intact. Returns this stage's
+        LayerMigration."""
+        from hettp.stages import StageError
+
+        from .layer_moves import move_layers
+
+        if not _pipelined() or self.partition is None:
+            raise StageError("layer moves need --het-tp and pipeline stages")
+        whole = self.whole_plan()
+        counts = tuple(int(n) for n in counts)
+        mine = move_layers(self.state, self._module, self._layers, counts, whole, fault)
+        stage = self._pipeline_stage()
+        self._layers = counts
+        self.partition.adopt_layers(self._module, whole.stage(sum(counts[:stage]), counts[stage]))
+        self.partition.align_checkpoints(self._module, whole)
+        if self.controller is not None:
+            self.controller.layers_changed(self.state.model)
+        self.events.layers(iteration, _over_stages(mine), split)
+        self._fresh = {}
+        self._rebase()
+        return mine
+
     def _stage_plans(self) -> list[PartitionPlan]:
         """Every pipeline stage's plan (collective over the pipeline group)."""
         return _over_stages(self.partition.plan)
@@ -444,7 +544,7 @@ class HetTPRuntime:
         pipeline group)."""
         if self.partition is None:
             return None
-        return SavedPlan(self.whole_plan(), tuple(self.shares))
+        return SavedPlan(self.whole_plan(), tuple(self.shares), self._layers)
 
     def state_dict(self) -> dict:
         """This TP rank's part: priorities and evidence since the last refresh, the detector,
@@ -473,6 +573,13 @@ class HetTPRuntime:
         except PlanError:
             return False
         return True
+
+
+def _layer_seconds(report) -> float:
+    """A stage's layer compute per step: its slowest TP rank's timed compute, the optimizer
+    step (the report's fixed part) left out."""
+    fixed = report.fixed or (0.0,) * len(report.compute)
+    return max(c - f for c, f in zip(report.compute, fixed))
 
 
 def _pipelined() -> bool:

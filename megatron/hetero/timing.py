@@ -212,6 +212,16 @@ class ComputeTimer:
         self._emulated = 0.0  # seconds of emulated delay since reset()
         self._mark = self._step0  # device mode: CPU time at the last collective
         self._handles = []
+        self._hook(model)
+
+    def rehook(self, model) -> None:
+        """Time the layers `model` holds now (layers moved between pipeline stages)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._hook(model)
+
+    def _hook(self, model) -> None:
         for layer in unwrap_model(model).decoder.layers:
             for block in (layer.self_attention, layer.mlp):
                 for name in SHARDED_MODULES:

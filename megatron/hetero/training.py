@@ -148,6 +148,8 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
     them to its starting plan, or `saved_plan`'s) before the optimizer exists.
     """
     config = transformer_config(args)
+    if runtime is not None:
+        runtime.configure(config, saved_plan)  # a checkpoint's split of layers over stages
     module = build_gpt_model(
         args, config, vocab_size, runtime.layer_spec() if runtime is not None else None
     )

@@ -96,6 +96,12 @@ def test_gpu_defaults_and_precision():
         ),
         ("--save-interval 5", 1, "--save-interval needs --save"),
         (
+            "--tensor-model-parallel-size 2 --het-tp-policy migrate --het-tp-pipeline-moves layers",
+            2,
+            "--het-tp-pipeline-moves layers needs pipeline stages "
+            "(--pipeline-model-parallel-size > 1)",
+        ),
+        (
             "--pipeline-model-parallel-size 2 --het-tp-emulate persistent:stage=2,factor=2",
             2,
             "persistent:stage=2,factor=2: stage 2 is not a pipeline stage "

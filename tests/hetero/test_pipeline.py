@@ -9,7 +9,14 @@ import shutil
 
 import pytest
 
-from tests.utils import MHA, run_ranks, train, train_with_control, train_with_repartitions
+from tests.utils import (
+    MHA,
+    run_ranks,
+    train,
+    train_with_control,
+    train_with_layer_moves,
+    train_with_repartitions,
+)
 
 # 4 layers (2 per stage), tied embeddings (their gradients meet across the first and last
 # stage), dropout 0, a fixed decay length so every run shares the schedule
@@ -157,6 +164,54 @@ def test_migrations_inside_stages_are_lossless_and_their_checkpoint_loads_anywhe
     _close(het["losses"], reference, (7, 8))
 
 
+def test_layer_moves_between_stages_are_lossless_and_their_checkpoint_loads_anywhere(
+    single_stage, tmp_path
+):
+    """Whole layers move between the two stages of TP=2 x PP=2 with uneven unit plans: at 3
+    layer 1 goes to the last stage (1/3), at 4 layers 1 and 2 go to the first (3/1); at 5 a
+    move fails on one rank while it packs and every rank keeps its state. The losses stay on
+    the single-stage run's; saved at 6 in the 3/1 split, the checkpoint continues in one
+    vanilla stage, in two vanilla stages (2/2) and in het-TP's two stages (3/1 again)."""
+    root, reference = single_stage
+    moved = _from_start(root, "layers")
+    plan = _layered_plan(tmp_path / "plan.json")
+    argv = _argv(f"--train-iters 6 --load {moved} --save {moved} {TP2_PP2} --het-tp-plan {plan}")
+    faults = ({"iteration": 5, "global_rank": 2},)
+    ranks = run_ranks(train_with_layer_moves, 4, argv, {3: (1, 3), 4: (3, 1), 5: (2, 2)}, faults)
+    layers = {3: ([1], [2, 3, 4]), 4: ([1, 2, 3], [4]), 5: ([1, 2, 3], [4])}
+    for rank, result in enumerate(ranks):  # ranks 0-1: the first stage, 2-3: the last
+        stage = rank // 2
+        for it, numbers in layers.items():
+            assert result["seen"][it][0] == numbers[stage], (rank, it, result["seen"])
+        sent = {e["iteration"]: e.get("sent") for e in result["events"]}
+        assert sent[3] == ((1,) if stage == 0 else ())
+        assert sent[4] == (() if stage == 0 else (1, 2))
+        failed = result["events"][-1]
+        assert "aborted before any transfer" in failed["error"] and failed["kept"], failed
+        _close(result["losses"], reference, range(3, 7))
+    # the moved layers kept their units: the last stage's plan at 3 holds layers 1-3's
+    from hettp.plan import PartitionPlan
+
+    whole = PartitionPlan.from_json(open(plan).read())
+    assert PartitionPlan.from_json(ranks[2]["seen"][3][1]) == whole.stage(1, 3)
+    assert PartitionPlan.from_json(ranks[0]["seen"][4][1]) == whole.stage(0, 3)
+    assert (
+        "het-TP layer move at iteration 4: layers per stage 1/3 -> 3/1 (asked)"
+        in (ranks[0]["stdout"])
+    )
+    for name, ranks_, extra in (
+        ("one-vanilla", 1, ""),
+        ("two-vanilla", 2, "--pipeline-model-parallel-size 2"),
+    ):
+        shutil.copytree(moved, root / name)
+        _close(_run(ranks_, f"--train-iters 8 --load {root / name} {extra}"), reference, (7, 8))
+    het = run_ranks(
+        train_with_layer_moves, 4, _argv(f"--train-iters 8 --load {moved} {TP2_PP2} --het-tp"), {}
+    )
+    assert [r["seen"][7][0] for r in het] == [[1, 2, 3], [1, 2, 3], [4], [4]]
+    _close(het[0]["losses"], reference, (7, 8))
+
+
 # Timing wants the sharded GEMMs to dominate their linears' per-call costs (test_control.py)
 TIMED = (
     MHA.replace("--num-layers 2", "--num-layers 4")
@@ -169,18 +224,20 @@ TIMED = (
 )
 
 
-def test_a_straggler_in_one_stage_is_acted_on_by_that_stage_only(tmp_path):
+def test_a_straggler_in_one_stage_is_acted_on_by_that_stage_only(tmp_path, steady_timed):
     """Global rank 3 (TP rank 1 of the last stage) is 3x slow from step 6: the last stage's TP
     group detects it and moves units off it; the first stage, whose TP rank 1 is not slow, keeps
     its split. Every rank applies the move at the same step boundary, and the losses are those
-    of the same run without a straggler, in which nothing moves."""
+    of the same run without a straggler, in which nothing moves. Layers stay in their stages
+    (--het-tp-pipeline-moves units: with layer moves, one follows, as the slow stage is still
+    slower after its units moved)."""
     from hettp.metrics import read_metrics
     from hettp.plan import PartitionPlan
 
     metrics = tmp_path / "control.jsonl"
     argv = (
         TIMED + f" {TP2_PP2} --het-tp-policy migrate --metrics-file {metrics}"
-        " --het-tp-emulate persistent:global=3,factor=3,start=6"
+        " --het-tp-emulate persistent:global=3,factor=3,start=6 --het-tp-pipeline-moves units"
     ).split()
     ranks = run_ranks(train_with_control, 4, argv)
     records = list(read_metrics(str(metrics)))
@@ -211,11 +268,60 @@ def test_a_straggler_in_one_stage_is_acted_on_by_that_stage_only(tmp_path):
         i for i in sorted(ranks[2]["seen"]) if ranks[2]["seen"][i][0] != ranks[2]["seen"][1][0]
     ]
     assert changed and changed[0] == first["iteration"]
-    steady = tmp_path / "steady.jsonl"
+    _close(ranks[0]["losses"], steady_timed, range(1, 15))
+
+
+@pytest.fixture(scope="module")
+def steady_timed(tmp_path_factory):
+    """The timed model's losses under the migrate policy without a straggler (nothing moves)."""
+    from hettp.metrics import read_metrics
+
+    steady = tmp_path_factory.mktemp("steady") / "steady.jsonl"
     argv = f"{TIMED} {TP2_PP2} --het-tp-policy migrate --metrics-file {steady}".split()
     reference = run_ranks(train, 4, argv)[0]["losses"]
-    assert not [r for r in read_metrics(str(steady)) if r["kind"] == "decision"]
-    _close(ranks[0]["losses"], reference, range(1, 15))
+    kinds = {r["kind"] for r in read_metrics(str(steady))}
+    assert "decision" not in kinds and "layers" not in kinds, kinds
+    return reference
+
+
+@pytest.mark.parametrize(
+    "straggler, moves",
+    [("stage=1", "both"), ("global=3", "layers")],
+    ids=["whole-stage-slow", "one-rank-slow-layers-only"],
+)
+def test_a_slow_stage_gives_a_layer_to_its_neighbour(tmp_path, steady_timed, straggler, moves):
+    """The last stage 3x slow from step 4 (both its ranks, or its TP rank 1 with unit moves
+    ruled out): at a report of both stages the planner moves layer 2 to the first stage (2/2 ->
+    3/1, which balances 1.5 s against 1.5 s per 4 layers' time), every rank at the same
+    boundary; no TP units move, and the losses are the steady run's."""
+    from hettp.metrics import read_metrics
+
+    metrics = tmp_path / "layers.jsonl"
+    argv = (
+        TIMED + f" {TP2_PP2} --het-tp-policy migrate --metrics-file {metrics}"
+        f" --het-tp-emulate persistent:{straggler},factor=3,start=4"
+        f" --het-tp-pipeline-moves {moves}"
+    ).split()
+    ranks = run_ranks(train_with_layer_moves, 4, argv, {})
+    records = list(read_metrics(str(metrics)))
+    moved = [r for r in records if r["kind"] == "layers"]
+    assert len(moved) == 1, moved
+    assert (moved[0]["before"], moved[0]["after"], moved[0]["layers_moved"]) == (
+        [2, 2],
+        [3, 1],
+        [2],
+    )
+    at = moved[0]["iteration"]
+    assert 5 <= at <= 12
+    slow, fast = moved[0]["stage_seconds"][1], moved[0]["stage_seconds"][0]
+    assert slow > 1.5 * fast  # measured: the last stage's layer compute
+    assert not [r for r in records if r["kind"] in ("decision", "repartition")]
+    assert f"het-TP layer move at iteration {at}: layers per stage 2/2 -> 3/1" in ranks[0]["stdout"]
+    for rank, result in enumerate(ranks):
+        numbers = result["seen"][at][0]
+        assert numbers == ([1, 2, 3] if rank < 2 else [4]), (rank, result["seen"])
+        assert result["seen"][at - 1][0] == ([1, 2] if rank < 2 else [3, 4])
+    _close(ranks[0]["losses"], steady_timed, range(1, 15))
 
 
 def test_resizing_inside_stages_is_refused_by_name():

@@ -20,6 +20,7 @@ from tests.utils.workers import (
     train_and_read_norms,
     train_with_control,
     train_with_failing_save,
+    train_with_layer_moves,
     train_with_repartitions,
     train_with_resizes,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "train_and_count_whole_masters",
     "train_and_read_norms",
     "train_with_control",
+    "train_with_layer_moves",
     "train_with_failing_save",
     "train_with_repartitions",
     "train_with_resizes",

@@ -648,6 +648,50 @@ def train_with_control(argv: list[str]) -> dict:
     }
 
 
+def train_with_layer_moves(argv: list[str], moves: dict, faults: tuple = ()) -> dict:
+    """pretrain, moving layers between pipeline stages after iteration i so that stage s holds
+    moves[i][s] layers; a fault {"iteration": i, "global_rank": r} fails that rank while it
+    packs, and the hook records whether anything changed. Records this rank's layer numbers and
+    plan after every step."""
+    import torch.distributed as dist
+
+    from hettp.exchange import TransferError
+    from megatron.hetero.model import unwrap_model
+
+    seen, events = {}, []
+
+    def hook(iteration, state, runtime):
+        if iteration in moves:
+            fail = [f for f in faults if f["iteration"] == iteration]
+
+            def fault(stage):
+                if any(f["global_rank"] == dist.get_rank() for f in fail) and stage == "pack":
+                    raise RuntimeError("injected failure while packing")
+
+            model = state.model
+            try:
+                moved = runtime.move_layers(moves[iteration], iteration, fault=fault)
+                events.append({"iteration": iteration, "sent": moved.sent, "got": moved.received})
+            except TransferError as err:
+                events.append(
+                    {"iteration": iteration, "error": str(err), "kept": state.model is model}
+                )
+        layers = unwrap_model(state.model).decoder.layers
+        seen[iteration] = (
+            [layer.layer_number for layer in layers],
+            runtime.partition.plan.to_json(),
+        )
+
+    result, stdout = _pretrain(argv, hook)
+    return {
+        "losses": result.losses,
+        "seen": seen,
+        "events": events,
+        "stdout": stdout,
+        "metrics_file": result.metrics_file,
+    }
+
+
 def preloaded(names: list[str]) -> dict:
     """Which of these modules the rank already had when it started (from the fork server)."""
     import sys

@@ -1,0 +1,128 @@
+"""Layers per pipeline stage, chosen from measured stage speeds (pure).
+
+A pipeline runs at its slowest stage's pace. Unit moves (hettp.planner) balance the TP ranks
+inside a stage; they cannot help a stage whose ranks are all slow, and after them a stage with
+one slow rank is still slower than its neighbours. Moving whole layers to the neighbour stages
+can: a stage's layer-proportional compute is its layer count times its seconds per layer, and
+the split that minimises the largest product is found by giving each layer, one at a time, to
+the stage that would finish it soonest (optimal for per-stage linear costs).
+
+The runtime (megatron/hetero/runtime.py) gathers every stage's report at a report step, calls
+`balance_layers` on every rank with the same numbers (so every rank reaches the same split) and
+moves the layers (megatron/hetero/layer_moves.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# A layer move must shorten the slowest stage by this fraction of its time: below it, timing
+# noise would move layers back and forth.
+LAYER_MOVE_MIN_GAIN = 0.1
+# ... and repay its predicted cost within this many steps of the new pace.
+LAYER_MOVE_PAYBACK_STEPS = 100
+
+
+class StageError(ValueError):
+    """A layer split that does not fit the pipeline (raised before anything moves)."""
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """A proposed split of the layers over the stages, with what it is predicted to do."""
+
+    counts: tuple[int, ...]  # layers per stage, in stage order
+    before: tuple[float, ...]  # seconds per step of each stage's layers now
+    after: tuple[float, ...]  # the same, predicted for `counts`
+    move_seconds: float  # predicted time of moving the layers
+
+    @property
+    def gain(self) -> float:
+        """The fraction of the slowest stage's time the split saves."""
+        return 1.0 - max(self.after) / max(self.before)
+
+    def summary(self) -> str:
+        return "/".join(str(n) for n in self.counts)
+
+
+def check_split(counts: Sequence[int], num_layers: int, stages: int) -> None:
+    if len(counts) != stages:
+        raise StageError(f"layer split {list(counts)} names {len(counts)} stages, not {stages}")
+    if sum(counts) != num_layers:
+        raise StageError(f"layer split {list(counts)} holds {sum(counts)} layers, not {num_layers}")
+    if min(counts) < 1:
+        raise StageError(f"layer split {list(counts)} leaves a stage without layers")
+
+
+def stage_of_layers(counts: Sequence[int]) -> list[int]:
+    """The stage of every layer, in layer order."""
+    return [stage for stage, n in enumerate(counts) for _ in range(n)]
+
+
+def adjacent(old: Sequence[int], new: Sequence[int]) -> bool:
+    """Whether every layer stays or moves to a neighbour stage (what one move can do)."""
+    return all(abs(a - b) <= 1 for a, b in zip(stage_of_layers(old), stage_of_layers(new)))
+
+
+def optimal_split(seconds_per_layer: Sequence[float], num_layers: int) -> tuple[int, ...]:
+    """The counts (at least one layer a stage) that minimise max(count x seconds per layer);
+    ties go to the earlier stage, so every rank computes the same split."""
+    stages = len(seconds_per_layer)
+    if num_layers < stages:
+        raise StageError(f"{num_layers} layers cannot fill {stages} stages")
+    counts = [1] * stages
+    for _ in range(num_layers - stages):
+        best = min(range(stages), key=lambda s: ((counts[s] + 1) * seconds_per_layer[s], s))
+        counts[best] += 1
+    return tuple(counts)
+
+
+def balance_layers(
+    counts: Sequence[int],
+    stage_seconds: Sequence[float],
+    layer_move_seconds: float = 0.0,
+    min_gain: float = LAYER_MOVE_MIN_GAIN,
+    payback_steps: int = LAYER_MOVE_PAYBACK_STEPS,
+) -> LayerSplit | None:
+    """The split to move to, or None to keep `counts`.
+
+    `stage_seconds[s]`: the measured seconds per step of stage s's layers (its slowest TP
+    rank's layer compute, pipeline bubbles and p2p waits left out); `layer_move_seconds`: the
+    predicted time of moving one layer between neighbours. A split whose layers would skip a
+    stage is reached over several moves: this one moves one layer off the slowest stage."""
+    counts = tuple(counts)
+    if len(stage_seconds) != len(counts):
+        raise StageError(f"{len(stage_seconds)} stage timings for {len(counts)} stages")
+    if any(s <= 0 for s in stage_seconds):
+        return None  # a stage without timed compute: nothing to scale by
+    per_layer = [s / n for s, n in zip(stage_seconds, counts)]
+    target = optimal_split(per_layer, sum(counts))
+    if not adjacent(counts, target):
+        target = _one_layer_off_the_slowest(counts, per_layer)
+    if target is None or target == counts:
+        return None
+    before = tuple(float(s) for s in stage_seconds)
+    after = tuple(n * c for n, c in zip(target, per_layer))
+    moved = sum(abs(a - b) for a, b in zip(stage_of_layers(counts), stage_of_layers(target)))
+    split = LayerSplit(target, before, after, moved * layer_move_seconds)
+    saved_per_step = max(before) - max(after)
+    if split.gain < min_gain or saved_per_step * payback_steps <= split.move_seconds:
+        return None
+    return split
+
+
+def _one_layer_off_the_slowest(counts, per_layer) -> tuple[int, ...] | None:
+    slowest = max(range(len(counts)), key=lambda s: (counts[s] * per_layer[s], -s))
+    if counts[slowest] == 1:
+        return None
+    best = None
+    for neighbour in (slowest - 1, slowest + 1):
+        if 0 <= neighbour < len(counts):
+            new = list(counts)
+            new[slowest] -= 1
+            new[neighbour] += 1
+            cost = max(n * c for n, c in zip(new, per_layer))
+            if best is None or cost < best[0]:
+                best = (cost, tuple(new))
+    return best[1] if best else None
