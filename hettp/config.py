@@ -35,6 +35,7 @@ class ModelShape:
     num_layers: int
     query_groups: int  # attention units
     ffn_hidden_size: int
+    pipeline_stages: int = 1  # whole layers can move between them
 
 
 def _flag(default, **argparse_kwargs):
@@ -96,7 +97,8 @@ class HetTPConfig:
     pipeline_moves: str = _flag("both", choices=("units", "layers", "both"))
     """With pipeline stages, what a migrating policy may move: TP units inside a stage (a slow
     rank's work to its stage's other ranks), whole layers between neighbouring stages (from a
-    slow stage to faster ones, decided on every stage's measured layer compute), or both."""
+    slow stage to faster ones, decided on every stage's measured layer compute), or both.
+    Under resizing policies layers stay in their stages."""
 
     emulate: str | None = _flag(None, metavar="SCENARIO")
     """Emulated stragglers (CPU): none, persistent:rank=R,factor=F[,start=I][,stop=I],
@@ -263,11 +265,23 @@ class HetTPConfig:
             f"--het-tp-onset-at-once ({self.onset_at_once}) must be >= --het-tp-onset "
             f"({self.onset})",
         )
+        # at TP=1 a migrating policy can still move layers between pipeline stages
+        moves_layers = (
+            shape.pipeline_stages > 1
+            and p.migrates
+            and not p.resizes
+            and self.pipeline_moves != "units"
+        )
         _require(
-            tp > 1 or not (p.decides and self.resize is None),
+            tp > 1 or not (p.decides and self.resize is None) or moves_layers,
             f"--het-tp-policy {self.policy} decides how units are split over the TP group, "
             "and --tensor-model-parallel-size 1 has nothing to split: use TP > 1 or drop the "
-            "policy",
+            "policy"
+            + (
+                " (with pipeline stages, --het-tp-policy migrate moves layers between them)"
+                if shape.pipeline_stages > 1
+                else ""
+            ),
         )
         scenario = None
         if self.emulate is not None:

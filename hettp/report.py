@@ -59,6 +59,16 @@ class Run:
                 timing.setdefault(r["iteration"], {})[r.get("stage") or 0] = r
             elif kind == "decision":
                 run.decisions.append(r)
+            elif kind == "layers":  # a layer move between pipeline stages (its own planner)
+                after = "/".join(str(n) for n in r["after"])
+                run.decisions.append(
+                    {
+                        "action": f"layers {after}",
+                        "iteration": r["iteration"],
+                        "bytes": r["bytes"],
+                        "min_bytes": r["bytes"],
+                    }
+                )
             elif kind == "run":
                 args = r["args"]
                 run.tokens_per_step = args["global_batch_size"] * args["seq_length"]

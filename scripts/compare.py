@@ -50,12 +50,13 @@ sys.path.insert(0, ROOT)
 
 from hettp.emulate import ScenarioError  # noqa: E402
 from hettp.metrics import read_metrics  # noqa: E402
-from hettp.policy import POLICIES as POLICIES_TABLE  # noqa: E402
 from hettp.policy import compared_policies  # noqa: E402
 from hettp.report import PLAIN, VANILLA, Run, compare, markdown  # noqa: E402
 from hettp.scenarios import resolve  # noqa: E402
 
 POLICIES = tuple(compared_policies())
+# With --pp: migrate with only one kind of move (plain `migrate` moves units and layers).
+PIPELINE_VARIANTS = {"migrate-units": ("migrate", "units"), "migrate-layers": ("migrate", "layers")}
 OWN_FLAGS = (
     "--tensor-model-parallel-size",
     "--pipeline-model-parallel-size",
@@ -71,6 +72,7 @@ OWN_FLAGS = (
     "--save",
     "--load",
     "--het-tp-emulate-dilation",
+    "--het-tp-pipeline-moves",
 )
 # compare.py's runs count iterations (--iters): no sample-based length, schedule or ramp
 SAMPLE_FLAGS = (
@@ -284,7 +286,9 @@ def parse(argv):
     p.add_argument(
         "--policies",
         default=None,
-        help=f"comma-separated from {', '.join(POLICIES)}; plain vanilla always runs, and "
+        help=f"comma-separated from {', '.join(POLICIES)} (with --pp also "
+        f"{', '.join(PIPELINE_VARIANTS)}: migrate moving only TP units inside stages, or only "
+        "layers between them; migrate does both); plain vanilla always runs, and "
         "none (timed vanilla) where C or real speeds come from it (default: "
         "resize,migrate,hybrid)",
     )
@@ -354,19 +358,17 @@ def parse(argv):
     if 2 * a.interval > a.iters:
         p.error(f"--interval {a.interval} leaves fewer than two reports in --iters {a.iters}")
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
-    bad = [x for x in policies if x not in POLICIES]
+    known = POLICIES + (tuple(PIPELINE_VARIANTS) if a.pp > 1 else ())
+    bad = [x for x in policies if x not in known]
     if bad:
-        p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(POLICIES)}")
+        staged = [x for x in bad if x in PIPELINE_VARIANTS]
+        if staged:
+            p.error(f"--policies {', '.join(staged)}: needs --pp > 1 (moves of pipeline stages)")
+        p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(known)}")
     # plain vanilla in every scenario; timed vanilla where C or real speeds come from it, and
     # everywhere when asked for
     a.timed_everywhere = VANILLA in policies
     a.policy_list = [PLAIN, VANILLA] + [x for x in dict.fromkeys(policies) if x != VANILLA]
-    resizing = [x for x in policies if POLICIES_TABLE[x].resizes]
-    if a.pp > 1 and resizing:
-        p.error(
-            f"--pp {a.pp}: policies {', '.join(resizing)} resize, which does not run inside "
-            "pipeline stages yet"
-        )
     try:
         a.scenario_list = resolve(a.scenarios, a.tp, a.iters, stages=a.pp, replicas=a.dp)
     except ScenarioError as err:
@@ -403,6 +405,11 @@ def parse(argv):
             "show; real-contention scenarios need --dilation 1"
         )
     return a
+
+
+def _base(policy: str) -> str:
+    """The --het-tp-policy of a compared policy (a pipeline variant's is migrate)."""
+    return PIPELINE_VARIANTS[policy][0] if policy in PIPELINE_VARIANTS else policy
 
 
 def _layout(a) -> str:
@@ -474,8 +481,10 @@ def main(argv=None) -> int:
     for repeat in range(a.repeats):  # interleaved: every configuration once per round
         for scenario, policy in configs:
             # plain vanilla: static, no het-TP layers; timed only where its emulation needs it
-            het_policy = "static" if policy == PLAIN else policy
+            het_policy = "static" if policy == PLAIN else _base(policy)
             flags = [*common, "--het-tp-policy", het_policy, "--het-tp-timer", _timer(scenario)]
+            if policy in PIPELINE_VARIANTS:
+                flags += ["--het-tp-pipeline-moves", PIPELINE_VARIANTS[policy][1]]
             if scenario.emulate:
                 flags += ["--het-tp-emulate", scenario.emulate]
             path = os.path.join(runs_dir, f"{scenario.name}.{policy}.{repeat}.jsonl")

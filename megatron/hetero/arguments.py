@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from hettp.config import ConfigError, HetTPConfig, ModelShape
-from hettp.policy import POLICIES
 from megatron.hetero.batch_schedule import BatchSchedule, Rampup
 
 TOKENIZER_TYPES = (
@@ -1079,19 +1078,20 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         f"(--pipeline-model-parallel-size {pp})",
     )
     _require(
-        pp == 1 or not het_tp.resizes,
-        f"--pipeline-model-parallel-size {pp}: het-TP resizing ("
-        + ", ".join(
-            ["--het-tp-resize"] + [f"--het-tp-policy {n}" for n, p in POLICIES.items() if p.resizes]
-        )
-        + ") does not run inside pipeline stages yet; each stage's TP group times and migrates "
-        "on its own (--het-tp-policy migrate)",
-    )
-
-    _require(
         pp > 1 or args.het_tp_pipeline_moves == "both",
         f"--het-tp-pipeline-moves {args.het_tp_pipeline_moves} needs pipeline stages "
         "(--pipeline-model-parallel-size > 1)",
+    )
+    _require(
+        args.het_tp_pipeline_moves != "layers" or not het_tp.resizes,
+        f"--het-tp-pipeline-moves {args.het_tp_pipeline_moves}: "
+        + (
+            f"--het-tp-resize {args.het_tp_resize}"
+            if args.het_tp_resize
+            else f"--het-tp-policy {args.het_tp_policy}"
+        )
+        + " resizes, and layers stay in their stages under resizing (its priorities are kept "
+        "per layer of a stage): use units, or a policy that only migrates",
     )
 
     # Checkpointing.
@@ -1147,7 +1147,11 @@ def model_shape(args) -> ModelShape:
     if not getattr(args, "group_query_attention", True) or groups is None:
         groups = args.num_attention_heads
     return ModelShape(
-        args.tensor_model_parallel_size, args.num_layers, groups, args.ffn_hidden_size
+        args.tensor_model_parallel_size,
+        args.num_layers,
+        groups,
+        args.ffn_hidden_size,
+        getattr(args, "pipeline_model_parallel_size", 1) or 1,
     )
 
 

@@ -10,9 +10,14 @@ checkpoint keys and recomputation follow it; the DDP wrapper and optimizer are r
 rank (building an optimizer runs collectives over the whole job), with the training state of
 every parameter carried over, so training stays on its trajectory.
 
-All or nothing: every rank prepares (builds the incoming layers, packs the outgoing ones) and
-votes before anything is sent; a failure anywhere raises TransferError on every rank with the
-model, optimizer and config as they were.
+All or nothing where it can be: every rank prepares (builds the incoming layers, packs the
+outgoing ones) and votes before anything is sent; a failure there raises TransferError on every
+rank with the model, optimizer and config as they were. Past the vote, a failed transfer raises
+TransferError with this rank's state as it was (its peers see the transport fail too), and a
+failure while rebuilding DDP and the optimizer (collectives over the job) puts this rank's
+layers and split back before it propagates.
+
+Lossless at dropout 0: a moved layer draws its dropout masks from its new stage's RNG stream.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from hettp.exchange import TransferError
 from hettp.plan import PartitionPlan
@@ -74,6 +80,16 @@ def set_split(config, counts) -> None:
     config.pipeline_model_parallel_layout = stage_layout(counts)
 
 
+def split_of(config) -> tuple[int, ...]:
+    """Layers per stage as megatron-core splits them under `config` (no process group)."""
+    pp, total = config.pipeline_model_parallel_size, config.num_layers
+    layout = config.pipeline_model_parallel_layout
+    if layout is not None:  # megatron-core reads this rank's offset from it, whatever pp_rank
+        return tuple(layout.get_num_layers_to_build(pp_rank=r) for r in range(pp))
+    offsets = [get_transformer_layer_offset(config, pp_rank=r) for r in range(pp)] + [total]
+    return tuple(b - a for a, b in zip(offsets, offsets[1:]))
+
+
 def stage_counts(module) -> tuple[int, ...]:
     """Layers of every pipeline stage (collective over the pipeline group)."""
     group = parallel_state.get_pipeline_model_parallel_group()
@@ -112,7 +128,8 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
 
     `state` is the runtime's TrainState (model, optimizer, scheduler and config are replaced),
     `module` the GPTModel of this stage and `whole` the whole model's unit plan (a moved layer
-    keeps its units). `fault(stage_name)` lets tests fail a rank at "pack" or "commit"."""
+    keeps its units). `fault(stage_name)` lets tests fail a rank at "pack" (before anything
+    is built) or "built" (the incoming layers built, before the vote)."""
     before, after = tuple(before), tuple(after)
     pp = len(before)
     check_split(after, sum(before), pp)
@@ -146,6 +163,8 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
                 for tensor in _payload(decoder.layers[g - first], view)
             ]
             built = {g: _build(decoder, config, after, g, whole, tp_rank) for g in incoming}
+            if fault is not None:
+                fault("built")
             reference = decoder.layers[0]
             receives, carried = [], {}
             for g, layer in built.items():
@@ -161,18 +180,36 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
             ) from error
         ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in receives]
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+        try:  # past the vote a failure is the transport's, which its peers see too
+            if ops:
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+        except Exception as err:  # noqa: BLE001 - nothing was changed here yet
+            raise TransferError(f"layer move {list(before)} -> {list(after)}: {err}") from err
         moved_bytes = sum(t.numel() * t.element_size() for t, _ in sends + receives)
-        # commit: local, so it cannot leave ranks disagreeing
+        # commit: the new layer list, the split, then DDP and the optimizer (collectives over
+        # the job: a rank failing there stalls the others, as any failed collective does, but
+        # keeps its own model consistent with its old optimizer)
+        saved = (
+            decoder.layers,
+            decoder.num_layers_per_pipeline_rank,
+            decoder.submodules.layer_specs,
+        )
+        split = {name: getattr(config, name) for name in _SPLIT_FIELDS}
         kept = [layer for g, layer in enumerate(decoder.layers, first) if g not in outgoing]
         layers = sorted(kept + list(built.values()), key=lambda layer: layer.layer_number)
-        decoder.layers = torch.nn.ModuleList(layers)
-        decoder.num_layers_per_pipeline_rank = len(layers)
-        decoder.submodules.layer_specs = [decoder.submodules.layer_specs[0]] * len(layers)
-        set_split(config, after)
-        _rebuild(state, {}, view, extra=carried)
+        try:
+            decoder.layers = torch.nn.ModuleList(layers)
+            decoder.num_layers_per_pipeline_rank = len(layers)
+            decoder.submodules.layer_specs = [decoder.submodules.layer_specs[0]] * len(layers)
+            set_split(config, after)
+            _rebuild(state, {}, view, extra=carried)
+        except BaseException:
+            decoder.layers, decoder.num_layers_per_pipeline_rank = saved[0], saved[1]
+            decoder.submodules.layer_specs = saved[2]
+            for name, value in split.items():
+                setattr(config, name, value)
+            raise
     return LayerMigration(
         before,
         after,

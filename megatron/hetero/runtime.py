@@ -63,25 +63,36 @@ class SavedPlan:
     """The partition a checkpoint was saved in (its common, plan-wide part)."""
 
     plan: PartitionPlan
-    shares: tuple[float, ...]
-    stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage (None: one stage)
+    shares: tuple[float, ...]  # resize shares per TP rank (with pipeline stages: stage 0's)
+    stage_layers: tuple[int, ...] | None = None  # layers per stage, where layers moved
+    stage_shares: tuple[tuple[float, ...], ...] | None = None  # each pipeline stage's shares
 
     def to_dict(self) -> dict:
         out = {"plan": self.plan.to_json(), "shares": list(self.shares)}
         if self.stage_layers is not None:
             out["stage_layers"] = list(self.stage_layers)
+        if self.stage_shares is not None:
+            out["stage_shares"] = [list(s) for s in self.stage_shares]
         return out
 
     @classmethod
     def from_dict(cls, data: dict | None) -> SavedPlan | None:
         if not data:
             return None
-        layers = data.get("stage_layers")
+        layers, stage_shares = data.get("stage_layers"), data.get("stage_shares")
         return cls(
             PartitionPlan.from_json(data["plan"]),
             tuple(data["shares"]),
             tuple(layers) if layers is not None else None,
+            tuple(tuple(s) for s in stage_shares) if stage_shares is not None else None,
         )
+
+    def shares_of(self, stage: int | None, stages: int) -> tuple[float, ...]:
+        """The resize shares a TP group resumes with: its own stage's where the checkpoint has
+        as many stages, else the checkpoint's `shares`."""
+        if stage is not None and self.stage_shares is not None and len(self.stage_shares) == stages:
+            return self.stage_shares[stage]
+        return self.shares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +135,8 @@ class HetTPRuntime:
         self._pending = None  # per-rank state loaded before attach()
         self._microbatches = None  # per step, as last seen (a batch ramp changes it)
         self._layers = None  # layers per pipeline stage (pipelined runs)
+        self._flag_layers = None  # ... as the flags split them
+        self._resumed_layers = None  # ... as a checkpoint had them, where the run took it up
         self._fresh = {}  # stage -> its latest report since the last change of any split
 
     @classmethod
@@ -146,17 +159,22 @@ class HetTPRuntime:
 
     def configure(self, config, saved: SavedPlan | None = None) -> None:
         """Before the model is built: with pipeline stages, a checkpoint saved after layer moves
-        starts in its layer split (megatron-core reads it from the config)."""
+        starts in its layer split (megatron-core reads it from the config), as a resumed run
+        starts in its checkpoint's unit plan; said in the log."""
+        from .layer_moves import set_split, split_of
+
+        if not self.config.het_tp or config.pipeline_model_parallel_size == 1:
+            return
+        self._flag_layers = split_of(config)  # what the flags give: saved only if it differs
         layers = saved.stage_layers if saved is not None else None
         if (
-            self.config.het_tp
-            and layers is not None
-            and len(layers) == config.pipeline_model_parallel_size > 1
+            layers is not None
+            and len(layers) == config.pipeline_model_parallel_size
             and sum(layers) == config.num_layers
+            and min(layers) >= 1
         ):
-            from .layer_moves import set_split
-
             set_split(config, layers)
+            self._resumed_layers = tuple(layers)
 
     def install(self, module, saved: SavedPlan | None = None) -> None:
         """Right after the GPTModel is built (before Float16Module, DDP and the optimizer):
@@ -176,7 +194,8 @@ class HetTPRuntime:
         saved_plan = self._stage_of(saved.plan) if saved is not None else None
         if saved_plan is not None and not self.config.keeps_given_plan and self._fits(saved_plan):
             plan, self._plan_why = saved_plan, RESUMED
-            self._saved_shares = saved.shares
+            stages = parallel_state.get_pipeline_model_parallel_world_size()
+            self._saved_shares = saved.shares_of(self._pipeline_stage(), stages)
         elif given is not None:
             plan = given
         if plan != self.partition.plan:
@@ -234,11 +253,18 @@ class HetTPRuntime:
 
             unit_work = self.partition.unit_work if self.partition is not None else None
             cost_model = self.partition.cost_model if self.partition is not None else None
-            if _pipelined() and config.pipeline_moves == "layers":
+            single = config.validated_for.tp_size == 1
+            if _pipelined() and (config.pipeline_moves == "layers" or single):
                 unit_work = None  # the stages are timed; no unit moves are planned in them
             self.controller = Controller(config, state.model, unit_work, cost_model)
         if self.partition is not None:
             self.events.plan(iteration, self.whole_plan(), self._plan_why)
+        if self._resumed_layers is not None:
+            split = "/".join(str(n) for n in self._resumed_layers)
+            self.events.info(
+                f"> het-TP layers per pipeline stage at iteration {iteration} ({RESUMED}, "
+                f"not the flags' split): {split}"
+            )
         self._resume(state, iteration)
 
     def _resume(self, state: TrainState, iteration: int) -> None:
@@ -463,6 +489,7 @@ class HetTPRuntime:
             _pipelined()
             and self.controller is not None
             and self.config.migrates
+            and not self.config.resizes  # resize priorities are kept per layer of a stage
             and self.config.pipeline_moves in ("layers", "both")
         )
 
@@ -482,6 +509,7 @@ class HetTPRuntime:
         try:
             self.move_layers(split.counts, iteration, split)
         except TransferError as err:  # every rank raises it; all keep their state
+            self._fresh = {}  # wait for new reports rather than retry at the next one
             self.events.info(f"> het-TP layer move at iteration {iteration} not applied: {err}")
 
     def _layer_move_seconds(self) -> float:
@@ -544,7 +572,12 @@ class HetTPRuntime:
         pipeline group)."""
         if self.partition is None:
             return None
-        return SavedPlan(self.whole_plan(), tuple(self.shares), self._layers)
+        whole = self.whole_plan()
+        if not _pipelined():
+            return SavedPlan(whole, tuple(self.shares))
+        moved = self._layers if self._layers != self._flag_layers else None
+        stage_shares = tuple(_over_stages(tuple(self.shares)))
+        return SavedPlan(whole, stage_shares[0], moved, stage_shares)
 
     def state_dict(self) -> dict:
         """This TP rank's part: priorities and evidence since the last refresh, the detector,

@@ -108,10 +108,10 @@ def test_gpu_defaults_and_precision():
             "(--pipeline-model-parallel-size 2)",
         ),
         (
-            "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --het-tp-resize 0,0.5",
+            "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --het-tp-resize 0,0.5"
+            " --het-tp-pipeline-moves layers",
             4,
-            "--pipeline-model-parallel-size 2: het-TP resizing (--het-tp-resize, --het-tp-policy "
-            "resize, --het-tp-policy hybrid, --het-tp-policy zero) does not run inside pipeline",
+            "--het-tp-pipeline-moves layers: --het-tp-resize 0,0.5 resizes, and layers stay",
         ),
         (
             "--pipeline-model-parallel-size 3",

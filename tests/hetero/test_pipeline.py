@@ -176,13 +176,15 @@ def test_layer_moves_between_stages_are_lossless_and_their_checkpoint_loads_anyw
     moved = _from_start(root, "layers")
     plan = _layered_plan(tmp_path / "plan.json")
     argv = _argv(f"--train-iters 6 --load {moved} --save {moved} {TP2_PP2} --het-tp-plan {plan}")
-    faults = ({"iteration": 5, "global_rank": 2},)
+    faults = ({"iteration": 5, "global_rank": 2, "stage": "built"},)
     ranks = run_ranks(train_with_layer_moves, 4, argv, {3: (1, 3), 4: (3, 1), 5: (2, 2)}, faults)
     layers = {3: ([1], [2, 3, 4]), 4: ([1, 2, 3], [4]), 5: ([1, 2, 3], [4])}
     for rank, result in enumerate(ranks):  # ranks 0-1: the first stage, 2-3: the last
         stage = rank // 2
         for it, numbers in layers.items():
             assert result["seen"][it][0] == numbers[stage], (rank, it, result["seen"])
+            split = (1, 3) if it == 3 else (3, 1)  # the failed move's rank put its split back
+            assert tuple(result["seen"][it][2]) == split, (rank, it)
         sent = {e["iteration"]: e.get("sent") for e in result["events"]}
         assert sent[3] == ((1,) if stage == 0 else ())
         assert sent[4] == (() if stage == 0 else (1, 2))
@@ -209,7 +211,29 @@ def test_layer_moves_between_stages_are_lossless_and_their_checkpoint_loads_anyw
         train_with_layer_moves, 4, _argv(f"--train-iters 8 --load {moved} {TP2_PP2} --het-tp"), {}
     )
     assert [r["seen"][7][0] for r in het] == [[1, 2, 3], [1, 2, 3], [4], [4]]
+    assert (
+        "het-TP layers per pipeline stage at iteration 6 (resumed from the checkpoint, not the "
+        "flags' split): 3/1"
+    ) in het[0]["stdout"]
     _close(het[0]["losses"], reference, (7, 8))
+
+
+def test_layer_moves_with_data_parallel_replicas_and_the_distributed_optimizer(single_stage):
+    """TP=1 x PP=2 x DP=2 under --use-distributed-optimizer: each replica's stages move their
+    layers (1/3, then 3/1), whole masters and moments gathered over DP and scattered into the
+    rebuilt optimizer's ranges; the losses stay on the single-stage run's."""
+    root, reference = single_stage
+    moved = _from_start(root, "layers-dp")
+    argv = _argv(
+        f"--train-iters 6 --load {moved} --pipeline-model-parallel-size 2 --het-tp "
+        "--use-distributed-optimizer"
+    )
+    ranks = run_ranks(train_with_layer_moves, 4, argv, {3: (1, 3), 4: (3, 1)})
+    for rank, result in enumerate(ranks):  # pipeline stage = rank // 2 (TP 1, DP 2 inner)
+        assert [e["iteration"] for e in result["events"]] == [3, 4]
+        assert result["seen"][3][0] == ([1] if rank < 2 else [2, 3, 4])
+        assert result["seen"][4][0] == ([1, 2, 3] if rank < 2 else [4])
+        _close(result["losses"], reference, range(3, 7))
 
 
 # Timing wants the sharded GEMMs to dominate their linears' per-call costs (test_control.py)
@@ -324,11 +348,48 @@ def test_a_slow_stage_gives_a_layer_to_its_neighbour(tmp_path, steady_timed, str
     _close(ranks[0]["losses"], steady_timed, range(1, 15))
 
 
-def test_resizing_inside_stages_is_refused_by_name():
+def test_a_straggler_in_one_stage_is_resized_in_that_stage_only(tmp_path):
+    """--het-tp-policy resize at TP=2 x PP=2, global rank 3 3x slow from step 6: the last
+    stage's TP group skips units of its TP rank 1, the first stage's ranks keep all theirs.
+    The checkpoint holds each stage's shares, and a resumed run takes them up per stage."""
+    from megatron.core import dist_checkpointing
+
+    from hettp.metrics import read_metrics
+    from megatron.hetero.runtime import SavedPlan
+
+    metrics, save = tmp_path / "resize.jsonl", tmp_path / "ckpt"
+    argv = (
+        TIMED + f" {TP2_PP2} --het-tp-policy resize --metrics-file {metrics} --save {save}"
+        " --het-tp-emulate persistent:global=3,factor=3,start=6"
+    ).split()
+    ranks = run_ranks(train_with_control, 4, argv)
+    decisions = [r for r in read_metrics(str(metrics)) if r["kind"] == "decision"]
+    assert decisions and {(d["stage"], d["action"]) for d in decisions} == {(1, "resize")}
+    last = max(ranks[0]["seen"])
+    assert [r["seen"][last][1] for r in ranks[:2]] == [(0.0, 0.0)] * 2
+    shares = ranks[2]["seen"][last][1]
+    assert shares[0] == 0.0 and shares[1] > 0 and ranks[3]["seen"][last][1] == shares
+    common = dist_checkpointing.load_common_state_dict(str(save / f"iter_{last:07d}"))
+    saved = SavedPlan.from_dict(common["het_tp_plan"])
+    assert saved.stage_shares == ((0.0, 0.0), shares) and saved.shares == (0.0, 0.0)
+    argv = (
+        TIMED.replace("--train-iters 14", f"--train-iters {last + 2}")
+        + f" {TP2_PP2} --het-tp-policy resize --load {save}"
+    ).split()
+    resumed = run_ranks(train_with_control, 4, argv)
+    assert [r["seen"][last + 1][1] for r in resumed] == [(0.0, 0.0)] * 2 + [shares] * 2
+
+
+def test_layer_moves_under_resizing_policies_are_refused_by_name():
     from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
 
     args = build_parser().parse_args(
-        _argv(f"--train-iters 6 {TP2_PP2} --het-tp --het-tp-policy hybrid")
+        _argv(
+            f"--train-iters 6 {TP2_PP2} --het-tp --het-tp-policy hybrid "
+            "--het-tp-pipeline-moves layers"
+        )
     )
-    with pytest.raises(ArgumentError, match="--pipeline-model-parallel-size 2: het-TP resizing"):
+    with pytest.raises(
+        ArgumentError, match="layers: --het-tp-policy hybrid resizes, and layers stay"
+    ):
         validate_args(args, 4, cuda_available=False)

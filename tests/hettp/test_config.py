@@ -173,3 +173,17 @@ def test_a_deciding_policy_at_tp_1_is_refused_by_name(policy):
     with pytest.raises(ConfigError, match=f"--het-tp-policy {policy} decides .* TP > 1"):
         config.validated(dataclasses.replace(SHAPE, tp_size=1))
     assert config.validated(SHAPE).decides  # the same flags at TP=2 are fine
+
+
+def test_at_tp_1_a_migrating_policy_needs_pipeline_stages_to_move_layers_between():
+    single = ModelShape(tp_size=1, num_layers=4, query_groups=4, ffn_hidden_size=256)
+    staged = dataclasses.replace(single, pipeline_stages=2)
+    assert HetTPConfig(policy="migrate").validated(staged).validated_for == staged
+    with pytest.raises(ConfigError, match="has nothing to split: use TP > 1 or drop the policy$"):
+        HetTPConfig(policy="migrate").validated(single)
+    for config in (
+        HetTPConfig(policy="migrate", pipeline_moves="units"),
+        HetTPConfig(policy="hybrid"),
+    ):
+        with pytest.raises(ConfigError, match="migrate moves layers between them"):
+            config.validated(staged)

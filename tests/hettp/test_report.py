@@ -213,6 +213,17 @@ def test_pipeline_runs_join_their_stages_reports_and_the_slowest_stage_bounds_th
     assert ideal_step(1.0, 0.8, (1.0, 0.5, 1.0, 1.0), stages=2) == pytest.approx(0.2 + 1.6 / 1.5)
 
 
+def test_layer_moves_count_as_decisions_with_their_split_and_bytes():
+    records = _records([1.0] * 8, compute=[0.5, 0.5], interval=4)
+    records.append(
+        {"kind": "layers", "iteration": 4, "before": [2, 2], "after": [3, 1], "bytes": 2048}
+    )
+    run = Run.from_records(records, "stage-2x", "migrate-layers", 0, "x")
+    assert run.decisions == [
+        {"action": "layers 3/1", "iteration": 4, "bytes": 2048, "min_bytes": 2048}
+    ]
+
+
 def test_medians_over_repeats_and_varying_scenarios():
     n = 12
     runs = [_run("none", "none", [1.0] * n, repeat=k, compute=[0.5, 0.5]) for k in range(3)]

@@ -57,7 +57,7 @@ def test_a_move_must_repay_its_cost():
 
 
 def test_a_split_that_skips_a_stage_is_reached_one_layer_at_a_time():
-    # the optimum for (1, 1, 4) with stage 2 very slow is (4, 1, 1): layer 2 would skip stage 1
+    # an optimum for (1, 1, 4) with stage 2 very slow is (3, 2, 1): layer 2 would skip stage 1
     split = balance_layers((1, 1, 4), (1.0, 1.0, 40.0))
     assert adjacent((1, 1, 4), split.counts)
     assert split.counts == (1, 2, 3)

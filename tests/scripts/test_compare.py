@@ -126,8 +126,8 @@ def test_report_only_rebuilds_the_same_table(quick):
             ["--pp", "4", "--policies", "migrate"],
             "--pp 4: the model's --num-layers 2 do not split evenly over it",
         ),
-        (["--pp", "2", "--policies", "migrate,hybrid"], "--pp 2: policies hybrid resize"),
         (["--scenarios", "stage-2x"], "unknown scenario 'stage-2x'"),  # a --pp scenario
+        (["--policies", "migrate-layers"], "--policies migrate-layers: needs --pp > 1"),
     ],
 )
 def test_bad_arguments_name_the_flag(argv, message, tmp_path):
@@ -142,8 +142,14 @@ def test_bad_arguments_name_the_flag(argv, message, tmp_path):
 
 
 def test_pipeline_stages_run_and_the_slow_stage_is_measured(tmp_path):
-    """--pp 2 at TP=1 (2 ranks): each run has two stages and 4 micro-batches per step; the
-    timed runs report per stage, and the whole slow stage's speed is measured from them."""
+    """--pp 2 at TP=1 (2 ranks), 4 layers: each run has two stages and 4 micro-batches per
+    step; the timed runs report per stage, and the whole slow stage's speed is measured from
+    them; migrate-layers moves a layer off the slow stage (reported as a decision)."""
+    model = (
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --mock-data "
+        "--vocab-size 255 --hidden-dropout 0 --attention-dropout 0"
+    ).split()
     proc = subprocess.run(
         [
             sys.executable,
@@ -156,7 +162,7 @@ def test_pipeline_stages_run_and_the_slow_stage_is_measured(tmp_path):
             "--scenarios",
             "stage-2x",
             "--policies",
-            "none",
+            "none,migrate-layers",
             "--repeats",
             "1",
             "--iters",
@@ -165,6 +171,8 @@ def test_pipeline_stages_run_and_the_slow_stage_is_measured(tmp_path):
             "2",
             "--out",
             str(tmp_path),
+            "--",
+            *model,
         ],
         cwd=ROOT,
         capture_output=True,
@@ -175,7 +183,11 @@ def test_pipeline_stages_run_and_the_slow_stage_is_measured(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["pp"] == 2 and report["microbatches"] == 4
     rows = {(r["scenario"], r["policy"]): r for r in report["rows"]}
-    assert set(rows) == {(s, p) for s in ("none", "stage-2x") for p in ("vanilla", "none")}
+    policies = ("vanilla", "none", "migrate-layers")
+    assert set(rows) == {(s, p) for s in ("none", "stage-2x") for p in policies}
+    moves = rows[("stage-2x", "migrate-layers")]["decisions_first_run"]
+    assert moves and moves[0].startswith("layers 3/1@"), moves
+    assert not rows[("none", "migrate-layers")]["decisions_first_run"]
     path = tmp_path / rows[("stage-2x", "none")]["runs"][0]
     args = list(read_metrics(path, "run"))[0]["args"]
     assert args["pipeline_model_parallel_size"] == 2 and args["global_batch_size"] == 8

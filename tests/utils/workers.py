@@ -650,12 +650,13 @@ def train_with_control(argv: list[str]) -> dict:
 
 def train_with_layer_moves(argv: list[str], moves: dict, faults: tuple = ()) -> dict:
     """pretrain, moving layers between pipeline stages after iteration i so that stage s holds
-    moves[i][s] layers; a fault {"iteration": i, "global_rank": r} fails that rank while it
-    packs, and the hook records whether anything changed. Records this rank's layer numbers and
-    plan after every step."""
+    moves[i][s] layers; a fault {"iteration": i, "global_rank": r, "stage": "pack" or "built"}
+    fails that rank there, and the hook records whether anything changed. Records this rank's
+    layer numbers, plan and its config's split after every step."""
     import torch.distributed as dist
 
     from hettp.exchange import TransferError
+    from megatron.hetero.layer_moves import split_of
     from megatron.hetero.model import unwrap_model
 
     seen, events = {}, []
@@ -665,8 +666,9 @@ def train_with_layer_moves(argv: list[str], moves: dict, faults: tuple = ()) -> 
             fail = [f for f in faults if f["iteration"] == iteration]
 
             def fault(stage):
-                if any(f["global_rank"] == dist.get_rank() for f in fail) and stage == "pack":
-                    raise RuntimeError("injected failure while packing")
+                for f in fail:
+                    if f["global_rank"] == dist.get_rank() and f.get("stage", "pack") == stage:
+                        raise RuntimeError(f"injected failure at {stage}")
 
             model = state.model
             try:
@@ -676,10 +678,11 @@ def train_with_layer_moves(argv: list[str], moves: dict, faults: tuple = ()) -> 
                 events.append(
                     {"iteration": iteration, "error": str(err), "kept": state.model is model}
                 )
-        layers = unwrap_model(state.model).decoder.layers
+        model = unwrap_model(state.model)
         seen[iteration] = (
-            [layer.layer_number for layer in layers],
+            [layer.layer_number for layer in model.decoder.layers],
             runtime.partition.plan.to_json(),
+            split_of(model.config),  # megatron-core's split, as the config says
         )
 
     result, stdout = _pretrain(argv, hook)
