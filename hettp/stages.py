@@ -9,7 +9,8 @@ the stage that would finish it soonest (optimal for per-stage linear costs).
 
 The runtime (megatron/hetero/runtime.py) gathers every stage's report at a report step, calls
 `balance_layers` on every rank with the same numbers (so every rank reaches the same split) and
-moves the layers (megatron/hetero/layer_moves.py).
+moves the layers (megatron/hetero/layer_moves.py). Where units may move too, units go first:
+no layer moves while a stage's TP ranks are uneven by the detector's onset (`tp_imbalance`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ class LayerSplit:
 
     def summary(self) -> str:
         return "/".join(str(n) for n in self.counts)
+
+
+def tp_imbalance(layer_compute: Sequence[float]) -> float:
+    """How unevenly one stage's TP ranks are loaded: its slowest rank's layer compute over its
+    fastest's (1.0 for one rank). Unit moves inside the stage can even this out; while it is
+    high, moving layers would act on a pace the units are about to change."""
+    low = min(layer_compute)
+    return max(layer_compute) / low if low > 0 else float("inf")
 
 
 def check_split(counts: Sequence[int], num_layers: int, stages: int) -> None:

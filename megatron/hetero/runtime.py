@@ -496,13 +496,17 @@ class HetTPRuntime:
     def _balance_layers(self, iteration: int, verdicts: list[StageVerdict]) -> None:
         """With every stage's report since the last change of any split (the same on every
         rank), move layers off a slow stage where hettp.stages predicts it pays."""
-        from hettp.stages import balance_layers
+        from hettp.stages import balance_layers, tp_imbalance
 
         for v in verdicts:
             self._fresh[v.stage] = v.report
         if len(self._fresh) < len(self._layers):
             return
-        seconds = [_layer_seconds(self._fresh[s]) for s in range(len(self._layers))]
+        rows = [_layer_compute(self._fresh[s]) for s in range(len(self._layers))]
+        units_first = self.config.pipeline_moves == "both" and self.controller.decides
+        if units_first and max(tp_imbalance(row) for row in rows) >= self.config.onset:
+            return  # a stage's units are to move first: its pace is about to change
+        seconds = [max(row) for row in rows]
         split = balance_layers(self._layers, seconds, self._layer_move_seconds())
         if split is None:
             return
@@ -608,11 +612,11 @@ class HetTPRuntime:
         return True
 
 
-def _layer_seconds(report) -> float:
-    """A stage's layer compute per step: its slowest TP rank's timed compute, the optimizer
-    step (the report's fixed part) left out."""
+def _layer_compute(report) -> list[float]:
+    """A stage's layer compute per step, per TP rank: its timed compute, the optimizer step
+    (the report's fixed part) left out. The stage's pace is its slowest rank's."""
     fixed = report.fixed or (0.0,) * len(report.compute)
-    return max(c - f for c, f in zip(report.compute, fixed))
+    return [c - f for c, f in zip(report.compute, fixed)]
 
 
 def _pipelined() -> bool:

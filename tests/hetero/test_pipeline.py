@@ -348,6 +348,28 @@ def test_a_slow_stage_gives_a_layer_to_its_neighbour(tmp_path, steady_timed, str
     _close(ranks[0]["losses"], steady_timed, range(1, 15))
 
 
+def test_with_both_kinds_of_moves_a_stage_moves_its_units_first(tmp_path, steady_timed):
+    """One rank of the last stage 3x slow from the start, units and layers allowed (the
+    default): the report at 4 already shows the stage slower, but its TP ranks uneven, so no
+    layer moves until the stage's units have moved (without the rule, layers moved at 4 and
+    units at 7) (a layer move first would act on a pace the unit move
+    then changes); losses equal the steady run's."""
+    from hettp.metrics import read_metrics
+
+    metrics = tmp_path / "both.jsonl"
+    argv = (
+        TIMED + f" {TP2_PP2} --het-tp-policy migrate --metrics-file {metrics}"
+        " --het-tp-emulate persistent:global=3,factor=3,start=1"
+    ).split()
+    ranks = run_ranks(train_with_layer_moves, 4, argv, {})
+    records = list(read_metrics(str(metrics)))
+    decisions = [r for r in records if r["kind"] == "decision"]
+    assert decisions and decisions[0]["action"] == "migrate" and decisions[0]["stage"] == 1
+    layer_moves = [r["iteration"] for r in records if r["kind"] == "layers"]
+    assert all(at > decisions[0]["iteration"] for at in layer_moves), (layer_moves, decisions)
+    _close(ranks[0]["losses"], steady_timed, range(1, 15))
+
+
 def test_a_straggler_in_one_stage_is_resized_in_that_stage_only(tmp_path):
     """--het-tp-policy resize at TP=2 x PP=2, global rank 3 3x slow from step 6: the last
     stage's TP group skips units of its TP rank 1, the first stage's ranks keep all theirs.

@@ -11,6 +11,7 @@ from hettp.stages import (
     check_split,
     optimal_split,
     stage_of_layers,
+    tp_imbalance,
 )
 
 
@@ -73,3 +74,9 @@ def test_splits_are_checked_by_name():
         check_split((1, 1, 2), 4, 2)
     assert stage_of_layers((1, 2)) == [0, 1, 1]
     assert not adjacent((1, 1, 4), (4, 1, 1))
+
+
+def test_tp_imbalance_is_the_slowest_ranks_compute_over_the_fastests():
+    assert tp_imbalance([0.2, 0.3]) == pytest.approx(1.5)
+    assert tp_imbalance([0.4]) == 1.0
+    assert tp_imbalance([0.0, 0.1]) == float("inf")
