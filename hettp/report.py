@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from .planner import StepModel
 from .policy import VANILLA
+from .stages import split_text
 
 # Plain megatron-core, launched with no het-TP flag beyond the scenario's emulation: the speed
 # every policy is compared with. VANILLA ("none", the same layers, timed) gives C and the real
@@ -60,10 +61,9 @@ class Run:
             elif kind == "decision":
                 run.decisions.append(r)
             elif kind == "layers":  # a layer move between pipeline stages (its own planner)
-                after = "/".join(str(n) for n in r["after"])
                 run.decisions.append(
                     {
-                        "action": f"layers {after}",
+                        "action": f"layers {split_text(r['after'])}",
                         "iteration": r["iteration"],
                         "bytes": r["bytes"],
                         "min_bytes": r["bytes"],

@@ -44,7 +44,12 @@ class LayerSplit:
         return 1.0 - max(self.after) / max(self.before)
 
     def summary(self) -> str:
-        return "/".join(str(n) for n in self.counts)
+        return split_text(self.counts)
+
+
+def split_text(counts: Sequence[int]) -> str:
+    """Layers per stage as the logs and reports print them: 3/1."""
+    return "/".join(str(n) for n in counts)
 
 
 def tp_imbalance(layer_compute: Sequence[float]) -> float:

@@ -90,23 +90,23 @@ def split_of(config) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip(offsets, offsets[1:]))
 
 
-def stage_counts(module) -> tuple[int, ...]:
-    """Layers of every pipeline stage (collective over the pipeline group)."""
-    group = parallel_state.get_pipeline_model_parallel_group()
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, len(unwrap_model(module).decoder.layers), group=group)
-    return tuple(gathered)
+def _split_fields(config) -> dict:
+    return {name: getattr(config, name) for name in _SPLIT_FIELDS}
+
+
+def _restore_split(config, fields: dict) -> None:
+    for name, value in fields.items():
+        setattr(config, name, value)
 
 
 @contextlib.contextmanager
 def _split_as(config, counts):
-    saved = {name: getattr(config, name) for name in _SPLIT_FIELDS}
+    saved = _split_fields(config)
     set_split(config, counts)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(config, name, value)
+        _restore_split(config, saved)
 
 
 @contextlib.contextmanager
@@ -195,7 +195,7 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
             decoder.num_layers_per_pipeline_rank,
             decoder.submodules.layer_specs,
         )
-        split = {name: getattr(config, name) for name in _SPLIT_FIELDS}
+        split = _split_fields(config)
         kept = [layer for g, layer in enumerate(decoder.layers, first) if g not in outgoing]
         layers = sorted(kept + list(built.values()), key=lambda layer: layer.layer_number)
         try:
@@ -207,8 +207,7 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
         except BaseException:
             decoder.layers, decoder.num_layers_per_pipeline_rank = saved[0], saved[1]
             decoder.submodules.layer_specs = saved[2]
-            for name, value in split.items():
-                setattr(config, name, value)
+            _restore_split(config, split)
             raise
     return LayerMigration(
         before,

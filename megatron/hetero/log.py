@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hettp import __version__
+from hettp.stages import split_text
 
 from .arguments import padded_vocab_size
 from .flops import flops_per_sample
@@ -140,10 +141,9 @@ class EventLog:
                 f"{split.gain:.0%} off the slowest stage, move predicted "
                 f"{split.move_seconds * 1e3:.0f} ms"
             )
-        split_text = "/".join(str(n) for n in first.after)
         self.info(
             f"> het-TP layer move at iteration {iteration}: layers per stage "
-            f"{'/'.join(str(n) for n in first.before)} -> {split_text} ({why}) | moved "
+            f"{split_text(first.before)} -> {split_text(first.after)} ({why}) | moved "
             f"layer(s) {sent}, {payload} bytes per TP rank in {seconds * 1e3:.1f} ms"
         )
         if self.metrics is not None:

@@ -201,9 +201,9 @@ class HetTPRuntime:
         if plan != self.partition.plan:
             self.partition.install(module, plan)
         if _pipelined():
-            from .layer_moves import stage_counts
+            from .layer_moves import split_of
 
-            self._layers = stage_counts(module)
+            self._layers = split_of(module.config)  # the flags' split, or configure()'s
             self.partition.align_checkpoints(module, self.whole_plan())
 
     def _stage_of(self, plan: PartitionPlan | None) -> PartitionPlan | None:
@@ -260,10 +260,11 @@ class HetTPRuntime:
         if self.partition is not None:
             self.events.plan(iteration, self.whole_plan(), self._plan_why)
         if self._resumed_layers is not None:
-            split = "/".join(str(n) for n in self._resumed_layers)
+            from hettp.stages import split_text
+
             self.events.info(
                 f"> het-TP layers per pipeline stage at iteration {iteration} ({RESUMED}, "
-                f"not the flags' split): {split}"
+                f"not the flags' split): {split_text(self._resumed_layers)}"
             )
         self._resume(state, iteration)
 
