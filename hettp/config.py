@@ -36,6 +36,7 @@ class ModelShape:
     query_groups: int  # attention units
     ffn_hidden_size: int
     pipeline_stages: int = 1  # whole layers can move between them
+    data_parallel: int = 1  # replicas a global batch is split over
 
 
 def _flag(default, **argparse_kwargs):
@@ -130,6 +131,18 @@ class HetTPConfig:
     (default: 8, or --het-tp-priority-interval when smaller). Observing a step costs a pass
     over the sharded weights (dw also copies them)."""
 
+    het_dp: bool = False
+    """Heterogeneous data parallelism: each data-parallel replica runs its own number of
+    micro-batches of every global batch (the same samples, the same update: losses are weighted
+    to the even split's), rebatched at report boundaries to the replicas' measured speeds.
+    Implied by --het-tp-policy rebatch and joint; with migrate, hybrid or resize the TP groups
+    still re-partition their shared plan on their own."""
+
+    migration_budget: float | None = _flag(None, metavar="F")
+    """--het-tp-policy joint: at most this share of training time spent moving state, on
+    average (a virtual queue in drift-plus-penalty form weighs it at each decision; rebatches
+    and resizes move nothing). Default 0.05."""
+
     # ---- derived by validated() -------------------------------------------------------------
     partition_plan: PartitionPlan | None = field(default=None, metadata=_DERIVED)
     resize_shares: tuple[float, ...] | None = field(default=None, metadata=_DERIVED)
@@ -140,12 +153,16 @@ class HetTPConfig:
 
     @staticmethod
     def flag(name: str) -> str:
-        return "--het-tp" if name == "het_tp" else "--het-tp-" + name.replace("_", "-")
+        if name in _OWN_FLAGS:
+            return _OWN_FLAGS[name]
+        return "--het-tp-" + name.replace("_", "-")
 
     @staticmethod
     def dest(name: str) -> str:
         """The attribute argparse stores a field's flag in (Megatron style: het_tp_<field>)."""
-        return "het_tp" if name == "het_tp" else f"het_tp_{name}"
+        if name in _OWN_FLAGS:
+            return _OWN_FLAGS[name][2:].replace("-", "_")
+        return f"het_tp_{name}"
 
     @classmethod
     def flag_fields(cls) -> list[dataclasses.Field]:
@@ -210,8 +227,9 @@ class HetTPConfig:
 
     @property
     def timed(self) -> bool:
-        """Ranks are timed: to decide, to emulate a slowdown, or for a baseline's timings."""
-        return self.decides or self.policy_spec.times or self.emulated
+        """Ranks are timed: to decide, to rebatch, to emulate a slowdown, or for a baseline's
+        timings."""
+        return self.decides or self.policy_spec.times or self.emulated or self.rebatches
 
     @property
     def resizes(self) -> bool:
@@ -224,6 +242,16 @@ class HetTPConfig:
         return self.het_tp or self.timed
 
     @property
+    def rebatches(self) -> bool:
+        """Data-parallel replicas may run uneven micro-batch counts."""
+        return self.het_dp or self.policy_spec.rebatches
+
+    @property
+    def budget(self) -> float:
+        """The joint policy's migration budget (share of training time)."""
+        return DEFAULT_MIGRATION_BUDGET if self.migration_budget is None else self.migration_budget
+
+    @property
     def sample_interval(self) -> int:
         return (
             self.priority_sample_interval
@@ -232,6 +260,42 @@ class HetTPConfig:
         )
 
     # ---- validation -------------------------------------------------------------------------
+
+    def _check_data_parallel(self, shape: ModelShape) -> None:
+        p = self.policy_spec
+        why = f"--het-tp-policy {self.policy}" if p.rebatches else "--het-dp"
+        if self.rebatches:
+            _require(
+                shape.data_parallel > 1,
+                f"{why} splits each global batch unevenly over data-parallel replicas, and "
+                "the data-parallel size is 1 (world size / (tensor x pipeline parallel size))",
+            )
+            _require(
+                p.decides or p.times,
+                f"--het-dp rebatches on the replicas' timings; --het-tp-policy {self.policy} "
+                "times nothing: use rebatch, joint, migrate, hybrid or resize",
+            )
+        if p.name == "joint":
+            _require(
+                shape.tp_size > 1,
+                "--het-tp-policy joint weighs TP moves against rebatches, and "
+                "--tensor-model-parallel-size 1 has nothing to move: use --het-tp-policy rebatch",
+            )
+            _require(
+                shape.pipeline_stages == 1,
+                "--het-tp-policy joint is not built for pipeline stages: use --het-dp with "
+                "--het-tp-policy migrate (each stage moves its units, the replicas rebatch)",
+            )
+        if self.migration_budget is not None:
+            _require(
+                p.name == "joint",
+                f"--het-migration-budget budgets --het-tp-policy joint's moves; "
+                f"--het-tp-policy {self.policy} does not read it",
+            )
+            _require(
+                0.0 <= self.migration_budget <= 1.0,
+                f"--het-migration-budget must be within [0, 1], got {self.migration_budget}",
+            )
 
     def validated(self, shape: ModelShape, cuda_available: bool = False) -> HetTPConfig:
         """Every check of the het-TP flags, before anything is built; returns the config with
@@ -251,6 +315,7 @@ class HetTPConfig:
         het_tp = bool(
             self.het_tp or self.plan is not None or self.resize is not None or p.layers == "het"
         )
+        self._check_data_parallel(shape)
         for name in ("interval", "patience", "end_patience", "window"):
             _require(
                 getattr(self, name) > 0,
@@ -379,6 +444,15 @@ class HetTPConfig:
             scenario=scenario,
             validated_for=shape,
         )
+
+
+# Fields whose flags are not --het-tp-<field> (the data-parallel ones).
+_OWN_FLAGS = {
+    "het_tp": "--het-tp",
+    "het_dp": "--het-dp",
+    "migration_budget": "--het-migration-budget",
+}
+DEFAULT_MIGRATION_BUDGET = 0.05
 
 
 def _require(cond, message):

@@ -4,13 +4,15 @@
     persistent:rank=1,factor=2[,start=20][,stop=80]
     transient:rank=1,factor=4,start=20,length=10,period=50     bursts of `length` every `period`
     persistent:global=3,factor=2  (or transient:global=...)    one process: global rank 3
+    persistent:global=0/3,factor=2                              processes 0 and 3
     persistent:stage=1,factor=2   (or transient:stage=...)     every rank of pipeline stage 1
     rotating:factor=2,period=50[,start=0]                       rank (i - start) // period % tp
     multi:factors=8/6/4/2[,start=0]                             ranks 0.. at those factors
 
 `rank=R` slows TP rank R of every TP group (every pipeline stage, every data-parallel
-replica); `global=G` slows the one process of global rank G; `stage=S` every rank of pipeline
-stage S (a whole slow stage, which moving units inside it cannot help). Any of them takes
+replica); `global=G` slows the one process of global rank G (`global=G/H`: each of them);
+`stage=S` every rank of pipeline stage S (a whole slow stage, which moving units inside it
+cannot help). Any of them takes
 `mode=sharded` (the default) or `mode=device`. A slowed rank waits (factor - 1) x the compute
 it just did (megatron/hetero/timing.py), so its injected delay shrinks when its work does, as
 a slow GPU's would: in `sharded` mode after each region of the work its units carry (the
@@ -84,6 +86,8 @@ class Scenario:
                 params[key] = (
                     tuple(float(v) for v in value.split("/"))
                     if key == "factors"
+                    else tuple(int(v) for v in value.split("/"))
+                    if key == "global"
                     else float(value)
                     if key == "factor"
                     else int(value)
@@ -99,7 +103,7 @@ class Scenario:
                 + ", ".join(f"{key}= ({what})" for key, (what, _) in _WHO.items())
             )
         for key in ("global", "stage"):
-            if params.get(key, 0) < 0:
+            if min(_as_tuple(params.get(key, 0))) < 0:
                 raise ScenarioError(f"{flag} '{text}': {_WHO[key][1]} must be >= 0")
         factors = params.get("factors", (params.get("factor", 1.0),))
         if not all(1.0 <= f < math.inf for f in factors):  # nan fails both comparisons
@@ -128,8 +132,8 @@ class Scenario:
         return dict(self.params).get("mode", "sharded")
 
     @property
-    def global_rank(self) -> int | None:
-        """The one global rank a `global=` scenario slows (None: TP ranks of every group)."""
+    def global_ranks(self) -> tuple[int, ...] | None:
+        """The global ranks a `global=` scenario slows (None: TP ranks of every group)."""
         return dict(self.params).get("global")
 
     @property
@@ -148,7 +152,7 @@ class Scenario:
             return 1.0
         if self.kind in ("persistent", "transient"):
             where = {"rank": rank, "global": global_rank, "stage": stage}
-            if not any(where[key] == p[key] for key in _WHO if key in p):
+            if not any(where[key] in _as_tuple(p[key]) for key in _WHO if key in p):
                 return 1.0
         if self.kind == "persistent":
             stop = p.get("stop")
@@ -160,3 +164,7 @@ class Scenario:
             return p["factor"] if rank == (iteration - start) // p["period"] % self.tp_size else 1.0
         factors = p["factors"]
         return factors[rank] if rank < len(factors) else 1.0
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)

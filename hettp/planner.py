@@ -344,8 +344,19 @@ class Planner:
             action, plan, tuple(new), why, before, after, {"resized_share": sum(new) / len(new)}
         )
 
+    def _joint(self, iteration, detection, model, plan, shares, before):
+        """None: the joint policy decides at reports, with every data-parallel replica's
+        timings (hettp/joint.py); the TP group's loop detects and fits for it."""
+        return None
+
     # The decision rule of each policy that decides (hettp.policy.POLICIES).
-    RULES = {"resize": _resize_rule, "migrate": _migrate_rule, "hybrid": _hybrid, "zero": _zero}
+    RULES = {
+        "resize": _resize_rule,
+        "migrate": _migrate_rule,
+        "hybrid": _hybrid,
+        "zero": _zero,
+        "joint": _joint,
+    }
 
 
 def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:

@@ -23,6 +23,7 @@ class Policy:
     cut: float | None = None  # the only share it resizes a straggler to (the paper baseline)
     impute: float | None = None  # gradient given to skipped units instead of freezing them
     scorer: str | None = None  # the priority scorer it requires
+    rebatches: bool = False  # splits each global batch over data-parallel replicas by speed
 
     @property
     def vanilla(self) -> bool:
@@ -101,6 +102,31 @@ POLICIES: dict[str, Policy] = {
             impute=ZERO_IMPUTED_GRAD,
             scorer="dw",
         ),
+        Policy(
+            "rebatch",
+            "the data-parallel replicas run micro-batch counts that follow their measured speeds "
+            "(implies --het-dp; the TP split stays)",
+            layers="any",
+            times=True,
+            decides=False,
+            resizes=False,
+            migrates=False,
+            fixed_shares=False,
+            rebatches=True,
+        ),
+        Policy(
+            "joint",
+            "at each report, nothing, a rebatch over data-parallel replicas (implies --het-dp), "
+            "a migration of the shared plan or a resize, whichever is predicted best within "
+            "--het-migration-budget",
+            layers="het",
+            times=False,
+            decides=True,
+            resizes=True,
+            migrates=True,
+            fixed_shares=False,
+            rebatches=True,
+        ),
     )
 }
 
@@ -118,5 +144,6 @@ def policy(name: str) -> Policy:
 
 
 def compared_policies() -> list[str]:
-    """What a comparison can run: the vanilla baseline and every policy that decides."""
-    return [name for name, p in POLICIES.items() if p.vanilla or p.decides]
+    """What a comparison can run: the vanilla baseline and every policy that decides (TP units
+    or the data split)."""
+    return [name for name, p in POLICIES.items() if p.vanilla or p.decides or p.rebatches]

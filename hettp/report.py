@@ -188,6 +188,7 @@ def compare(
     varying: dict[str, bool],
     real: set[str] = frozenset(),
     device: set[str] = frozenset(),
+    replicas: int = 1,
 ) -> dict:
     """Rows per (scenario, policy) and the baseline. `factors[scenario]` holds the emulated
     slowdown per rank for iterations 1..n; scenarios in `real` get speeds measured from their
@@ -198,7 +199,10 @@ def compare(
     optimizer step) stays on each rank. With pipeline stages (the runs say how many),
     per-rank values hold each stage's TP ranks in turn, units move inside a stage only, and
     T_ideal is the slowest stage's balanced step with the rest of the step unchanged: an
-    approximation that leaves out how 1F1B's bubbles scale with the slowest stage."""
+    approximation that leaves out how 1F1B's bubbles scale with the slowest stage. With
+    data-parallel `replicas`, `factors` hold every rank of the job (TP ranks, then replicas)
+    and the bound pools them: work may move to any rank, by units or by data; their speeds
+    are the emulated ones (the timing records hold the slowest replica's)."""
     stages = {run.stages for run in runs}
     if len(stages) > 1:
         raise ValueError(f"the runs have different pipeline sizes: {sorted(stages)}")
@@ -259,7 +263,11 @@ def compare(
                 (g for g in (vanilla, timed) if g and not vary and all(r.compute for r in g)),
                 None,
             )
+            if replicas == 1
+            else None
         )
+        if replicas > 1 and scenario in real:
+            raise ValueError(f"real-contention scenario '{scenario}' with data parallelism")
         speeds = measured_speeds(measured_from, per_rank, iterations) if measured_from else emulated
         if measured_from and scenario not in real:  # an unslowed rank stays at 1
             speeds = [

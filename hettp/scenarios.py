@@ -41,24 +41,26 @@ class ScenarioSpec:
             else None
         )
 
-    def factors(self, tp_size: int, iterations: int, stages: int = 1) -> list[tuple[float, ...]]:
+    def factors(
+        self, tp_size: int, iterations: int, stages: int = 1, replicas: int = 1
+    ) -> list[tuple[float, ...]]:
         """Emulated slowdown per rank for iterations 1..n (all 1.0 for real contention: that
-        is measured, not known). With pipeline stages (and one replica), per global rank: the
-        stages' TP ranks in turn."""
+        is measured, not known). With pipeline stages or data-parallel replicas, per global
+        rank in megatron-core's order: TP ranks, then replicas, then stages."""
         emulation = self.emulation(tp_size)
-        ranks = range(tp_size * stages)
+        ranks = range(tp_size * stages * replicas)
         return [
             tuple(
-                emulation.factor(g % tp_size, i, g, g // tp_size) if emulation else 1.0
+                emulation.factor(g % tp_size, i, g, g // (tp_size * replicas)) if emulation else 1.0
                 for g in ranks
             )
             for i in range(1, iterations + 1)
         ]
 
-    def varying(self, tp_size: int, iterations: int, stages: int = 1) -> bool:
+    def varying(self, tp_size: int, iterations: int, stages: int = 1, replicas: int = 1) -> bool:
         """Does who is slow change during the run (after the first iteration)? Then its step
         time is the mean over the run, not the steady state of its second half."""
-        return len(set(self.factors(tp_size, iterations, stages)[1:])) > 1
+        return len(set(self.factors(tp_size, iterations, stages, replicas)[1:])) > 1
 
     def check(self, tp_size: int, stages: int = 1, replicas: int = 1) -> None:
         """A comparison of `stages` pipeline stages of `replicas` data-parallel replicas of TP
@@ -66,16 +68,12 @@ class ScenarioSpec:
         if self.emulate and self.real:
             raise ScenarioError(f"scenario '{self.name}': give emulate or noisy_neighbor, not both")
         emulation = self.emulation(tp_size)
-        if emulation is not None and emulation.global_rank is not None:
-            if replicas > 1:
+        if emulation is not None and emulation.global_ranks is not None:
+            world = tp_size * stages * replicas
+            if max(emulation.global_ranks) >= world:
                 raise ScenarioError(
-                    f"scenario '{self.name}': compare.py slows TP ranks (rank=) or stages "
-                    "(stage=) of data-parallel replicas, not one global rank"
-                )
-            if emulation.global_rank >= tp_size * stages:
-                raise ScenarioError(
-                    f"scenario '{self.name}': global rank {emulation.global_rank} is not below "
-                    f"the world size ({tp_size * stages})"
+                    f"scenario '{self.name}': global rank {max(emulation.global_ranks)} is not "
+                    f"below the world size ({world})"
                 )
         if emulation is not None and emulation.stage is not None and emulation.stage >= stages:
             raise ScenarioError(
@@ -89,9 +87,13 @@ class ScenarioSpec:
             )
 
 
-def builtin(tp_size: int, iterations: int, stages: int = 1) -> dict[str, ScenarioSpec]:
+def builtin(
+    tp_size: int, iterations: int, stages: int = 1, replicas: int = 1
+) -> dict[str, ScenarioSpec]:
     """The built-in scenarios for a run of `iterations` steps at this TP size (and these
-    pipeline stages: then also one slow rank in a stage, and a whole slow stage)."""
+    pipeline stages: then also one slow rank in a stage, and a whole slow stage; and these
+    data-parallel replicas: then also a straggler in one replica, and stragglers at different
+    TP positions of two replicas)."""
     n = iterations
     half = max(1, tp_size // 2)
     multi = "/".join(f"{f:g}" for f in (8, 6, 4, 2)[:half])
@@ -171,6 +173,23 @@ def builtin(tp_size: int, iterations: int, stages: int = 1) -> dict[str, Scenari
                 about=f"every rank of stage {last} 2x slower (a slow stage)",
             ),
         ]
+    if replicas > 1 and stages == 1:
+        last = (replicas - 1) * tp_size + tp_size - 1  # the last replica's last TP rank
+        other = (replicas - 1) * tp_size  # the last replica's TP rank 0
+        specs += [
+            ScenarioSpec(
+                "replica-3x",
+                f"persistent:global={last},factor=3",
+                about=f"global rank {last} (TP rank {tp_size - 1} of replica {replicas - 1}) "
+                "3x slower: one replica slow",
+            ),
+            ScenarioSpec(
+                "crossed-3x",
+                f"persistent:global={tp_size - 1}/{other},factor=3",
+                about=f"TP rank {tp_size - 1} of replica 0 and TP rank 0 of replica "
+                f"{replicas - 1} 3x slower: no shared plan balances both",
+            ),
+        ]
     return {s.name: s for s in specs}
 
 
@@ -212,7 +231,7 @@ def resolve(
     replicas: int = 1,
 ) -> list[ScenarioSpec]:
     """Comma-separated built-in names and/or JSON files (a list of scenarios each), checked."""
-    known = builtin(tp_size, iterations, stages)
+    known = builtin(tp_size, iterations, stages, replicas)
     out: list[ScenarioSpec] = []
     for name in filter(None, (n.strip() for n in names.split(","))):
         if name == "all":

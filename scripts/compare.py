@@ -18,7 +18,9 @@ report.json, step_time.png and loss.png under --out, and each run's JSONL under 
 
 Scenarios are built-in names (none, persistent-2x, persistent-4x, transient, rotating, multi,
 noisy, mild, rare-3x, episode, slow-rank-0, several, or all; with --pp also stage-rank-2x and
-stage-2x) or JSON files (hettp/scenarios.py).
+stage-2x; with --dp also replica-3x and crossed-3x) or JSON files (hettp/scenarios.py). With
+--dp > 1 the policies rebatch and joint (heterogeneous data parallelism) can run, and T_ideal
+pools every rank of the job.
 `noisy` is real contention: a busy process
 (scripts/noisy_neighbor.py) on rank 1's core; it needs a core per rank. Every rank is pinned to
 a core (rank % cores); with more ranks than cores every run gets --het-tp-emulate-dilation
@@ -50,6 +52,7 @@ sys.path.insert(0, ROOT)
 
 from hettp.emulate import ScenarioError  # noqa: E402
 from hettp.metrics import read_metrics  # noqa: E402
+from hettp.policy import POLICIES as POLICY_TABLE  # noqa: E402
 from hettp.policy import compared_policies  # noqa: E402
 from hettp.report import PLAIN, VANILLA, Run, compare, markdown  # noqa: E402
 from hettp.scenarios import resolve  # noqa: E402
@@ -275,13 +278,14 @@ def parse(argv):
         type=int,
         default=None,
         help="micro-batches per step and replica (default 1; 2 x --pp with pipeline stages, so "
-        "that 1F1B reaches its steady state)",
+        "that 1F1B reaches its steady state; 4 with --dp > 1, so that replicas can be "
+        "rebatched)",
     )
     p.add_argument(
         "--scenarios",
         default=None,
         help="comma-separated built-in names and/or JSON files "
-        "(default: none,persistent-2x,transient,noisy)",
+        "(default: none,persistent-2x,transient,noisy; with --dp > 1 none,replica-3x,crossed-3x)",
     )
     p.add_argument(
         "--policies",
@@ -290,7 +294,7 @@ def parse(argv):
         f"{', '.join(PIPELINE_VARIANTS)}: migrate moving only TP units inside stages, or only "
         "layers between them; migrate does both); plain vanilla always runs, and "
         "none (timed vanilla) where C or real speeds come from it (default: "
-        "resize,migrate,hybrid)",
+        "resize,migrate,hybrid; with --dp > 1 migrate,rebatch,joint)",
     )
     p.add_argument("--repeats", type=int, default=None, help="rounds of every run (default 3)")
     p.add_argument("--iters", type=int, default=None, help="iterations per run (default 24)")
@@ -336,6 +340,9 @@ def parse(argv):
         interval=4,
         out=os.path.join(ROOT, "results", "compare"),
     )
+    if a.dp > 1:
+        full.update(scenarios="none,replica-3x,crossed-3x", policies="migrate,rebatch,joint")
+        quick.update(scenarios="none,replica-3x", policies="rebatch")
     for key, value in (quick if a.quick else full).items():
         if getattr(a, key) is None:
             setattr(a, key, value)
@@ -350,7 +357,7 @@ def parse(argv):
         if value < low:
             p.error(f"{name} must be >= {low}, got {value}")
     if a.microbatches is None:
-        a.microbatches = 2 * a.pp if a.pp > 1 else 1
+        a.microbatches = 2 * a.pp if a.pp > 1 else 4 if a.dp > 1 else 1
     if a.microbatches < 1:
         p.error(f"--microbatches must be >= 1, got {a.microbatches}")
     if a.pp > 1 and a.dp > 1:  # scenarios map global ranks to (stage, TP rank) with one replica
@@ -360,6 +367,9 @@ def parse(argv):
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
     known = POLICIES + (tuple(PIPELINE_VARIANTS) if a.pp > 1 else ())
     bad = [x for x in policies if x not in known]
+    rebatching = [x for x in policies if x in known and POLICY_TABLE[_base(x)].rebatches]
+    if rebatching and a.dp == 1:
+        p.error(f"--policies {', '.join(rebatching)}: needs --dp > 1 (data-parallel replicas)")
     if bad:
         staged = [x for x in bad if x in PIPELINE_VARIANTS]
         if staged:
@@ -389,6 +399,8 @@ def parse(argv):
     if layers % a.pp:
         p.error(f"--pp {a.pp}: the model's --num-layers {layers} do not split evenly over it")
     world = a.tp * a.dp * a.pp
+    if a.dp > 1 and any(s.real for s in a.scenario_list):
+        p.error("real-contention scenarios with --dp > 1: compare.py bounds them by one replica")
     if world > len(_cores()) and any(s.real for s in a.scenario_list):
         p.error(
             f"real-contention scenarios need a core per rank: {world} ranks, {len(_cores())} cores"
@@ -514,10 +526,12 @@ def main(argv=None) -> int:
             provenance = json.load(f)
         minutes, command = provenance.get("minutes", minutes), provenance.get("command", command)
     dilation = provenance.get("dilation", a.dilation)  # how the runs ran, not this machine
-    factors = {s.name: s.factors(a.tp, a.iters, a.pp) for s in a.scenario_list}
-    varying = {s.name: s.varying(a.tp, a.iters, a.pp) for s in a.scenario_list}
+    factors = {s.name: s.factors(a.tp, a.iters, a.pp, a.dp) for s in a.scenario_list}
+    varying = {s.name: s.varying(a.tp, a.iters, a.pp, a.dp) for s in a.scenario_list}
     device = {s.name for s in a.scenario_list if s.emulate and s.emulation(a.tp).mode == "device"}
-    result = compare(runs, factors, varying, {s.name for s in a.scenario_list if s.real}, device)
+    result = compare(
+        runs, factors, varying, {s.name for s in a.scenario_list if s.real}, device, a.dp
+    )
     machine = (
         f"{platform.node()}: {len(os.sched_getaffinity(0))} cores "
         f"({platform.processor() or platform.machine()}), Python "

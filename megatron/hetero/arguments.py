@@ -1065,7 +1065,8 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
 
     het_tp = het_tp_config(args, cuda_available)
-    slowed = het_tp.scenario.global_rank if het_tp.scenario is not None else None
+    slowed = het_tp.scenario.global_ranks if het_tp.scenario is not None else None
+    slowed = max(slowed) if slowed else None
     _require(
         slowed is None or slowed < world_size,
         f"--het-tp-emulate {args.het_tp_emulate}: global rank {slowed} is not below the world "
@@ -1152,6 +1153,7 @@ def model_shape(args) -> ModelShape:
         groups,
         args.ffn_hidden_size,
         getattr(args, "pipeline_model_parallel_size", 1) or 1,
+        getattr(args, "data_parallel_size", 1) or 1,
     )
 
 

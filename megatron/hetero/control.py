@@ -68,6 +68,15 @@ class Controller:
             interval=config.interval,
         )
         self._work = None  # (plan, shares, this rank's work) the last work() call was for
+        # Under --het-dp: each replica's micro-batch counts (its reports are scaled to the even
+        # split's, so that a rebatch is no change of speed to the TP loop) and its last step.
+        self.counts: tuple[int, ...] | None = None
+        self.replica_steps: list | None = None  # per replica: TimingReport, as measured
+        # With data parallelism one rank decides for every replica: they share a plan, and
+        # what the loop learns from migrations' measured times differs between ranks.
+        self.decider_group = self.group
+        if self.dp_size > 1:
+            self.decider_group = parallel_state.get_tensor_and_data_parallel_group()
 
     def begin_step(self, iteration: int) -> None:
         """Before the step that will be `iteration`: arm the timer (and the emulated factor)."""
@@ -102,7 +111,7 @@ class Controller:
         due = self.loop.step(step)  # the same on every rank: the same timings went in
         if due is None:
             return None
-        decide = self.tp_rank == 0
+        decide = dist.get_rank(self.decider_group) == 0
         verdict = self.loop.observe(
             due.report,
             due.detection,
@@ -111,10 +120,12 @@ class Controller:
             decide,
             unit_bytes() if decide and self.migrates else None,
         )
-        if self.decides and self.tp_size > 1:
+        if self.decides and dist.get_world_size(self.decider_group) > 1:
             box = [verdict.decision]
             dist.broadcast_object_list(
-                box, src=dist.get_global_rank(self.group, 0), group=self.group
+                box,
+                src=dist.get_global_rank(self.decider_group, 0),
+                group=self.decider_group,
             )
             verdict = dataclasses.replace(verdict, decision=box[0])
         self.loop.close(due, verdict)
@@ -146,7 +157,7 @@ class Controller:
     def _gather(self, iteration, row, busy) -> TimingReport:
         """This TP group's step from each rank's `row` (compute, work, wall, fixed) and `busy`;
         with data parallelism, the slowest replica's at each TP position (replicas share a
-        plan)."""
+        plan), each replica's scaled to the even split's micro-batch count under --het-dp."""
         mine = torch.tensor([*row, busy], dtype=torch.float64, device=comm_device())
         rows = [torch.empty_like(mine) for _ in range(self.tp_size)]
         dist.all_gather(rows, mine, group=self.group)
@@ -168,4 +179,23 @@ class Controller:
                     tuple(r[4] for r in rows),
                 )
             )
+        if self.counts is not None:
+            self.replica_steps = reports
+            even = sum(self.counts) / len(self.counts)
+            reports = [_per_microbatches(r, even / n) for r, n in zip(reports, self.counts)]
         return TimingReport.slowest_replica(reports)
+
+
+def _per_microbatches(report: TimingReport, scale: float) -> TimingReport:
+    """`report` with the compute that scales with micro-batches (all but the fixed part)
+    scaled by `scale`."""
+    fixed = report.fixed or (0.0,) * len(report.compute)
+
+    def scaled(values):
+        return tuple(f + (v - f) * scale for v, f in zip(values, fixed))
+
+    return dataclasses.replace(
+        report,
+        compute=scaled(report.compute),
+        busy=scaled(report.busy) if report.busy is not None else None,
+    )

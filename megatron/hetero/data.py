@@ -16,6 +16,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.tokenizers import MegatronTokenizer
 
+from hettp import rebatch
+
 from . import text_tokenizers
 from .arguments import BYTE_LEVEL_VOCAB_SIZE, parse_data_path
 
@@ -78,9 +80,14 @@ def tokenizer_from_args(args):
 
 
 class PretrainingSampler:
-    """Yields this data-parallel rank's micro-batch indices, global batch after global batch."""
+    """Yields this data-parallel rank's micro-batch indices, global batch after global batch.
 
-    def __init__(self, total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size):
+    `counts` (--het-dp): every replica's micro-batches of a global batch; this rank's are the
+    slots hettp.rebatch deals it (even counts: the same micro-batches as without)."""
+
+    def __init__(
+        self, total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size, counts=None
+    ):
         if consumed_samples >= total_samples:
             raise ValueError(f"no samples left: consumed {consumed_samples} of {total_samples}")
         self.total_samples = total_samples
@@ -88,14 +95,21 @@ class PretrainingSampler:
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.span = micro_batch_size * dp_size
+        self.slots = None
+        if counts is not None:
+            self.span = micro_batch_size * sum(counts)  # a global batch
+            self.slots = rebatch.slots(counts, dp_rank)
 
     def __len__(self):
-        return (self.total_samples - self.consumed_samples) // self.span
+        batches = (self.total_samples - self.consumed_samples) // self.span
+        return batches * (len(self.slots) if self.slots is not None else 1)
 
     def __iter__(self):
-        start = self.dp_rank * self.micro_batch_size
+        mbs = self.micro_batch_size
+        starts = [s * mbs for s in self.slots] if self.slots is not None else [self.dp_rank * mbs]
         for first in range(self.consumed_samples, self.total_samples - self.span + 1, self.span):
-            yield list(range(first + start, first + start + self.micro_batch_size))
+            for start in starts:
+                yield list(range(first + start, first + start + mbs))
 
 
 def dataset_config(args, tokenizer) -> GPTDatasetConfig:
@@ -155,9 +169,9 @@ def _collate_dict(batch):
     }
 
 
-def build_loader(dataset, consumed_samples, args, dp_rank, dp_size):
+def build_loader(dataset, consumed_samples, args, dp_rank, dp_size, counts=None):
     sampler = PretrainingSampler(
-        len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size
+        len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size, counts
     )
     # A private generator: creating a loader iterator draws a seed from it, and drawing from the
     # global one would shift dropout masks between a run and its resumed continuation.

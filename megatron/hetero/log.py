@@ -252,6 +252,56 @@ class EventLog:
                 min_bytes=moved.min_bytes if moved else 0,
             )
 
+    def data_decision(
+        self,
+        iteration,
+        action,
+        reason,
+        before,
+        after,
+        predicted_before,
+        predicted_after,
+        details,
+        plan=None,
+        shares=None,
+        moved: StageMove | None = None,
+    ):
+        """One line per decision over data-parallel replicas (--het-dp): a rebatch, or the
+        joint policy's choice with the TP move or resize it comes with; JSONL `decision` with
+        the micro-batch counts per replica before and after."""
+        line = (
+            f"> het-TP decision at iteration {iteration}: {action} ({reason}) | micro-batches "
+            f"per replica {'/'.join(map(str, before))} -> {'/'.join(map(str, after))} | "
+            f"predicted step {predicted_before * 1e3:.1f} ms -> {predicted_after * 1e3:.1f} ms"
+        )
+        if shares is not None and any(shares):
+            line += " | resize shares " + ", ".join(f"{s:.0%}" for s in shares)
+        if plan is not None:
+            line += f" | plan {plan.summary()}"
+        if moved is not None:
+            line += (
+                f" | moved {moved.units} units, {moved.payload_bytes} "
+                f"bytes in {moved.seconds * 1e3:.1f} ms"
+            )
+        self.info(line)
+        if self.metrics is not None:
+            self.metrics.write(
+                "decision",
+                iteration=iteration,
+                action=action,
+                reason=reason,
+                microbatches_before=list(before),
+                microbatches=list(after),
+                shares=list(shares) if shares is not None else None,
+                plan=plan.to_json() if plan is not None else None,
+                predicted_before_s=predicted_before,
+                predicted_after_s=predicted_after,
+                details=details,
+                units_moved=moved.units if moved else 0,
+                bytes=moved.payload_bytes if moved else 0,
+                min_bytes=moved.min_bytes if moved else 0,
+            )
+
 
 class Logger:
     """The training log: Megatron-LM's run, iteration, evaluation and checkpoint lines; het-TP's

@@ -30,7 +30,7 @@ from megatron.core import parallel_state
 
 from hettp.config import HetTPConfig
 from hettp.exchange import Migration, TransferError
-from hettp.loop import work_of
+from hettp.loop import TimingReport, work_of
 from hettp.plan import PartitionPlan, PlanError
 from hettp.planner import Decision
 from hettp.resize import ResizeError, check_shares
@@ -110,6 +110,16 @@ class StageVerdict:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataSplit:
+    """Under --het-dp, the coming step's micro-batches: every replica's count, this replica's,
+    and the weight its losses take so that the update is the even split's."""
+
+    counts: tuple[int, ...]
+    here: int
+    loss_weight: float
+
+
+@dataclasses.dataclass(frozen=True)
 class StepEnd:
     """What a step boundary left: the model chunk and optimizer to use from now on."""
 
@@ -138,6 +148,9 @@ class HetTPRuntime:
         self._flag_layers = None  # ... as the flags split them
         self._resumed_layers = None  # ... as a checkpoint had them, where the run took it up
         self._fresh = {}  # stage -> its latest report since the last change of any split
+        self.replicas = None  # ReplicaBatches under --het-dp
+        self.joint = None  # hettp.joint.JointController under --het-tp-policy joint
+        self._moved = 0.0  # seconds spent moving state since the last replica report
 
     @classmethod
     def from_args(cls, args, cuda_available: bool | None = None) -> HetTPRuntime | None:
@@ -257,6 +270,16 @@ class HetTPRuntime:
             if _pipelined() and (config.pipeline_moves == "layers" or single):
                 unit_work = None  # the stages are timed; no unit moves are planned in them
             self.controller = Controller(config, state.model, unit_work, cost_model)
+        if config.rebatches:
+            from .replicas import ReplicaBatches
+
+            self.replicas = ReplicaBatches(
+                parallel_state.get_data_parallel_world_size(), config.interval
+            )
+            if config.policy == "joint":
+                from hettp.joint import JointController
+
+                self.joint = JointController(config.budget)
         if self.partition is not None:
             self.events.plan(iteration, self.whole_plan(), self._plan_why)
         if self._resumed_layers is not None:
@@ -277,6 +300,17 @@ class HetTPRuntime:
         pending, self._pending = self._pending, None
         config = self.config
         saved_shares = None
+        if pending is not None and self.replicas is not None:  # data, whatever the plan
+            why = self.replicas.load_state_dict(pending.get("replicas"))
+            if why is not None:
+                self.events.info(
+                    f"> het-DP micro-batch counts of the checkpoint not resumed: {why}"
+                )
+            elif self.replicas.counts is not None:
+                self.events.info(
+                    f"> het-DP micro-batches per replica at iteration {iteration} ({RESUMED}): "
+                    + "/".join(map(str, self.replicas.counts))
+                )
         if pending is not None:
             why = None
             if pending.get("config") != self._fingerprint():
@@ -290,6 +324,8 @@ class HetTPRuntime:
                 self.events.info(f"> het-TP state of the checkpoint not resumed: {why}")
                 saved_shares = None
             else:
+                if self.joint is not None and pending.get("joint") is not None:
+                    self.joint.load_state_dict(pending["joint"])
                 if self.resizer is not None and pending.get("resizer") is not None:
                     self.resizer.load_state_dict(pending["resizer"])
                 if self.controller is not None and pending.get("controller") is not None:
@@ -305,7 +341,12 @@ class HetTPRuntime:
     def _fingerprint(self) -> dict:
         """The flags a checkpoint's runtime state is only valid under."""
         c = self.config
-        return {"policy": c.policy, "het_tp": c.het_tp, "granularity": c.granularity}
+        return {
+            "policy": c.policy,
+            "het_tp": c.het_tp,
+            "granularity": c.granularity,
+            "het_dp": c.rebatches,
+        }
 
     def _unusable_shares(self, shares) -> str | None:
         """Why saved resize shares cannot be taken up by this run (None: they can)."""
@@ -321,6 +362,17 @@ class HetTPRuntime:
         return None
 
     # ---- every step ---------------------------------------------------------------------
+
+    def data_split(self, per_replica: int, per_token_loss: bool = False) -> DataSplit | None:
+        """Under --het-dp, before each step on every rank: the micro-batches of a global batch
+        of `per_replica` a replica (the even split's) each replica runs. None without it."""
+        if self.replicas is None:
+            return None
+        counts = self.replicas.split(per_replica)
+        if self.controller is not None:
+            self.controller.counts = counts
+        here = counts[self.replicas.dp_rank]
+        return DataSplit(counts, here, self.replicas.loss_weight(counts, per_token_loss))
 
     def begin_step(self, iteration: int, num_microbatches: int | None = None) -> None:
         """Before the step that will be `iteration`, on every rank: arm the timers, and tell the
@@ -379,6 +431,9 @@ class HetTPRuntime:
                 self._apply(iteration, decided)
             elif verdicts and self._moves_layers():
                 self._balance_layers(iteration, verdicts)
+            if self.replicas is not None:
+                changed = bool(decided) or (state.model, state.optimizer) != rebuilt_from
+                self._observe_replicas(iteration, seconds, changed)
         rebuilt = (state.model, state.optimizer) != rebuilt_from
         return StepEnd(state.model, state.optimizer, rebuilt)
 
@@ -482,6 +537,138 @@ class HetTPRuntime:
             self.events.decision(iteration, v.decision, v.verdict.detection, moved, v.stage)
         if own is not None:
             self._rebase()
+
+    # ---- the data split over replicas (--het-dp) -----------------------------------------------
+
+    def _observe_replicas(self, iteration: int, seconds: float, changed: bool) -> None:
+        """Every rank, every step: the replicas' paces; at a replica report, global rank 0
+        decides (a rebatch, or the joint policy's choice) and every rank applies it."""
+        steps = self.controller.replica_steps
+        if steps is None:
+            return
+        report = self.replicas.observe(iteration, self.controller.counts, steps, seconds)
+        if changed:  # a TP decision here: the paces measured before it are stale
+            self.replicas.restart()
+            return
+        if report is None:
+            return
+        if self.joint is not None:
+            self.joint.account(self._moved, report.wall + self._moved)
+            self._moved = 0.0
+        choice = None
+        if dist.get_rank() == 0:
+            choice = self._joint_choice(report) if self.joint is not None else self._rebatch(report)
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            self._apply_data_decision(iteration, report, box[0])
+
+    def _rebatch(self, report):
+        from hettp import rebatch
+
+        return rebatch.decide(report.counts, report.seconds, report.fixed)
+
+    def _joint_choice(self, report):
+        """The joint policy's choice at a replica report (the deciding rank only)."""
+        from hettp.joint import JointState, ReplicaPace, options
+
+        from .control import _per_microbatches
+
+        loop = self.controller.loop
+        counts = report.counts
+        even = sum(counts) / len(counts)
+        scaled = [_per_microbatches(t, even / n) for t, n in zip(report.timings, counts)]
+        rows = []
+        for t in scaled:
+            factors = loop.factors(t)
+            known = [f for f in factors if f is not None]  # a rank without work: its peers'
+            rows.append(tuple(f if f is not None else max(known, default=1.0) for f in factors))
+        fastest = min(min(r) for r in rows)
+        paces = []
+        for t, n, row in zip(report.timings, counts, rows):
+            busy = t.busy or t.compute
+            rest = max(0.0, max(busy) - max(t.compute)) / n
+            paces.append(ReplicaPace(rest, tuple(f / fastest for f in row)))
+        composite = TimingReport.slowest_replica(scaled)
+        slope = loop.fit.per_unit(composite.work, composite.compute, composite.fixed) * fastest
+        fixed = loop.fit.fixed_seconds(composite.work, composite.compute, composite.fixed)
+        state = JointState(
+            self.partition.plan,
+            tuple(self.shares),
+            counts,
+            tuple(paces),
+            slope / even,
+            fixed * fastest,
+        )
+        cost = loop.migration_cost
+        cost.unit_bytes = dict(self.partition.unit_bytes(self.state.model, self.state.optimizer))
+        slow = frozenset(
+            (r, p)
+            for r, pace in enumerate(paces)
+            for p, f in enumerate(pace.factors)
+            if f >= self.config.onset
+        )
+        horizon = self.joint.hold(report.iteration, slow, self.config.interval)
+        found = options(
+            state, self.partition.unit_work, self.config.max_resize, cost.seconds, resizes=True
+        )
+        choice = self.joint.choose(found, horizon)
+        return choice if choice.option.action != "none" else None
+
+    def _apply_data_decision(self, iteration: int, report, choice) -> None:
+        """Every rank, at the same boundary: a rebatch (hettp.rebatch.Rebatch) or the joint
+        policy's choice (hettp.joint.Choice): its TP part first, then the counts."""
+        from hettp.rebatch import Rebatch
+
+        if isinstance(choice, Rebatch):
+            self.replicas.set(choice.after)
+            self.events.data_decision(
+                iteration,
+                "rebatch",
+                choice.reason,
+                choice.before,
+                choice.after,
+                choice.predicted_before,
+                choice.predicted_after,
+                {"seconds_per_microbatch": list(choice.seconds)},
+            )
+            return
+        option = choice.option
+        before_plan, before_shares = self.partition.plan, tuple(self.shares)
+        moved = None
+        try:
+            if option.shares != before_shares and self.resizer is not None:
+                self.resizer.resize(self.state, option.shares)
+            if option.plan != before_plan:
+                start = time.perf_counter()
+                migration, moves = self._repartition(option.plan, iteration)
+                seconds = time.perf_counter() - start
+                self._moved += seconds
+                moved = StageMove.total(moves)
+                if migration.predictions:
+                    self.controller.loop.migrated(seconds, min(migration.predictions.values()))
+        except TransferError as err:
+            if self.resizer is not None and tuple(self.resizer.shares) != before_shares:
+                self.resizer.resize(self.state, before_shares)
+            self.events.info(f"> het-TP decision at iteration {iteration} not applied: {err}")
+            return
+        if option.plan != before_plan or option.shares != before_shares:
+            self._rebase()
+        self.replicas.set(option.counts)
+        self.events.data_decision(
+            iteration,
+            option.action,
+            f"joint: predicted over {choice.horizon} steps, migration budget "
+            f"{self.config.budget:g}, queue {choice.queue:.2f} s",
+            report.counts,
+            option.counts,
+            choice.step_before,
+            option.step_seconds,
+            {"terms": choice.terms, "queue": choice.queue, "horizon": choice.horizon},
+            plan=option.plan if option.plan != before_plan else None,
+            shares=option.shares,
+            moved=moved,
+        )
 
     # ---- layers between pipeline stages ------------------------------------------------------
 
@@ -591,6 +778,8 @@ class HetTPRuntime:
             "config": self._fingerprint(),
             "microbatches": self._microbatches,  # what the controller's seconds were taken at
             "resizer": self.resizer.state_dict() if self.resizer is not None else None,
+            "replicas": self.replicas.state_dict() if self.replicas is not None else None,
+            "joint": self.joint.state_dict() if self.joint is not None else None,
             "controller": (self.controller.state_dict() if self.controller is not None else None),
         }
 

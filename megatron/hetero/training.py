@@ -189,21 +189,25 @@ def _bucket_size(args) -> int | None:
     return max(40_000_000, 1_000_000 * args.data_parallel_size)
 
 
-def loss_func(loss_mask, output_tensor):
-    """Sum of masked token losses, its token count, and both for reporting (Megatron-LM's)."""
+def loss_func(loss_mask, output_tensor, weight: float = 1.0):
+    """Sum of masked token losses, its token count, and both for reporting (Megatron-LM's).
+    `weight` scales the loss that is backpropagated, not the report (--het-dp: a replica's
+    share of the global batch)."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().detach().to(torch.int)
     report = torch.stack([loss.detach().clone(), mask.sum().detach()])
+    if weight != 1.0:
+        loss = loss * weight
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, loss_weight: float = 1.0):
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, device)
     output = model(tokens, position_ids, attention_mask, labels=labels)
-    return output, partial(loss_func, loss_mask)
+    return output, partial(loss_func, loss_mask, weight=loss_weight)
 
 
 def _add_reports(total, losses_reduced):
@@ -228,10 +232,13 @@ def token_mean_loss(losses_reduced) -> float:
     return _token_mean(_add_reports(torch.zeros(2, dtype=torch.float64), losses_reduced))
 
 
-def _schedule(args, model, data_iterator, forward_only: bool, num_microbatches: int):
+def _schedule(
+    args, model, data_iterator, forward_only: bool, num_microbatches: int, loss_weight=1.0
+):
     """One global batch through megatron-core's forward-backward schedule: its loss reports."""
+    step = forward_step if loss_weight == 1.0 else partial(forward_step, loss_weight=loss_weight)
     return get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=step,
         data_iterator=data_iterator,
         model=[model],
         num_microbatches=num_microbatches,
@@ -253,15 +260,26 @@ def full_batch(args) -> StepBatch:
 
 
 def train_step(
-    args, state: TrainState, data_iterator, runtime=None, batch: StepBatch | None = None
+    args,
+    state: TrainState,
+    data_iterator,
+    runtime=None,
+    batch: StepBatch | None = None,
+    loss_weight: float = 1.0,
 ):
-    """One optimizer step on `batch` (default: the full global batch)."""
+    """One optimizer step on `batch` (default: the full global batch; its micro-batch count is
+    this replica's); `loss_weight`: this replica's (--het-dp)."""
     batch = batch or full_batch(args)
     model, optimizer = state.model, state.optimizer
     model.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = _schedule(
-        args, model, data_iterator, forward_only=False, num_microbatches=batch.num_microbatches
+        args,
+        model,
+        data_iterator,
+        forward_only=False,
+        num_microbatches=batch.num_microbatches,
+        loss_weight=loss_weight,
     )
     _empty_cache(args, 1)
     if runtime is not None:
@@ -388,6 +406,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    loader_for = None  # under --het-dp: the (counts, global batch) the loader deals
     train_iterator = iter(build_loader(train_ds, consumed, args, dp_rank, dp_size))
 
     def save(iteration):
@@ -432,11 +451,26 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
                 if args.save and saved_at != iteration:
                     saved_at = save(iteration)
             lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
+            split = (
+                runtime.data_split(batch.num_microbatches, args.calculate_per_token_loss)
+                if (runtime is not None)
+                else None
+            )
+            here, weight = batch, 1.0
+            if split is not None:  # --het-dp: this replica's share of the global batch
+                if loader_for != (split.counts, batch.global_batch_size):
+                    loader_for = (split.counts, batch.global_batch_size)
+                    train_iterator = iter(
+                        build_loader(train_ds, consumed, args, dp_rank, dp_size, split.counts)
+                    )
+                here, weight = StepBatch(batch.global_batch_size, split.here), split.loss_weight
             if runtime is not None:
                 runtime.begin_step(iteration + 1, batch.num_microbatches)
             profiler.before_step(iteration + 1)
             start = time.perf_counter()
-            loss, grad_norm, skipped = train_step(args, state, train_iterator, runtime, batch)
+            loss, grad_norm, skipped = train_step(
+                args, state, train_iterator, runtime, here, weight
+            )
             elapsed = time.perf_counter() - start
             iteration += 1
             profiler.after_step(iteration)

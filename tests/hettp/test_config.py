@@ -162,11 +162,21 @@ def test_adding_a_policy_touches_the_table_and_the_planner(monkeypatch):
 
 
 def test_compared_policies_are_the_baseline_and_the_deciders():
-    assert compared_policies() == [VANILLA, "resize", "migrate", "hybrid", "zero"]
+    assert compared_policies() == [
+        VANILLA,
+        "resize",
+        "migrate",
+        "hybrid",
+        "zero",
+        "rebatch",
+        "joint",
+    ]
     assert POLICIES[VANILLA].vanilla
 
 
-@pytest.mark.parametrize("policy", [p.name for p in POLICIES.values() if p.decides])
+@pytest.mark.parametrize(
+    "policy", [p.name for p in POLICIES.values() if p.decides and not p.rebatches]
+)
 def test_a_deciding_policy_at_tp_1_is_refused_by_name(policy):
     _, args = _parse(["--het-tp-policy", policy])
     config = HetTPConfig.from_args(args)
@@ -187,3 +197,41 @@ def test_at_tp_1_a_migrating_policy_needs_pipeline_stages_to_move_layers_between
     ):
         with pytest.raises(ConfigError, match="migrate moves layers between them"):
             config.validated(staged)
+
+
+def test_data_parallel_flags_are_checked_by_name():
+    replicas = dataclasses.replace(SHAPE, data_parallel=2)
+    _, args = _parse(["--het-dp", "--het-tp-policy", "migrate"])
+    config = HetTPConfig.from_args(args)
+    assert config.het_dp and config.validated(replicas).rebatches
+    assert HetTPConfig(policy="rebatch").validated(replicas).rebatches  # implied
+    assert HetTPConfig(policy="joint").validated(replicas).budget == 0.05
+    refused = {
+        "splits each global batch unevenly .* the data-parallel size is 1": (
+            HetTPConfig(het_dp=True, policy="migrate"),
+            SHAPE,
+        ),
+        "--het-tp-policy rebatch splits each global batch": (HetTPConfig(policy="rebatch"), SHAPE),
+        "--het-tp-policy static times nothing: use rebatch, joint": (
+            HetTPConfig(het_dp=True),
+            replicas,
+        ),
+        "--tensor-model-parallel-size 1 has nothing to move: use --het-tp-policy rebatch": (
+            HetTPConfig(policy="joint"),
+            dataclasses.replace(replicas, tp_size=1),
+        ),
+        "joint is not built for pipeline stages": (
+            HetTPConfig(policy="joint"),
+            dataclasses.replace(replicas, pipeline_stages=2, num_layers=4),
+        ),
+        "--het-migration-budget budgets --het-tp-policy joint's moves; --het-tp-policy "
+        "migrate does not": (HetTPConfig(policy="migrate", migration_budget=0.1), SHAPE),
+        r"--het-migration-budget must be within \[0, 1\], got 1.5": (
+            HetTPConfig(policy="joint", migration_budget=1.5),
+            replicas,
+        ),
+    }
+    for message, (config, shape) in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            config.validated(shape)
+    assert HetTPConfig(policy="rebatch").validated(dataclasses.replace(replicas, tp_size=1))

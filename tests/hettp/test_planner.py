@@ -342,9 +342,11 @@ def test_scenarios():
     assert [s.factor(r, 0) for r in range(8)] == [8, 6, 4, 2, 1, 1, 1, 1]
     assert Scenario.parse("none", 2).factor(1, 7) == 1.0
     s = Scenario.parse("persistent:global=3,factor=2,start=4", 2)  # one process, any stage
-    assert s.global_rank == 3 and s.factor(1, 5, global_rank=3) == 2.0
+    assert s.global_ranks == (3,) and s.factor(1, 5, global_rank=3) == 2.0
     assert s.factor(1, 5, global_rank=1) == 1.0 and s.factor(1, 3, global_rank=3) == 1.0
-    assert Scenario.parse("persistent:rank=1,factor=2", 2).global_rank is None
+    assert Scenario.parse("persistent:rank=1,factor=2", 2).global_ranks is None
+    two = Scenario.parse("persistent:global=0/3,factor=3", 2)
+    assert [two.factor(r % 2, 1, global_rank=r) for r in range(4)] == [3.0, 1.0, 1.0, 3.0]
     s = Scenario.parse("transient:stage=1,factor=3,start=2,length=2,period=4", 2)  # a stage
     assert s.stage == 1 and [s.factor(0, i, 0, stage=1) for i in range(1, 8)] == [
         1,
@@ -355,7 +357,7 @@ def test_scenarios():
         3,
         3,
     ]
-    assert s.factor(1, 2, 1, stage=0) == 1.0 and s.global_rank is None
+    assert s.factor(1, 2, 1, stage=0) == 1.0 and s.global_ranks is None
 
 
 @pytest.mark.parametrize(

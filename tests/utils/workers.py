@@ -700,3 +700,20 @@ def preloaded(names: list[str]) -> dict:
     import sys
 
     return {name: name in sys.modules for name in names}
+
+
+def train_with_data_split(argv: list[str]) -> dict:
+    """pretrain under --het-dp; records every replica's micro-batch counts after each step."""
+    seen = {}
+
+    def hook(iteration, state, runtime):
+        counts = runtime.replicas.counts if runtime and runtime.replicas else None
+        seen[iteration] = tuple(counts) if counts is not None else None
+
+    result, stdout = _pretrain(argv, hook)
+    return {
+        "losses": result.losses,
+        "seen": seen,
+        "stdout": stdout,
+        "metrics_file": result.metrics_file,
+    }

@@ -1,0 +1,133 @@
+"""Heterogeneous data parallelism (--het-dp) on real gloo ranks: a slow replica runs fewer
+micro-batches of each global batch, the update stays the even split's (the losses of one
+process running the whole batch), with TP, the distributed optimizer, pipeline stages and a
+checkpoint in between."""
+
+from __future__ import annotations
+
+import pytest
+
+from hettp.metrics import read_metrics
+from tests.utils import MHA, run_ranks, train, train_with_data_split
+
+# The sharded GEMMs dominate a micro-batch (hidden 256, 256 tokens); 8 micro-batches a step.
+TRAIN = (
+    MHA.replace("--hidden-size 64", "--hidden-size 256")
+    .replace("--seq-length 32", "--seq-length 128")
+    .replace("--train-iters 1", "--train-iters 10")
+    + " --global-batch-size 16 --het-tp-interval 2 --het-tp-onset 1.5"
+).split()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The whole global batch in one process: what every split must reproduce."""
+    return run_ranks(train, 1, TRAIN)[0]["losses"]
+
+
+def _decisions(path):
+    return [r for r in read_metrics(path) if r["kind"] == "decision"]
+
+
+def _same_losses(got, want, iterations):
+    for i in iterations:
+        assert got[i] == pytest.approx(want[i], rel=1e-5, abs=1e-6), i
+
+
+def test_a_slow_replica_runs_fewer_micro_batches_losslessly_and_resumes_its_split(
+    tmp_path, reference
+):
+    save = str(tmp_path / "ckpt")
+    flags = TRAIN + [
+        "--het-tp-policy",
+        "rebatch",
+        "--het-tp-emulate",
+        "persistent:global=1,factor=3",  # replica 1 (TP=1: one rank a replica)
+        "--save",
+        save,
+    ]
+    first_metrics = str(tmp_path / "first.jsonl")
+    first = run_ranks(
+        train_with_data_split,
+        2,
+        [*flags, "--exit-interval", "6", "--metrics-file", first_metrics],
+    )
+    decisions = _decisions(first_metrics)
+    rebatched = [d for d in decisions if d["action"] == "rebatch"]
+    assert rebatched, decisions
+    d = rebatched[0]
+    # three warm-up steps, then a report of two: decided at the boundary after step 5
+    assert d["iteration"] == 5 and d["microbatches_before"] == [4, 4]
+    assert d["microbatches"][0] > d["microbatches"][1] and sum(d["microbatches"]) == 8
+    assert d["predicted_after_s"] < d["predicted_before_s"]
+    assert "het-TP decision at iteration 5: rebatch" in first[0]["stdout"]
+    assert first[0]["seen"] == first[1]["seen"]  # every rank, the same counts at every step
+    assert first[0]["seen"][5] == tuple(d["microbatches"])
+    _same_losses(first[0]["losses"], reference, range(1, 7))
+
+    resumed = run_ranks(train_with_data_split, 2, [*flags, "--load", save])
+    held = "/".join(map(str, first[0]["seen"][6]))
+    assert (
+        "het-DP micro-batches per replica at iteration 6 (resumed from the checkpoint): " + held
+    ) in resumed[0]["stdout"]
+    _same_losses(resumed[0]["losses"], reference, range(7, 11))
+
+
+def test_joint_control_over_replicas_with_stragglers_at_different_tp_positions(tmp_path, reference):
+    """TP=2 x DP=2 with the distributed optimizer: TP rank 0 of replica 0 and TP rank 1 of
+    replica 1 slow, which no shared plan balances. Whatever the joint policy chooses (a plan
+    for one replica and a rebatch around it, a rebatch, a resize), the losses are the whole
+    batch's and every rank applies it alike."""
+    metrics = str(tmp_path / "joint.jsonl")
+    ranks = run_ranks(
+        train_with_data_split,
+        4,
+        TRAIN
+        + [
+            "--tensor-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+            "--het-tp-policy",
+            "joint",
+            "--het-tp-emulate",
+            "persistent:global=0/3,factor=3",
+            "--metrics-file",
+            metrics,
+        ],
+    )
+    decisions = _decisions(metrics)
+    assert decisions, "the joint policy chose nothing against two 3x stragglers"
+    for d in decisions:
+        assert sum(d["microbatches"]) == 8
+        assert set(d["details"]["terms"]) >= {"none", d["action"]}
+        assert d["details"]["horizon"] >= 2
+    assert all(r["seen"] == ranks[0]["seen"] for r in ranks)
+    resized = any(any(d["shares"] or ()) for d in decisions)
+    if not resized:  # a resize skips units: lossy by design
+        _same_losses(ranks[0]["losses"], reference, range(1, 11))
+
+
+def test_replicas_of_pipeline_stages_rebatch_losslessly(tmp_path):
+    """PP=2 x DP=2: replica 1's first stage (global rank 1) is slow; both of its stages run
+    fewer micro-batches of each global batch. The reference is one pipeline running the whole
+    batch (stages seed their layers apart, as Megatron-LM's)."""
+    staged = TRAIN + ["--pipeline-model-parallel-size", "2"]
+    reference = run_ranks(train, 2, staged)[0]["losses"]
+    metrics = str(tmp_path / "pp.jsonl")
+    ranks = run_ranks(
+        train_with_data_split,
+        4,
+        staged
+        + [
+            "--het-tp-policy",
+            "rebatch",
+            "--het-tp-emulate",
+            "persistent:global=1,factor=3",
+            "--metrics-file",
+            metrics,
+        ],
+    )
+    rebatched = [d for d in _decisions(metrics) if d["action"] == "rebatch"]
+    assert rebatched and rebatched[0]["microbatches"][0] > rebatched[0]["microbatches"][1]
+    assert all(r["seen"] == ranks[0]["seen"] for r in ranks)
+    _same_losses(ranks[0]["losses"], reference, range(1, 11))
