@@ -271,9 +271,9 @@ class HetTPConfig:
                 "the data-parallel size is 1 (world size / (tensor x pipeline parallel size))",
             )
             _require(
-                p.decides or p.times,
-                f"--het-dp rebatches on the replicas' timings; --het-tp-policy {self.policy} "
-                "times nothing: use rebatch, joint, migrate, hybrid or resize",
+                p.decides or p.rebatches,
+                f"--het-dp rebatches the replicas on their timings; --het-tp-policy "
+                f"{self.policy} decides nothing: use rebatch, joint, migrate, hybrid or resize",
             )
         if p.name == "joint":
             _require(

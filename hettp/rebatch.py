@@ -6,7 +6,8 @@ A global batch is `total` micro-batch slots. Megatron-LM hands slot k * D + r to
 after round, skipping replicas that have their count, so even counts reproduce Megatron-LM's
 assignment exactly and any counts cover the same samples. The update stays the even split's
 when each replica weights its micro-batch losses by `loss_weight` (the schedule divides by the
-replica's own count, the DP reduce by D).
+replica's own count, the DP reduce by D); exactly so at dropout 0 (a micro-batch that changes
+replica draws its dropout masks from that replica's RNG stream).
 """
 
 from __future__ import annotations

@@ -175,14 +175,17 @@ def builtin(
         ]
     if replicas > 1 and stages == 1:
         last = (replicas - 1) * tp_size + tp_size - 1  # the last replica's last TP rank
-        other = (replicas - 1) * tp_size  # the last replica's TP rank 0
-        specs += [
+        specs.append(
             ScenarioSpec(
                 "replica-3x",
                 f"persistent:global={last},factor=3",
                 about=f"global rank {last} (TP rank {tp_size - 1} of replica {replicas - 1}) "
                 "3x slower: one replica slow",
-            ),
+            )
+        )
+    if replicas > 1 and stages == 1 and tp_size > 1:
+        other = (replicas - 1) * tp_size  # the last replica's TP rank 0
+        specs += [
             ScenarioSpec(
                 "crossed-3x",
                 f"persistent:global={tp_size - 1}/{other},factor=3",

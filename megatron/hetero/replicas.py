@@ -43,6 +43,7 @@ class ReplicaBatches:
         self.dp_size, self.interval = dp_size, interval
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.counts: tuple[int, ...] | None = None  # None: the even split
+        self._paces = None  # (seconds, fixed) per replica of the report the counts came from
         self._steps: list[tuple[int, tuple, tuple, tuple, float]] = []
         self._seen = 0  # steps observed since this run started (or resumed)
 
@@ -54,8 +55,11 @@ class ReplicaBatches:
         total = per_replica * self.dp_size
         if self.counts is None:
             return rebatch.even_counts(total, self.dp_size)
-        if sum(self.counts) != total:
-            self.counts = rebatch.rescaled(self.counts, total)
+        if sum(self.counts) != total:  # a batch ramp: the split of the paces the counts came from
+            if self._paces is not None and total >= self.dp_size:
+                self.counts = rebatch.split(total, *self._paces)
+            else:
+                self.counts = rebatch.rescaled(self.counts, total)
         return self.counts
 
     def loss_weight(self, counts, per_token_loss: bool) -> float:
@@ -63,9 +67,11 @@ class ReplicaBatches:
         megatron-core then divides the gradients by the tokens of every replica)."""
         return 1.0 if per_token_loss else rebatch.loss_weight(counts, self.dp_rank)
 
-    def set(self, counts) -> None:
-        """New counts from this step boundary on (every rank); the interval starts over."""
+    def set(self, counts, report: ReplicaReport | None = None) -> None:
+        """New counts from this step boundary on (every rank), decided on `report`; the
+        interval starts over."""
         self.counts = rebatch.check_counts(counts, sum(counts))
+        self._paces = (report.seconds, report.fixed) if report is not None else None
         self._steps = []
 
     def restart(self) -> None:
@@ -124,5 +130,8 @@ class ReplicaBatches:
             return None
         if len(counts) != self.dp_size:
             return f"its micro-batch counts {counts} are for {len(counts)} data-parallel replicas"
-        self.counts = tuple(counts)
+        try:
+            self.counts = rebatch.check_counts(counts, sum(counts))
+        except rebatch.RebatchError as err:
+            return str(err)
         return None

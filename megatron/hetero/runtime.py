@@ -149,6 +149,7 @@ class HetTPRuntime:
         self._resumed_layers = None  # ... as a checkpoint had them, where the run took it up
         self._fresh = {}  # stage -> its latest report since the last change of any split
         self.replicas = None  # ReplicaBatches under --het-dp
+        self.split: DataSplit | None = None  # ... the split of the step last begun
         self.joint = None  # hettp.joint.JointController under --het-tp-policy joint
         self._moved = 0.0  # seconds spent moving state since the last replica report
 
@@ -313,7 +314,8 @@ class HetTPRuntime:
                 )
         if pending is not None:
             why = None
-            if pending.get("config") != self._fingerprint():
+            saved_flags = {"het_dp": False, **(pending.get("config") or {})}  # older checkpoints
+            if saved_flags != self._fingerprint():
                 why = f"it was saved under other het-TP flags ({pending.get('config')})"
             elif self.partition is not None and self._plan_why != RESUMED:
                 why = "this run does not start in the checkpoint's plan"
@@ -326,6 +328,7 @@ class HetTPRuntime:
             else:
                 if self.joint is not None and pending.get("joint") is not None:
                     self.joint.load_state_dict(pending["joint"])
+                    self._moved = pending["joint"].get("moved_since_report", 0.0)
                 if self.resizer is not None and pending.get("resizer") is not None:
                     self.resizer.load_state_dict(pending["resizer"])
                 if self.controller is not None and pending.get("controller") is not None:
@@ -372,7 +375,8 @@ class HetTPRuntime:
         if self.controller is not None:
             self.controller.counts = counts
         here = counts[self.replicas.dp_rank]
-        return DataSplit(counts, here, self.replicas.loss_weight(counts, per_token_loss))
+        self.split = DataSplit(counts, here, self.replicas.loss_weight(counts, per_token_loss))
+        return self.split
 
     def begin_step(self, iteration: int, num_microbatches: int | None = None) -> None:
         """Before the step that will be `iteration`, on every rank: arm the timers, and tell the
@@ -557,9 +561,18 @@ class HetTPRuntime:
             self._moved = 0.0
         choice = None
         if dist.get_rank() == 0:
-            choice = self._joint_choice(report) if self.joint is not None else self._rebatch(report)
+            try:
+                choice = (
+                    self._joint_choice(report) if self.joint is not None else self._rebatch(report)
+                )
+            except Exception as err:  # noqa: BLE001 - every rank raises it, none waits
+                choice = _Failed(f"{type(err).__name__}: {err}")
         box = [choice]
         dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], _Failed):
+            raise RuntimeError(
+                f"het-DP decision at iteration {iteration} failed on rank 0: {box[0]}"
+            )
         if box[0] is not None:
             self._apply_data_decision(iteration, report, box[0])
 
@@ -621,7 +634,7 @@ class HetTPRuntime:
         from hettp.rebatch import Rebatch
 
         if isinstance(choice, Rebatch):
-            self.replicas.set(choice.after)
+            self.replicas.set(choice.after, report)
             self.events.data_decision(
                 iteration,
                 "rebatch",
@@ -654,7 +667,7 @@ class HetTPRuntime:
             return
         if option.plan != before_plan or option.shares != before_shares:
             self._rebase()
-        self.replicas.set(option.counts)
+        self.replicas.set(option.counts, report)
         self.events.data_decision(
             iteration,
             option.action,
@@ -779,7 +792,11 @@ class HetTPRuntime:
             "microbatches": self._microbatches,  # what the controller's seconds were taken at
             "resizer": self.resizer.state_dict() if self.resizer is not None else None,
             "replicas": self.replicas.state_dict() if self.replicas is not None else None,
-            "joint": self.joint.state_dict() if self.joint is not None else None,
+            "joint": (
+                {**self.joint.state_dict(), "moved_since_report": self._moved}
+                if self.joint is not None
+                else None
+            ),
             "controller": (self.controller.state_dict() if self.controller is not None else None),
         }
 
@@ -800,6 +817,10 @@ class HetTPRuntime:
         except PlanError:
             return False
         return True
+
+
+class _Failed(str):
+    """What the deciding rank sends instead of a decision it failed to take."""
 
 
 def _layer_compute(report) -> list[float]:

@@ -407,7 +407,9 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     loader_for = None  # under --het-dp: the (counts, global batch) the loader deals
-    train_iterator = iter(build_loader(train_ds, consumed, args, dp_rank, dp_size))
+    train_iterator = None
+    if runtime is None or runtime.replicas is None:  # else built at the first step's split
+        train_iterator = iter(build_loader(train_ds, consumed, args, dp_rank, dp_size))
 
     def save(iteration):
         with gathered_params(state):

@@ -142,6 +142,12 @@ def create_runtime(args) -> HetTPRuntime | None:
         runtime = HetTPRuntime.from_args(args)
         if runtime is not None:
             refused = _first_refusal(args, _REFUSED_ALWAYS)
+            if refused is None and runtime.config.rebatches:
+                refused = (
+                    "--het-dp (and --het-tp-policy rebatch or joint): upstream's data loader "
+                    "gives every data-parallel replica the same micro-batches; hettp's own "
+                    "pretrain_gpt.py splits them unevenly"
+                )
             if refused is None and runtime.config.het_tp:
                 refused = _first_refusal(args, _REFUSED)
             if refused is not None:

@@ -29,6 +29,18 @@ def _decisions(path):
     return [r for r in read_metrics(path) if r["kind"] == "decision"]
 
 
+def _ran_their_shares(ranks, total=8):
+    """At every step every rank ran the counts all others ran, its own replica's count of
+    them, weighted so that each micro-batch weighs 1 / total."""
+    counts = {i: seen[0] for i, seen in ranks[0]["seen"].items()}
+    for rank in ranks:
+        for i, (every, here, weight) in rank["seen"].items():
+            assert every == counts[i] and sum(every) == total, (i, every)
+            assert here == every[rank["dp_rank"]]
+            assert weight / here / len(every) == pytest.approx(1 / total)
+    return counts
+
+
 def _same_losses(got, want, iterations):
     for i in iterations:
         assert got[i] == pytest.approx(want[i], rel=1e-5, abs=1e-6), i
@@ -61,12 +73,13 @@ def test_a_slow_replica_runs_fewer_micro_batches_losslessly_and_resumes_its_spli
     assert d["microbatches"][0] > d["microbatches"][1] and sum(d["microbatches"]) == 8
     assert d["predicted_after_s"] < d["predicted_before_s"]
     assert "het-TP decision at iteration 5: rebatch" in first[0]["stdout"]
-    assert first[0]["seen"] == first[1]["seen"]  # every rank, the same counts at every step
-    assert first[0]["seen"][5] == tuple(d["microbatches"])
+    counts = _ran_their_shares(first)
+    assert counts[5] == (4, 4) and counts[6] == tuple(d["microbatches"])  # from step 6 on
     _same_losses(first[0]["losses"], reference, range(1, 7))
 
     resumed = run_ranks(train_with_data_split, 2, [*flags, "--load", save])
-    held = "/".join(map(str, first[0]["seen"][6]))
+    _ran_their_shares(resumed)
+    held = "/".join(map(str, counts[6]))
     assert (
         "het-DP micro-batches per replica at iteration 6 (resumed from the checkpoint): " + held
     ) in resumed[0]["stdout"]
@@ -96,15 +109,18 @@ def test_joint_control_over_replicas_with_stragglers_at_different_tp_positions(t
         ],
     )
     decisions = _decisions(metrics)
-    assert decisions, "the joint policy chose nothing against two 3x stragglers"
+    # the plan balanced for one replica, the other replica's share of the batch cut to match
+    # (tests/hettp/test_joint.py predicts it); the units move with their distributed-optimizer
+    # state
+    moved = [d for d in decisions if d["action"].startswith("migrate:replica")]
+    assert moved and moved[0]["units_moved"] > 0, decisions
     for d in decisions:
         assert sum(d["microbatches"]) == 8
         assert set(d["details"]["terms"]) >= {"none", d["action"]}
         assert d["details"]["horizon"] >= 2
-    assert all(r["seen"] == ranks[0]["seen"] for r in ranks)
-    resized = any(any(d["shares"] or ()) for d in decisions)
-    if not resized:  # a resize skips units: lossy by design
-        _same_losses(ranks[0]["losses"], reference, range(1, 11))
+        assert not any(d["shares"] or ())  # no resize against stragglers a move balances
+    _ran_their_shares(ranks)
+    _same_losses(ranks[0]["losses"], reference, range(1, 11))
 
 
 def test_replicas_of_pipeline_stages_rebatch_losslessly(tmp_path):
@@ -129,5 +145,5 @@ def test_replicas_of_pipeline_stages_rebatch_losslessly(tmp_path):
     )
     rebatched = [d for d in _decisions(metrics) if d["action"] == "rebatch"]
     assert rebatched and rebatched[0]["microbatches"][0] > rebatched[0]["microbatches"][1]
-    assert all(r["seen"] == ranks[0]["seen"] for r in ranks)
+    _ran_their_shares(ranks)
     _same_losses(ranks[0]["losses"], reference, range(1, 11))

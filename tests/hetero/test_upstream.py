@@ -97,6 +97,8 @@ def _upstream_args(argv=(), **overrides):
         (["--het-tp-policy", "none"], {"pipeline_model_parallel_size": 2}, "one pipeline stage"),
         (["--het-tp-policy", "none"], {"context_parallel_size": 2}, "--context-parallel-size 2"),
         (["--het-tp"], {"non_persistent_save_interval": 5}, "--non-persistent-save-interval"),
+        (["--het-dp", "--het-tp-policy", "migrate"], {"data_parallel_size": 2}, "--het-dp (and"),
+        (["--het-tp-policy", "rebatch"], {"data_parallel_size": 2}, "upstream's data loader"),
     ],
 )
 def test_create_runtime_checks_the_flags_on_upstream_args(argv, overrides, message):

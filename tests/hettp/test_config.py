@@ -212,10 +212,11 @@ def test_data_parallel_flags_are_checked_by_name():
             SHAPE,
         ),
         "--het-tp-policy rebatch splits each global batch": (HetTPConfig(policy="rebatch"), SHAPE),
-        "--het-tp-policy static times nothing: use rebatch, joint": (
+        "--het-tp-policy static decides nothing: use rebatch, joint": (
             HetTPConfig(het_dp=True),
             replicas,
         ),
+        "--het-tp-policy none decides nothing": (HetTPConfig(het_dp=True, policy="none"), replicas),
         "--tensor-model-parallel-size 1 has nothing to move: use --het-tp-policy rebatch": (
             HetTPConfig(policy="joint"),
             dataclasses.replace(replicas, tp_size=1),

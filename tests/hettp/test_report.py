@@ -71,6 +71,17 @@ def test_builtin_scenarios_scale_with_the_run_and_parse():
         spec.check(4)
 
 
+def test_replica_scenarios_slow_one_replica_or_different_tp_ranks_of_two():
+    specs = builtin(2, 24, replicas=2)  # global ranks 0-1: replica 0, 2-3: replica 1
+    assert specs["replica-3x"].factors(2, 1, 1, 2) == [(1.0, 1.0, 1.0, 3.0)]
+    assert specs["crossed-3x"].factors(2, 1, 1, 2) == [(1.0, 3.0, 3.0, 1.0)]
+    assert "crossed-3x" not in builtin(2, 24)
+    for spec in specs.values():
+        spec.check(2, replicas=2)
+    # the bound pools every rank of the job: two of four at a third of the speed
+    assert ideal_step(1.0, 1.0, (1.0, 1 / 3, 1 / 3, 1.0)) == pytest.approx(1.5)
+
+
 def test_pipeline_scenarios_slow_one_rank_of_a_stage_or_the_whole_stage():
     specs = builtin(2, 24, stages=2)  # global ranks 0-1: stage 0, 2-3: stage 1
     assert specs["stage-rank-2x"].factors(2, 1, 2) == [(1.0, 1.0, 1.0, 2.0)]

@@ -128,6 +128,9 @@ def test_report_only_rebuilds_the_same_table(quick):
         ),
         (["--scenarios", "stage-2x"], "unknown scenario 'stage-2x'"),  # a --pp scenario
         (["--policies", "migrate-layers"], "--policies migrate-layers: needs --pp > 1"),
+        (["--policies", "migrate,joint"], "--policies joint: needs --dp > 1"),
+        (["--scenarios", "crossed-3x"], "unknown scenario 'crossed-3x'"),  # a --dp scenario
+        (["--dp", "2", "--scenarios", "noisy"], "real-contention scenarios with --dp > 1"),
     ],
 )
 def test_bad_arguments_name_the_flag(argv, message, tmp_path):

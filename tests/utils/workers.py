@@ -703,17 +703,23 @@ def preloaded(names: list[str]) -> dict:
 
 
 def train_with_data_split(argv: list[str]) -> dict:
-    """pretrain under --het-dp; records every replica's micro-batch counts after each step."""
-    seen = {}
+    """pretrain under --het-dp; records, after each step, the split this rank ran it with
+    (every replica's counts, this replica's count, its loss weight) and its data-parallel
+    rank."""
+    from megatron.core import parallel_state
+
+    seen, where = {}, {}
 
     def hook(iteration, state, runtime):
-        counts = runtime.replicas.counts if runtime and runtime.replicas else None
-        seen[iteration] = tuple(counts) if counts is not None else None
+        split = runtime.split
+        seen[iteration] = (split.counts, split.here, split.loss_weight)
+        where["dp_rank"] = parallel_state.get_data_parallel_rank()
 
     result, stdout = _pretrain(argv, hook)
     return {
         "losses": result.losses,
         "seen": seen,
+        "dp_rank": where["dp_rank"],
         "stdout": stdout,
         "metrics_file": result.metrics_file,
     }
