@@ -72,6 +72,24 @@ def _stage_field(stage) -> dict:
     return {"stage": stage} if stage is not None else {}
 
 
+def _moved_text(moved) -> str:
+    """What a decision's move sent, for its log line ("" for none)."""
+    if moved is None:
+        return ""
+    return (
+        f" | moved {moved.units} units, {moved.payload_bytes} bytes in {moved.seconds * 1e3:.1f} ms"
+    )
+
+
+def _moved_fields(moved) -> dict:
+    """What a decision's move sent, for its JSONL record (zeros for none)."""
+    return {
+        "units_moved": moved.units if moved else 0,
+        "bytes": moved.payload_bytes if moved else 0,
+        "min_bytes": moved.min_bytes if moved else 0,
+    }
+
+
 def _stamp() -> str:
     return datetime.now().strftime("%Y-%m-%d %H:%M:%S")
 
@@ -228,12 +246,7 @@ class EventLog:
         )
         if decision.migrates:
             line += f" | plan {decision.plan.summary()}"
-        if moved is not None:
-            line += (
-                f" | moved {moved.units} units, {moved.payload_bytes} "
-                f"bytes in {moved.seconds * 1e3:.1f} ms"
-            )
-        self.info(line)
+        self.info(line + _moved_text(moved))
         if self.metrics is not None:
             self.metrics.write(
                 "decision",
@@ -247,9 +260,7 @@ class EventLog:
                 predicted_after_s=decision.predicted_after,
                 details=decision.details,
                 slowdown=list(detection.slowdown) if detection is not None else None,
-                units_moved=moved.units if moved else 0,
-                bytes=moved.payload_bytes if moved else 0,
-                min_bytes=moved.min_bytes if moved else 0,
+                **_moved_fields(moved),
             )
 
     def data_decision(
@@ -278,12 +289,7 @@ class EventLog:
             line += " | resize shares " + ", ".join(f"{s:.0%}" for s in shares)
         if plan is not None:
             line += f" | plan {plan.summary()}"
-        if moved is not None:
-            line += (
-                f" | moved {moved.units} units, {moved.payload_bytes} "
-                f"bytes in {moved.seconds * 1e3:.1f} ms"
-            )
-        self.info(line)
+        self.info(line + _moved_text(moved))
         if self.metrics is not None:
             self.metrics.write(
                 "decision",
@@ -297,9 +303,7 @@ class EventLog:
                 predicted_before_s=predicted_before,
                 predicted_after_s=predicted_after,
                 details=details,
-                units_moved=moved.units if moved else 0,
-                bytes=moved.payload_bytes if moved else 0,
-                min_bytes=moved.min_bytes if moved else 0,
+                **_moved_fields(moved),
             )
 
 
