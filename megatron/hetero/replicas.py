@@ -39,9 +39,9 @@ class ReplicaReport:
 
 
 class ReplicaBatches:
-    def __init__(self, dp_size: int, interval: int):
+    def __init__(self, dp_size: int, interval: int, dp_rank: int | None = None):
         self.dp_size, self.interval = dp_size, interval
-        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank() if dp_rank is None else dp_rank
         self.counts: tuple[int, ...] | None = None  # None: the even split
         self._paces = None  # (seconds, fixed) per replica of the report the counts came from
         self._steps: list[tuple[int, tuple, tuple, tuple, float]] = []

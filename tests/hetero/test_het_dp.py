@@ -29,15 +29,18 @@ def _decisions(path):
     return [r for r in read_metrics(path) if r["kind"] == "decision"]
 
 
-def _ran_their_shares(ranks, total=8):
+def _ran_their_shares(ranks, total=8, per_token=False):
     """At every step every rank ran the counts all others ran, its own replica's count of
-    them, weighted so that each micro-batch weighs 1 / total."""
+    them, weighted so that each micro-batch weighs 1 / total (under per-token loss: 1)."""
     counts = {i: seen[0] for i, seen in ranks[0]["seen"].items()}
     for rank in ranks:
         for i, (every, here, weight) in rank["seen"].items():
             assert every == counts[i] and sum(every) == total, (i, every)
             assert here == every[rank["dp_rank"]]
-            assert weight / here / len(every) == pytest.approx(1 / total)
+            if per_token:
+                assert weight == 1.0
+            else:
+                assert weight / here / len(every) == pytest.approx(1 / total)
     return counts
 
 
@@ -126,8 +129,10 @@ def test_joint_control_over_replicas_with_stragglers_at_different_tp_positions(t
 def test_replicas_of_pipeline_stages_rebatch_losslessly(tmp_path):
     """PP=2 x DP=2: replica 1's first stage (global rank 1) is slow; both of its stages run
     fewer micro-batches of each global batch. The reference is one pipeline running the whole
-    batch (stages seed their layers apart, as Megatron-LM's)."""
-    staged = TRAIN + ["--pipeline-model-parallel-size", "2"]
+    batch (stages seed their layers apart, as Megatron-LM's). Under --calculate-per-token-loss
+    megatron-core divides the gradients by every replica's tokens, so the losses take weight 1
+    (weighted as without it, the update would be off by n_r x D / M)."""
+    staged = TRAIN + ["--pipeline-model-parallel-size", "2", "--calculate-per-token-loss"]
     reference = run_ranks(train, 2, staged)[0]["losses"]
     metrics = str(tmp_path / "pp.jsonl")
     ranks = run_ranks(
@@ -145,5 +150,26 @@ def test_replicas_of_pipeline_stages_rebatch_losslessly(tmp_path):
     )
     rebatched = [d for d in _decisions(metrics) if d["action"] == "rebatch"]
     assert rebatched and rebatched[0]["microbatches"][0] > rebatched[0]["microbatches"][1]
-    _ran_their_shares(ranks)
+    _ran_their_shares(ranks, per_token=True)
     _same_losses(ranks[0]["losses"], reference, range(1, 11))
+
+
+def test_a_batch_ramp_resplits_on_the_paces_the_counts_came_from():
+    """--rampup-batch-size changes the micro-batches of a global batch: the counts in force are
+    re-split for the new total on the paces they were decided on (not rounded from the old
+    counts, which at one micro-batch a replica would collapse to even for good)."""
+    from megatron.hetero.replicas import ReplicaBatches, ReplicaReport
+
+    replicas = ReplicaBatches(2, interval=2, dp_rank=1)
+    assert replicas.split(4) == (4, 4)  # even until a decision
+    report = ReplicaReport(7, (4, 4), (1.0, 3.0), (0.0, 0.0), (), 2, 1.0)
+    replicas.set((6, 2), report)
+    assert replicas.split(4) == (6, 2)
+    assert replicas.split(1) == (1, 1)  # a ramp's first, smallest batch: one each
+    assert replicas.split(8) == (12, 4)  # grown again: the paces' split, not even
+    assert replicas.loss_weight((12, 4), per_token_loss=False) == pytest.approx(4 * 2 / 16)
+    assert replicas.loss_weight((12, 4), per_token_loss=True) == 1.0
+    fresh = ReplicaBatches(2, interval=2, dp_rank=0)
+    assert fresh.load_state_dict({"counts": [3, 0]}) is not None  # refused, by value
+    assert fresh.load_state_dict({"counts": [3, 1, 1]}).endswith("3 data-parallel replicas")
+    assert fresh.load_state_dict({"counts": [3, 1]}) is None and fresh.split(2) == (3, 1)
