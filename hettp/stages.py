@@ -48,7 +48,8 @@ class LayerSplit:
 
 
 def split_text(counts: Sequence[int]) -> str:
-    """Layers per stage as the logs and reports print them: 3/1."""
+    """Counts per pipeline stage (layers) or per data-parallel replica (micro-batches) as the
+    logs and reports print them: 3/1."""
     return "/".join(str(n) for n in counts)
 
 

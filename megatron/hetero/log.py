@@ -282,7 +282,7 @@ class EventLog:
         the micro-batch counts per replica before and after."""
         line = (
             f"> het-TP decision at iteration {iteration}: {action} ({reason}) | micro-batches "
-            f"per replica {'/'.join(map(str, before))} -> {'/'.join(map(str, after))} | "
+            f"per replica {split_text(before)} -> {split_text(after)} | "
             f"predicted step {predicted_before * 1e3:.1f} ms -> {predicted_after * 1e3:.1f} ms"
         )
         if shares is not None and any(shares):

@@ -308,9 +308,11 @@ class HetTPRuntime:
                     f"> het-DP micro-batch counts of the checkpoint not resumed: {why}"
                 )
             elif self.replicas.counts is not None:
+                from hettp.stages import split_text
+
                 self.events.info(
                     f"> het-DP micro-batches per replica at iteration {iteration} ({RESUMED}): "
-                    + "/".join(map(str, self.replicas.counts))
+                    + split_text(self.replicas.counts)
                 )
         if pending is not None:
             why = None
@@ -512,35 +514,51 @@ class HetTPRuntime:
         here = self._pipeline_stage()
         own = next((v.decision for v in decided if v.stage == here), None)
         moving = {v.stage: v.decision.plan for v in decided if v.decision.migrates}
-        moves = None
-        before = self.shares
-        try:
-            if own is not None and self.resizer is not None:
-                self.resizer.resize(self.state, own.shares)  # a move replaces the resize
-            if moving:
-                start = time.perf_counter()
-                if here is None:
-                    plan = moving[None]
-                else:  # the stages that do not move keep their plans
-                    plan = PartitionPlan.joined(
-                        [moving.get(stage, now) for stage, now in enumerate(self._stage_plans())]
-                    )
-                migration, moves = self._repartition(plan, iteration)
-                learns = own is not None and own.migrates and self.controller is not None
-                if learns and migration.predictions:
-                    self.controller.loop.migrated(
-                        time.perf_counter() - start, min(migration.predictions.values())
-                    )
-        except TransferError as err:  # every rank raises it; all keep their state
-            if self.resizer is not None and self.resizer.shares != before:
-                self.resizer.resize(self.state, before)  # the resize the move would replace
-            self.events.info(f"> het-TP decision at iteration {iteration} not applied: {err}")
+        plan = None
+        if moving:
+            if here is None:
+                plan = moving[None]
+            else:  # the stages that do not move keep their plans
+                plan = PartitionPlan.joined(
+                    [moving.get(stage, now) for stage, now in enumerate(self._stage_plans())]
+                )
+        done = self._resize_and_move(
+            iteration,
+            own.shares if own is not None else None,  # a move replaces the resize
+            plan,
+            learns=own is not None and own.migrates,
+        )
+        if done is None:
             return
+        moves = done.moves
         for v in decided:
             moved = moves[v.stage or 0] if moves is not None and v.decision.migrates else None
             self.events.decision(iteration, v.decision, v.verdict.detection, moved, v.stage)
         if own is not None:
             self._rebase()
+
+    def _resize_and_move(self, iteration: int, shares, plan, learns: bool) -> _Moved | None:
+        """A decision's resize to `shares` (None: none), then its move to the whole-model `plan`
+        (None: none), on every rank. A failed transfer raises TransferError on every rank, each
+        keeping its state: the resize the move was to replace is put back, the failure logged,
+        and None returned. `learns`: the move's whole time teaches the migration cost."""
+        before = self.shares
+        try:
+            if shares is not None and self.resizer is not None:
+                self.resizer.resize(self.state, shares)
+            if plan is None:
+                return _Moved(None, 0.0)
+            start = time.perf_counter()
+            migration, moves = self._repartition(plan, iteration)
+            seconds = time.perf_counter() - start
+        except TransferError as err:
+            if self.resizer is not None and self.resizer.shares != before:
+                self.resizer.resize(self.state, before)
+            self.events.info(f"> het-TP decision at iteration {iteration} not applied: {err}")
+            return None
+        if learns and self.controller is not None and migration.predictions:
+            self.controller.loop.migrated(seconds, min(migration.predictions.values()))
+        return _Moved(moves, seconds)
 
     # ---- the data split over replicas (--het-dp) -----------------------------------------------
 
@@ -647,25 +665,13 @@ class HetTPRuntime:
             )
             return
         option = choice.option
-        before_plan, before_shares = self.partition.plan, tuple(self.shares)
-        moved = None
-        try:
-            if option.shares != before_shares and self.resizer is not None:
-                self.resizer.resize(self.state, option.shares)
-            if option.plan != before_plan:
-                start = time.perf_counter()
-                migration, moves = self._repartition(option.plan, iteration)
-                seconds = time.perf_counter() - start
-                self._moved += seconds
-                moved = StageMove.total(moves)
-                if migration.predictions:
-                    self.controller.loop.migrated(seconds, min(migration.predictions.values()))
-        except TransferError as err:
-            if self.resizer is not None and tuple(self.resizer.shares) != before_shares:
-                self.resizer.resize(self.state, before_shares)
-            self.events.info(f"> het-TP decision at iteration {iteration} not applied: {err}")
+        plan = option.plan if option.plan != self.partition.plan else None
+        shares = option.shares if option.shares != tuple(self.shares) else None
+        done = self._resize_and_move(iteration, shares, plan, learns=True)
+        if done is None:
             return
-        if option.plan != before_plan or option.shares != before_shares:
+        self._moved += done.seconds
+        if plan is not None or shares is not None:
             self._rebase()
         self.replicas.set(option.counts, report)
         self.events.data_decision(
@@ -678,9 +684,9 @@ class HetTPRuntime:
             choice.step_before,
             option.step_seconds,
             {"terms": choice.terms, "queue": choice.queue, "horizon": choice.horizon},
-            plan=option.plan if option.plan != before_plan else None,
+            plan=plan,
             shares=option.shares,
-            moved=moved,
+            moved=StageMove.total(done.moves) if done.moves is not None else None,
         )
 
     # ---- layers between pipeline stages ------------------------------------------------------
@@ -817,6 +823,15 @@ class HetTPRuntime:
         except PlanError:
             return False
         return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Moved:
+    """What a decision's move did: each pipeline stage's StageMove (None: no move), and the
+    seconds it took."""
+
+    moves: list | None
+    seconds: float
 
 
 class _Failed(str):

@@ -453,11 +453,9 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
                 if args.save and saved_at != iteration:
                     saved_at = save(iteration)
             lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
-            split = (
-                runtime.data_split(batch.num_microbatches, args.calculate_per_token_loss)
-                if (runtime is not None)
-                else None
-            )
+            split = None
+            if runtime is not None:
+                split = runtime.data_split(batch.num_microbatches, args.calculate_per_token_loss)
             here, weight = batch, 1.0
             if split is not None:  # --het-dp: this replica's share of the global batch
                 if loader_for != (split.counts, batch.global_batch_size):
