@@ -30,6 +30,9 @@ class Line:
     per_unit: float  # and per unit of work on top
 
 
+_UNSET = object()
+
+
 def _zeros(fixed, n):
     return tuple(fixed) if fixed is not None else (0.0,) * n
 
@@ -57,6 +60,7 @@ class ComputeFit:
     def __init__(self, history: int = 48):
         self._points = deque(maxlen=history)  # (work, compute, timed fixed) of unslowed ranks
         self._line = None  # the line of the points, while they do not change
+        self._fit = _UNSET  # theil_sen of the points, while they do not change
 
     def line(
         self,
@@ -74,7 +78,7 @@ class ComputeFit:
             ratios = [(c - x) / w for w, c, x in zip(works, computes, fixed) if w > 0 and c > x]
             base = min(fixed) if fixed else 0.0
             return Line(base, min(ratios) if ratios else 1.0)
-        line = theil_sen([(w, c) for w, c, _ in self._points])
+        line = self._theil_sen()
         if line is None:
             base = statistics.median(x for _, _, x in self._points)
             line = Line(base, statistics.median((c - base) / w for w, c, _ in self._points))
@@ -84,7 +88,12 @@ class ComputeFit:
     @property
     def fitted(self) -> bool:
         """The points span works far enough apart for a line (else a prior stands in)."""
-        return bool(self._points) and theil_sen([(w, c) for w, c, _ in self._points]) is not None
+        return bool(self._points) and self._theil_sen() is not None
+
+    def _theil_sen(self) -> Line | None:
+        if self._fit is _UNSET:
+            self._fit = theil_sen([(w, c) for w, c, _ in self._points])
+        return self._fit
 
     def per_unit(self, works=(), computes=(), fixed=None) -> float:
         return self.line(works, computes, fixed).per_unit
@@ -124,7 +133,7 @@ class ComputeFit:
             if f is not None and f > 0 and w > 0 and c > x:
                 scale = fastest / f
                 self._points.append((w, c * scale, x * scale))
-                self._line = None
+                self._line, self._fit = None, _UNSET
 
     def rescale(self, factor: float) -> None:
         """Every step's work was multiplied by `factor` (a batch ramp changed the micro-batch
@@ -132,7 +141,7 @@ class ComputeFit:
         points = [(w, c * factor, x * factor) for w, c, x in self._points]
         self._points.clear()
         self._points.extend(points)
-        self._line = None
+        self._line, self._fit = None, _UNSET
 
     def state_dict(self) -> dict:
         return {"points": [list(p) for p in self._points]}
@@ -140,4 +149,4 @@ class ComputeFit:
     def load_state_dict(self, state: dict) -> None:
         self._points.clear()
         self._points.extend(tuple(p) for p in state.get("points", ()))  # absent before 0.2
-        self._line = None
+        self._line, self._fit = None, _UNSET

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BLOCKS = ("attn", "mlp")
@@ -173,23 +174,30 @@ class PartitionPlan:
         need not. `layers` limits the change to some layers (default: all).
         """
         targets = {"attn": attn_counts, "mlp": mlp_counts}
-        chosen = set(range(self.num_layers) if layers is None else layers)
+        chosen = range(self.num_layers) if layers is None else layers
+        return self.recounted(
+            {index: {block: c for block, c in targets.items() if c is not None} for index in chosen}
+        )
+
+    def recounted(self, counts: Mapping[int, Mapping[str, Sequence[int]]]) -> PartitionPlan:
+        """`rebalanced` with its own counts for each layer (`counts[layer][block]`), built
+        and checked once: a planner that sets every layer's counts in turn would otherwise
+        check the whole plan once per layer."""
         new_layers = []
         for index, layer in enumerate(self.layers):
             new_layer = dict(layer)
-            for block, counts in targets.items():
-                if counts is None or index not in chosen:
-                    continue
+            for block, target in counts.get(index, {}).items():
                 owners = [list(u) for u in layer[block]]
-                _contiguous(counts, self.num_units(block), block, self.tp_size)  # validates
+                _contiguous(target, self.num_units(block), block, self.tp_size)  # validates
                 spare = []
                 for rank, units in enumerate(owners):
-                    while len(units) > counts[rank]:
+                    while len(units) > target[rank]:
                         spare.append(units.pop())
                 spare.reverse()
+                spare = deque(spare)
                 for rank, units in enumerate(owners):
-                    while len(units) < counts[rank]:
-                        units.append(spare.pop(0))
+                    while len(units) < target[rank]:
+                        units.append(spare.popleft())
                 new_layer[block] = tuple(tuple(u) for u in owners)
             new_layers.append(new_layer)
         return PartitionPlan(

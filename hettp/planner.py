@@ -104,7 +104,7 @@ def proportional_plan(
     total = sum(speeds)
     if total <= 0 or any(s < 0 for s in speeds):
         raise ValueError(f"speeds must be non-negative with a positive sum, got {list(speeds)}")
-    new = plan
+    changes: dict[int, dict[str, list[int]]] = {}
     for block in BLOCKS:
         chunk = mlp_chunk(plan, align) if block == "mlp" else 1
         n = plan.num_units(block) // chunk
@@ -121,11 +121,8 @@ def proportional_plan(
             for rank in order[: n - sum(counts)]:  # who is furthest behind gets the spare ones
                 counts[rank] += 1
             assigned = [a + c for a, c in zip(assigned, counts)]
-            kwargs = {
-                "attn_counts" if block == "attn" else "mlp_counts": [c * chunk for c in counts]
-            }
-            new = new.rebalanced(**kwargs, layers=[index])
-    return new
+            changes.setdefault(index, {})[block] = [c * chunk for c in counts]
+    return plan.recounted(changes)
 
 
 def balancing_shares(

@@ -1,0 +1,474 @@
+"""The simulator: step times of a TP x PP x DP job over a straggler trace, with the project's
+own control loop (hettp.loop: detector, cost fit, planner) deciding on simulated timing reports
+and its decisions applied at their predicted cost.
+
+What a step takes (per data-parallel replica, then the slowest replica):
+- a stage's micro-batch: its slowest TP rank's compute (its active units' FLOPs, plus the
+  output layer on the last stage, stretched by the GPU's slowdown) plus its layers' TP
+  all-reduces (four per layer: two forward, two backward), forward one third, backward two;
+- the pipeline: 1F1B over the stages with the hand-offs between them (hettp.sim.pipeline);
+- then the data-parallel gradient all-reduce of each stage (its largest rank's parameters) and
+  the optimizer step (per parameter, stretched by the slowdown), and `rest` (calibration).
+
+Replicas at one TP position and stage share a unit plan (their gradients are all-reduced), so
+one control loop per stage plans for all of them on the slowest replica's report, as
+megatron/hetero/control.py does. A stage none of whose GPUs is ever slow in the trace gets the
+same uniform report every step, which can never start a straggle: it runs no loop (exact, and
+what makes 4096 GPUs fast). Decisions take effect at the step they are taken in; a migration
+stalls the step by its predicted seconds (hettp.transfer.MigrationCost, as the planner weighs
+it); a resize is free and its accuracy cost is not simulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..detect import StragglerDetector
+from ..loop import WARMUP_STEPS, ControlLoop, TimingReport
+from ..plan import BLOCKS, PartitionPlan
+from ..planner import Planner, plan_work
+from ..policy import policy as get_policy
+from ..rebatch import decide as decide_rebatch
+from ..rebatch import even_counts
+from ..resize import skipped_count
+from ..stages import balance_layers, tp_imbalance
+from ..transfer import REBUILD_FACTOR, CostModel, MigrationCost, PrimitiveCost
+from .network import Fabric, all_reduce
+from .pipeline import one_f_one_b
+from .traces import Trace
+from .workload import ModelSpec, WorkloadError
+
+POLICIES = ("none", "resize", "migrate", "hybrid", "rebatch")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, t: int, d: int, s: int) -> int:
+        """megatron-core's default order: TP fastest, then data-parallel, then stages."""
+        return t + self.tp * (d + self.dp * s)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds at full speed. `unit_seconds`: one unit's forward and backward for one
+    micro-batch; `stage_extra`: per stage and micro-batch, compute no unit carries (the
+    output layer); `optimizer_per_param`: the optimizer step per parameter a rank holds;
+    `rest`: per step, everything else (a measured remainder when calibrating)."""
+
+    unit_seconds: dict
+    stage_extra: tuple[float, ...]
+    optimizer_per_param: float = 0.0
+    rest: float = 0.0
+    comm: bool = True  # model the TP, pipeline and data-parallel transfers
+
+
+def flop_costs(model: ModelSpec, layout: Layout, gpu_flops: float, hbm_bytes_s: float = 3e12):
+    """Costs of a GPU that sustains `gpu_flops` in the layers; the optimizer step reads and
+    writes ~40 bytes a parameter (bf16 weight and grad, fp32 master and two moments)."""
+    flops = model.unit_flops()
+    extra = [0.0] * layout.pp
+    extra[-1] = model.logits_flops(layout.tp) / gpu_flops
+    return Costs(
+        {b: flops[b] / gpu_flops for b in BLOCKS},
+        tuple(extra),
+        optimizer_per_param=40.0 / hbm_bytes_s,
+    )
+
+
+@dataclass
+class Result:
+    policy: str
+    step_s: list[float]  # per step
+    ideal_s: list[float]  # per step, the pooled bound (DESIGN.md's T_ideal)
+    decisions: list[dict] = field(default_factory=list)
+    planner_seconds: list[float] = field(default_factory=list)  # per report, wall
+    moved_seconds: float = 0.0
+
+    def window(self, first: int = 2) -> tuple[list[float], list[float]]:
+        return self.step_s[first - 1 :], self.ideal_s[first - 1 :]
+
+    @property
+    def E(self) -> float:
+        steps, ideal = self.window()
+        return sum(ideal) / sum(steps)
+
+    @property
+    def mean_step(self) -> float:
+        steps, _ = self.window()
+        return sum(steps) / len(steps)
+
+
+class SimError(ValueError):
+    """A simulation that cannot be set up as asked (named flag or value)."""
+
+
+class Simulation:
+    """One policy over one trace. `interval`, `onset`, ... as the --het-tp flags."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        layout: Layout,
+        costs: Costs,
+        trace: Trace,
+        policy: str,
+        fabric: Fabric | None = None,
+        microbatches: int = 8,
+        interval: int = 10,
+        detector: dict | None = None,
+        max_resize: float = 0.5,
+        device: bool = True,
+    ):
+        if policy not in POLICIES:
+            raise SimError(f"policy '{policy}': the simulator runs {', '.join(POLICIES)}")
+        if policy == "rebatch" and layout.dp < 2:
+            raise SimError("policy 'rebatch' needs data-parallel replicas (dp > 1)")
+        if trace.gpus != layout.world:
+            raise SimError(f"trace has {trace.gpus} GPUs, the layout {layout.world}")
+        if model.num_layers % layout.pp:
+            raise SimError(f"{model.num_layers} layers do not split over {layout.pp} stages")
+        try:
+            plan = model.even_plan(layout.tp, model.num_layers)
+        except WorkloadError as err:
+            raise SimError(str(err)) from err
+        self.model, self.layout, self.costs, self.trace = model, layout, costs, trace
+        self.fabric = fabric or Fabric()
+        self.policy, self.device = policy, device
+        self.interval = interval
+        per_stage = model.num_layers // layout.pp
+        self.layers = [per_stage] * layout.pp
+        self.plans = [plan.stage(s * per_stage, per_stage) for s in range(layout.pp)]
+        self.shares = [(0.0,) * layout.tp for _ in range(layout.pp)]
+        self.counts = even_counts(microbatches * layout.dp, layout.dp)
+        self.unit_work = model.unit_params()
+        self.unit_bytes = {b: n * model.state_bytes for b, n in self.unit_work.items()}
+        self.factors = [1.0] * layout.world
+        self._links()
+        spec = get_policy(policy) if policy != "rebatch" else None
+        touched_stages = {self._where(g)[2] for g in trace.touched}
+        self.loops: dict[int, ControlLoop] = {}
+        self.migration_cost: dict[int, MigrationCost] = {}
+        if spec is not None and spec.decides:
+            for s in sorted(touched_stages):
+                cost = MigrationCost(self._transfer_costs(s)) if spec.migrates else None
+                if cost is not None:
+                    cost.unit_bytes = dict(self.unit_bytes)
+                planner = Planner(
+                    policy,
+                    self.unit_work,
+                    max_resize,
+                    migration_seconds=cost.seconds if cost else None,
+                )
+                self.loops[s] = ControlLoop(
+                    planner,
+                    StragglerDetector(layout.tp, **(detector or {})),
+                    cost,
+                    interval=interval,
+                )
+                self.migration_cost[s] = cost
+        self.moves_layers = spec is not None and spec.migrates and layout.pp > 1
+        self._cache: dict = {}
+
+    def _transfer_costs(self, s: int) -> CostModel:
+        """Migration primitives over stage s's TP link (replica 0's: replicas move alike, at
+        once); the per-call overheads are gloo's measured ones (hettp.transfer defaults),
+        unless this is a CPU replay that keeps the measured model whole."""
+        if not self.costs.comm:
+            return CostModel()
+        L = self.layout
+        link = self.fabric.ring_link([L.rank(t, 0, s) for t in range(L.tp)])
+        base = CostModel()
+        return CostModel(
+            *(
+                PrimitiveCost(getattr(base, name).call, link.alpha, link.beta)
+                for name in ("p2p", "all_to_all", "scatter", "broadcast")
+            )
+        )
+
+    # ---- the machine ------------------------------------------------------------------------
+
+    def _where(self, gpu: int) -> tuple[int, int, int]:
+        tp, dp = self.layout.tp, self.layout.dp
+        return gpu % tp, gpu // tp % dp, gpu // (tp * dp)
+
+    def _links(self) -> None:
+        L, f, act = self.layout, self.fabric, self.model.activation()
+        comm = self.costs.comm
+        self.tp_comm = {}  # (replica, stage) -> seconds per layer per micro-batch
+        self.hand_off = {}  # replica -> per boundary seconds
+        for d in range(L.dp):
+            for s in range(L.pp):
+                link = f.ring_link([L.rank(t, d, s) for t in range(L.tp)])
+                self.tp_comm[d, s] = 4 * all_reduce(act, L.tp, link) if comm else 0.0
+            self.hand_off[d] = tuple(
+                f.link(L.rank(0, d, s), L.rank(0, d, s + 1)).time(act) if comm else 0.0
+                for s in range(L.pp - 1)
+            )
+        self.dp_link = [f.ring_link([L.rank(0, d, s) for d in range(L.dp)]) for s in range(L.pp)]
+
+    def _rank_seconds(self, s: int) -> list[float]:
+        """Per TP rank of stage s, its units' seconds per micro-batch at full speed."""
+        plan, shares, u = self.plans[s], self.shares[s], self.costs.unit_seconds
+        out = [0.0] * self.layout.tp
+        for layer in plan.layers:
+            for block in BLOCKS:
+                for rank, units in enumerate(layer[block]):
+                    active = len(units) - skipped_count(len(units), shares[rank])
+                    out[rank] += active * u[block]
+        return out
+
+    def _rank_params(self, s: int) -> list[float]:
+        plan = self.plans[s]
+        return [
+            sum(len(layer[b][t]) * self.unit_work[b] for layer in plan.layers for b in BLOCKS)
+            for t in range(self.layout.tp)
+        ]
+
+    def _refresh(self) -> None:
+        """After a change of plans, shares or layers: what every step reuses."""
+        L = self.layout
+        self.seconds = [self._rank_seconds(s) for s in range(L.pp)]
+        self.params = [self._rank_params(s) for s in range(L.pp)]
+        self.work = [plan_work(self.plans[s], self.unit_work, self.shares[s]) for s in range(L.pp)]
+        self.dp_seconds = max(
+            all_reduce(max(self.params[s]) * self.model.grad_bytes, L.dp, self.dp_link[s])
+            if self.costs.comm
+            else 0.0
+            for s in range(L.pp)
+        )
+        self._cache.clear()
+
+    def _replica_time(self, d: int, counts: int) -> float:
+        L, extra = self.layout, self.costs.stage_extra
+        factors = tuple(
+            tuple(self.factors[L.rank(t, d, s)] for t in range(L.tp)) for s in range(L.pp)
+        )
+        key = (factors, counts, self.hand_off[d], tuple(self.tp_comm[d, s] for s in range(L.pp)))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        per_mb = [
+            max(f * sec + self._slow(f) * extra[s] for f, sec in zip(factors[s], self.seconds[s]))
+            + self.layers[s] * self.tp_comm[d, s]
+            for s in range(L.pp)
+        ]
+        value = one_f_one_b(
+            [p / 3 for p in per_mb], [2 * p / 3 for p in per_mb], counts, self.hand_off[d]
+        )
+        self._cache[key] = value
+        return value
+
+    def step_time(self) -> float:
+        if "step" not in self._cache:
+            self._cache["step"] = self._step_time()
+        return self._cache["step"]
+
+    def _slow(self, factor: float) -> float:
+        """The slowdown of a GPU's compute outside its units: a slow device's (or a busy
+        neighbour's) is the same as in its units; an emulation in sharded mode slows only the
+        units' work."""
+        return factor if self.device else 1.0
+
+    def _step_time(self) -> float:
+        L = self.layout
+        pipes = max(self._replica_time(d, self.counts[d]) for d in range(L.dp))
+        opt = (
+            max(
+                self._slow(self.factors[L.rank(t, d, s)]) * self.params[s][t]
+                for s in range(L.pp)
+                for d in range(L.dp)
+                for t in range(L.tp)
+            )
+            * self.costs.optimizer_per_param
+        )
+        return pipes + self.dp_seconds + opt + self.costs.rest
+
+    # ---- the run ------------------------------------------------------------------------------
+
+    def run(self, steps: int) -> Result:
+        L = self.layout
+        self._refresh()
+        fast = self._uniform_time(compute=1.0)
+        compute = fast - self._uniform_time(compute=0.0)
+        changes = self.trace.changes()
+        result = Result(self.policy, [], [])
+        report_wall = 0.0
+        for step in range(1, steps + 1):
+            for gpu in changes.get(step, ()):
+                self.factors[gpu] = self.trace.factor(gpu, step)
+            if step in changes:
+                self._cache.clear()
+            t = self.step_time()
+            if "pooled" not in self._cache:
+                self._cache["pooled"] = L.world / sum(1.0 / f for f in self.factors)
+            ideal = (fast - compute) + compute * self._cache["pooled"]
+            # the control loops see this step's timings and act at its end boundary
+            stall, wall, decided = self._control(step, t)
+            report_wall += wall
+            if decided is not None:
+                result.decisions.extend(decided)
+            if step % self.interval == 0:
+                result.planner_seconds.append(report_wall)
+                report_wall = 0.0
+            result.step_s.append(t + stall)
+            result.ideal_s.append(ideal)
+            result.moved_seconds += stall
+        return result
+
+    def _uniform_time(self, compute: float) -> float:
+        saved = (self.factors, self.costs)
+        self.factors = [1.0] * self.layout.world
+        self.costs = dataclasses.replace(
+            self.costs,
+            unit_seconds={b: v * compute for b, v in self.costs.unit_seconds.items()},
+            stage_extra=tuple(e * compute for e in self.costs.stage_extra),
+            optimizer_per_param=self.costs.optimizer_per_param * compute,
+        )
+        self._cache.clear()
+        self._refresh()
+        value = self.step_time()
+        self.factors, self.costs = saved
+        self._refresh()
+        return value
+
+    def _stage_report(self, s: int, step: int, step_time: float) -> TimingReport:
+        """Stage s's TP ranks at the slowest replica: seconds of unit compute per step at the
+        even micro-batch count (as control.py scales a rebatched replica's)."""
+        L = self.layout
+        key = ("report", s)
+        if key in self._cache:
+            compute = self._cache[key]
+            return TimingReport(step, compute, tuple(self.work[s]), step_time)
+        even = sum(self.counts) / L.dp
+        compute = self._cache[key] = tuple(
+            max(self.factors[L.rank(t, d, s)] for d in range(L.dp)) * self.seconds[s][t] * even
+            for t in range(L.tp)
+        )
+        return TimingReport(step, compute, tuple(self.work[s]), step_time)
+
+    def _control(self, step: int, step_time: float):
+        """(stall seconds, planner wall seconds, decisions) at the end of `step`."""
+        wall, stall, decisions = 0.0, 0.0, []
+        changed = False
+        for s, loop in self.loops.items():
+            due = loop.step(self._stage_report(s, step, step_time))
+            if due is None:
+                continue
+            began = time.perf_counter()
+            verdict = loop.observe(
+                due.report, due.detection, self.plans[s], self.shares[s], True, self.unit_bytes
+            )
+            wall += time.perf_counter() - began
+            loop.close(due, verdict)
+            decision = verdict.decision
+            if decision is None:
+                continue
+            moved = 0.0
+            if decision.plan != self.plans[s]:
+                cost = self.migration_cost[s]
+                moved = cost.seconds(self.plans[s], decision.plan)
+                loop.migrated(moved, moved / cost.factor)
+            stall = max(stall, moved)  # stages move at once, in parallel
+            self.plans[s], self.shares[s] = decision.plan, tuple(decision.shares)
+            loop.applied()
+            changed = True
+            decisions.append(
+                {"step": step, "stage": s, "action": decision.action, "seconds": round(moved, 4)}
+            )
+        if changed:
+            self._refresh()
+        if self.policy == "rebatch" and step > WARMUP_STEPS and step % self.interval == 0:
+            began = time.perf_counter()
+            paces = self._replica_paces()
+            choice = decide_rebatch(self.counts, paces)
+            wall += time.perf_counter() - began
+            if choice is not None:
+                self.counts = choice.after
+                self._cache.clear()
+                decisions.append({"step": step, "action": "rebatch", "counts": list(choice.after)})
+        if self.moves_layers and step > WARMUP_STEPS and step % self.interval == 0:
+            began = time.perf_counter()
+            moved = self._move_layers()
+            wall += time.perf_counter() - began
+            if moved is not None:
+                stall = max(stall, moved[1])
+                decisions.append({"step": step, "action": "layers", "layers": list(moved[0])})
+        return stall, wall, decisions
+
+    def _replica_paces(self) -> list[float]:
+        """Each replica's seconds per micro-batch: its slowest stage's slowest rank's."""
+        L, extra = self.layout, self.costs.stage_extra
+        return [
+            max(
+                self.factors[L.rank(t, d, s)] * self.seconds[s][t]
+                + self._slow(self.factors[L.rank(t, d, s)]) * extra[s]
+                for s in range(L.pp)
+                for t in range(L.tp)
+            )
+            for d in range(L.dp)
+        ]
+
+    def _move_layers(self):
+        """hettp.stages on the stages' slowest ranks (units first: not while a stage's ranks
+        are uneven); the layers keep their unit plans."""
+        L = self.layout
+        per_rank = [
+            [
+                max(self.factors[L.rank(t, d, s)] for d in range(L.dp)) * self.seconds[s][t]
+                for t in range(L.tp)
+            ]
+            for s in range(L.pp)
+        ]
+        onset = next(iter(self.loops.values())).detector.onset if self.loops else 1.3
+        if any(tp_imbalance(r) >= onset for r in per_rank if min(r) > 0):
+            return None
+        layer_bytes = self.model.layer_params() * self.model.state_bytes / L.tp
+        move = self.fabric.inter_node.time(layer_bytes) * REBUILD_FACTOR
+        split = balance_layers(self.layers, [max(r) for r in per_rank], move)
+        if split is None:
+            return None
+        whole = PartitionPlan.joined(self.plans)
+        first, plans = 0, []
+        for n in split.counts:
+            plans.append(whole.stage(first, n))
+            first += n
+        self.layers, self.plans = list(split.counts), plans
+        for loop in self.loops.values():
+            loop.applied()
+        self._refresh()
+        return split.counts, split.move_seconds
+
+
+def simulate(
+    model: ModelSpec,
+    layout: Layout,
+    costs: Costs,
+    trace: Trace,
+    policies: Sequence[str],
+    steps: int,
+    **kwargs,
+) -> dict[str, Result]:
+    return {p: Simulation(model, layout, costs, trace, p, **kwargs).run(steps) for p in policies}
+
+
+def summary(result: Result) -> dict:
+    planner = result.planner_seconds or [0.0]
+    return {
+        "E": round(result.E, 4),
+        "step_s": round(result.mean_step, 6),
+        "decisions": len(result.decisions),
+        "moved_s": round(result.moved_seconds, 4),
+        "planner_seconds": round(max(planner), 6),
+        "planner_seconds_mean": round(sum(planner) / len(planner), 6),
+    }

@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Het-TP policies at scale, simulated: a Megatron GPT job of TP x PP x DP over a straggler
+trace, with the project's own detector and planner deciding on simulated timing reports.
+
+    python scripts/simulate.py [--gpus 4096] [--tp 8] [--pp 8] [--model llama-70b]
+                               [--trace production] [--steps 1000] [--seed 0]
+                               [--policies none,resize,migrate,hybrid,rebatch] [--json]
+    python scripts/simulate.py --calibrate results/compare/report.json [--json]
+
+`--trace` is `production` (a seeded draw of the straggler mix production studies report:
+hettp/sim/traces.py) or a scripts/compare.py scenario (a built-in name or a JSON file), laid
+over the job's global ranks. The step model, its defaults (a GPU that sustains --gpu-tflops,
+NVLink in a node, InfiniBand between nodes) and what it leaves out are in hettp/sim/engine.py.
+`--calibrate` replays a measured comparison instead and prints how far the predicted step
+times are from the measured ones (hettp/sim/calibrate.py). `--json` prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from hettp.scenarios import ScenarioError, resolve  # noqa: E402
+from hettp.sim.calibrate import replay  # noqa: E402
+from hettp.sim.engine import POLICIES, Layout, SimError, flop_costs, simulate, summary  # noqa: E402
+from hettp.sim.network import Fabric  # noqa: E402
+from hettp.sim.traces import from_scenario, production  # noqa: E402
+from hettp.sim.workload import MODELS, WorkloadError  # noqa: E402
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpus", type=int, default=4096, help="GPUs in the job (TP x PP x DP)")
+    p.add_argument("--tp", type=int, default=8, help="--tensor-model-parallel-size")
+    p.add_argument("--pp", type=int, default=8, help="--pipeline-model-parallel-size")
+    p.add_argument("--model", default="llama-70b", choices=sorted(MODELS))
+    p.add_argument(
+        "--het-tp-granularity",
+        type=int,
+        default=128,
+        help="ffn neurons per MLP unit (as the trainer's flag)",
+    )
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per replica")
+    p.add_argument("--trace", default="production", help="production, or a compare.py scenario")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0, help="seed of the production trace")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--het-tp-interval", type=int, default=10, help="steps per report")
+    p.add_argument("--gpu-tflops", type=float, default=400.0, help="sustained TFLOP/s per GPU")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--calibrate", metavar="REPORT_JSON", help="replay a measured comparison")
+    p.add_argument(
+        "--speeds",
+        choices=("timed", "step"),
+        default="timed",
+        help="with --calibrate: a slow rank's slowdown as its timed compute says (timed) or "
+        "as the vanilla step time implies (step)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    args = p.parse_args(argv)
+    for name in ("gpus", "tp", "pp", "steps", "microbatches", "het_tp_interval", "gpus_per_node"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.gpus % (args.tp * args.pp):
+        p.error(f"--gpus {args.gpus} is not a multiple of --tp x --pp = {args.tp * args.pp}")
+    unknown = set(args.policies.split(",")) - set(POLICIES)
+    if unknown:
+        p.error(
+            f"--policies: unknown {', '.join(sorted(unknown))}; choose from {', '.join(POLICIES)}"
+        )
+    if args.gpu_tflops <= 0:
+        p.error(f"--gpu-tflops must be positive, got {args.gpu_tflops}")
+    return args
+
+
+def calibrate(args) -> dict:
+    rows = replay(args.calibrate, args.speeds)
+    worst = max(rows, key=lambda r: r.rel_error)
+    return {
+        "report": args.calibrate,
+        "speeds": args.speeds,
+        "rows": [
+            {
+                "scenario": r.scenario,
+                "policy": r.policy,
+                "measured_s": round(r.measured_s, 5),
+                "predicted_s": round(r.predicted_s, 5),
+                "rel_error": round(r.rel_error, 4),
+            }
+            for r in rows
+        ],
+        "max_rel_error": round(worst.rel_error, 4),
+        "worst": f"{worst.scenario}/{worst.policy}",
+    }
+
+
+def run(args) -> dict:
+    layout = Layout(args.tp, args.pp, args.gpus // (args.tp * args.pp))
+    model = dataclasses.replace(MODELS[args.model], mlp_unit=args.het_tp_granularity)
+    if args.trace == "production":
+        trace = production(layout.world, args.steps, args.seed)
+    else:
+        specs = resolve(args.trace, args.tp, args.steps, "--trace", args.pp, layout.dp)
+        if len(specs) != 1:
+            raise ScenarioError(f"--trace names {len(specs)} scenarios; give one")
+        trace = from_scenario(specs[0], args.tp, args.pp, layout.dp, args.steps)
+    costs = flop_costs(model, layout, args.gpu_tflops * 1e12)
+    began = time.perf_counter()
+    results = simulate(
+        model,
+        layout,
+        costs,
+        trace,
+        args.policies.split(","),
+        args.steps,
+        fabric=Fabric(gpus_per_node=args.gpus_per_node),
+        microbatches=args.microbatches,
+        interval=args.het_tp_interval,
+    )
+    per_policy = {p: summary(r) for p, r in results.items()}
+    return {
+        "gpus": layout.world,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "model": args.model,
+        "granularity": args.het_tp_granularity,
+        "trace": trace.name,
+        "slow_gpus": len(trace.touched),
+        "steps": args.steps,
+        "E": {p: s["E"] for p, s in per_policy.items()},
+        "planner_seconds": max(s["planner_seconds"] for s in per_policy.values()),
+        "policies": per_policy,
+        "seconds": round(time.perf_counter() - began, 2),
+    }
+
+
+def text(result: dict) -> str:
+    if "rows" in result:
+        lines = [f"replay of {result['report']} (speeds: {result['speeds']})", ""]
+        lines.append(
+            f"{'scenario':16s} {'policy':9s} {'measured ms':>12s} "
+            f"{'predicted ms':>13s} {'error':>7s}"
+        )
+        for r in result["rows"]:
+            lines.append(
+                f"{r['scenario']:16s} {r['policy']:9s} {r['measured_s'] * 1e3:12.1f} "
+                f"{r['predicted_s'] * 1e3:13.1f} {r['rel_error']:7.1%}"
+            )
+        lines.append(f"\nmax relative error {result['max_rel_error']:.1%} ({result['worst']})")
+        return "\n".join(lines)
+    lines = [
+        f"{result['gpus']} GPUs (TP={result['tp']} PP={result['pp']} DP={result['dp']}), "
+        f"{result['model']}, {result['steps']} steps of trace {result['trace']} "
+        f"({result['slow_gpus']} GPUs slow at some step); simulated in {result['seconds']} s",
+        "",
+        f"{'policy':9s} {'E':>6s} {'step s':>8s} {'decisions':>9s} {'moving s':>9s} "
+        f"{'planner s/report (max)':>22s}",
+    ]
+    for p, s in result["policies"].items():
+        lines.append(
+            f"{p:9s} {s['E']:6.3f} {s['step_s']:8.3f} {s['decisions']:9d} {s['moved_s']:9.2f} "
+            f"{s['planner_seconds_mean']:11.4f} ({s['planner_seconds']:.4f})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    try:
+        result = calibrate(args) if args.calibrate else run(args)
+    except (SimError, WorkloadError, ScenarioError, ValueError, OSError) as err:
+        print(f"simulate.py: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else text(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The simulator (hettp/sim): its step model against closed forms, and the project's control
+loop deciding in it as it does in a training run."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hettp.sim.engine import Costs, Layout, SimError, Simulation, flop_costs, simulate
+from hettp.sim.network import Fabric, Link, all_reduce
+from hettp.sim.pipeline import one_f_one_b
+from hettp.sim.traces import Episode, Trace, from_factors, persistent, production
+from hettp.sim.workload import GPT_13B, ModelSpec, WorkloadError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SMALL = ModelSpec(
+    num_layers=4, hidden=512, ffn=2048, heads=8, query_groups=8, seq=128, micro_batch=4, vocab=256
+)
+
+
+def test_1f1b_matches_its_closed_forms():
+    # one stage: the micro-batches back to back
+    assert one_f_one_b([1.0], [2.0], 5) == pytest.approx(15.0)
+    # equal stages: (M + S - 1) x (f + b); hand-offs add at least one each way per boundary
+    s, m, f, b, h = 4, 8, 1.0, 2.0, 0.1
+    assert one_f_one_b([f] * s, [b] * s, m) == pytest.approx((m + s - 1) * (f + b))
+    assert (
+        one_f_one_b([f] * s, [b] * s, m, [h] * (s - 1))
+        >= (m + s - 1) * (f + b) + 2 * (s - 1) * h - 1e-9
+    )
+    # one slow stage paces the steady state: at least M of its (f + b), more than uniform
+    slow = one_f_one_b([1, 3, 1, 1], [2, 6, 2, 2], m)
+    assert slow >= m * 9 and slow > one_f_one_b([1] * 4, [2] * 4, m)
+
+
+def test_ring_all_reduce_and_links():
+    link = Link(alpha=1e-5, beta=1e9)
+    assert all_reduce(8e6, 4, link) == pytest.approx(6 * (1e-5 + 2e6 / 1e9))
+    assert all_reduce(8e6, 1, link) == 0.0
+    fabric = Fabric(gpus_per_node=4, clusters=(8, 8))
+    assert fabric.link(0, 3) is fabric.intra_node
+    assert fabric.link(3, 4) is fabric.inter_node
+    assert fabric.link(7, 8) is fabric.inter_cluster
+    assert fabric.ring_link([0, 1, 2, 3]) is fabric.intra_node
+    assert fabric.ring_link([0, 4, 8, 12]) is fabric.inter_cluster
+
+
+def test_model_units_weigh_as_the_trainer_weighs_them():
+    # megatron/hetero/partition.py: parameters per unit (a query group; one ffn neuron)
+    assert SMALL.unit_params() == {"attn": 4 * 64 * 512, "mlp": 2 * 512}
+    gqa = dataclasses.replace(SMALL, query_groups=2, swiglu=True, mlp_unit=8)
+    assert gqa.unit_params() == {"attn": (2 * 4 + 2) * 64 * 512, "mlp": 3 * 512 * 8}
+    assert gqa.even_plan(2, 4).counts(0, "mlp") == (128, 128)
+    parsed = ModelSpec.from_megatron_args(
+        "--num-layers 2 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048 "
+        "--seq-length 128 --micro-batch-size 4 --vocab-size 255 --mock-data".split()
+    )
+    assert (parsed.num_layers, parsed.ffn, parsed.query_groups, parsed.micro_batch) == (
+        2,
+        2048,
+        8,
+        4,
+    )
+    with pytest.raises(WorkloadError, match="--hidden-size"):
+        ModelSpec.from_megatron_args(["--num-layers", "2"])
+    with pytest.raises(WorkloadError, match="granularity 3"):
+        dataclasses.replace(SMALL, mlp_unit=3)
+
+
+def test_traces_round_trip_and_production_draws_are_seeded():
+    factors = [(1.0, 1.0), (1.0, 2.0), (1.0, 2.0), (1.0, 1.0), (3.0, 1.0)]
+    trace = from_factors(factors)
+    assert [tuple(trace.factor(g, i) for g in range(2)) for i in range(1, 6)] == factors
+    assert trace.touched == {0, 1}
+    a, b = production(4096, 1000, seed=3), production(4096, 1000, seed=3)
+    assert a.episodes == b.episodes and a.episodes != production(4096, 1000, seed=4).episodes
+    persistent_slow = [e for e in a.episodes if e.start == 1 and e.stop is None]
+    assert all(1.2 <= e.factor <= 1.5 for e in persistent_slow if e.factor < 3)
+    with pytest.raises(ValueError, match="bad episode"):
+        Trace(2, [Episode(2, 1, None, 2.0)])
+
+
+def _costs(model, layout):
+    return flop_costs(model, layout, 100e12)
+
+
+def test_a_persistent_straggler_is_migrated_to_near_the_bound():
+    layout = Layout(2)
+    model = dataclasses.replace(GPT_13B, num_layers=4, mlp_unit=64)
+    trace = persistent(2, {1: 2.0})
+    results = simulate(model, layout, _costs(model, layout), trace, ["none", "migrate"], 60)
+    none, migrate = results["none"], results["migrate"]
+    costs = _costs(model, layout)
+    sim = Simulation(model, layout, costs, persistent(2, {}), "none")
+    fast = sim.run(3).step_s[-1]
+    assert none.step_s[-1] > 1.8 * fast * 0.9  # the straggler paces vanilla
+    assert [d["action"] for d in migrate.decisions] == ["migrate"]
+    assert migrate.moved_seconds > 0
+    # the pooled bound moves the output layer and optimizer too, which no unit carries
+    steady = migrate.step_s[-1] / migrate.ideal_s[-1]
+    assert steady < 1.10 and migrate.E > none.E + 0.15
+
+
+def test_stages_without_a_slow_gpu_run_no_loop_and_rebatch_moves_micro_batches():
+    layout = Layout(2, 2, 2)
+    model = dataclasses.replace(SMALL, mlp_unit=8)
+    trace = persistent(layout.world, {layout.rank(1, 1, 0): 3.0})  # replica 1, stage 0
+    sim = Simulation(model, layout, _costs(model, layout), trace, "migrate", microbatches=4)
+    assert set(sim.loops) == {0}
+    rebatch = Simulation(
+        model, layout, _costs(model, layout), trace, "rebatch", microbatches=4, interval=5
+    ).run(30)
+    counts = [d["counts"] for d in rebatch.decisions]
+    assert counts and counts[-1][0] > counts[-1][1]  # the fast replica takes more
+    none = simulate(model, layout, _costs(model, layout), trace, ["none"], 30)["none"]
+    assert rebatch.mean_step < none.mean_step
+
+
+def test_bad_setups_are_refused_by_name():
+    model = SMALL
+    with pytest.raises(SimError, match="rebatch"):
+        Simulation(model, Layout(2), _costs(model, Layout(2)), persistent(2, {}), "rebatch")
+    with pytest.raises(SimError, match="policy 'joint'"):
+        Simulation(model, Layout(2), _costs(model, Layout(2)), persistent(2, {}), "joint")
+    with pytest.raises(SimError, match="4 GPUs, the layout 2"):
+        Simulation(model, Layout(2), _costs(model, Layout(2)), persistent(4, {}), "none")
+    with pytest.raises(SimError, match="divide by TP 3"):
+        Simulation(
+            model, Layout(3), Costs({"attn": 1, "mlp": 1}, (0.0,)), persistent(3, {}), "none"
+        )
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "simulate.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_prints_one_json_line_per_policy_and_refuses_bad_flags():
+    out = _cli("--gpus", "256", "--tp", "8", "--pp", "4", "--steps", "60", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["gpus"] == 256 and result["dp"] == 8
+    assert set(result["E"]) == {"none", "resize", "migrate", "hybrid", "rebatch"}
+    assert all(0 < e < 2 for e in result["E"].values()) and result["planner_seconds"] >= 0
+    bad = _cli("--gpus", "100", "--tp", "8", "--pp", "8")
+    assert bad.returncode == 2 and "--gpus 100" in bad.stderr
+    bad = _cli("--policies", "migrate,joint")
+    assert bad.returncode == 2 and "joint" in bad.stderr
+    scenario = _cli(
+        "--gpus",
+        "4",
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+        "--model",
+        "gpt-13b",
+        "--trace",
+        "persistent-2x",
+        "--steps",
+        "30",
+        "--policies",
+        "none,migrate",
+        "--het-tp-granularity",
+        "64",
+        "--json",
+    )
+    assert scenario.returncode == 0, scenario.stderr
+    e = json.loads(scenario.stdout)["E"]
+    assert e["migrate"] > e["none"]
+    assert math.isfinite(e["none"])
