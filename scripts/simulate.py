@@ -6,13 +6,18 @@ trace, with the project's own detector and planner deciding on simulated timing 
                                [--trace production] [--steps 1000] [--seed 0]
                                [--policies none,resize,migrate,hybrid,rebatch] [--json]
     python scripts/simulate.py --calibrate results/compare/report.json [--json]
+    python scripts/simulate.py --sites A:1024:1.0,B:1024:0.6 [--inter-site-gbps 100]
+                               [--inter-site-ms 5] [--global-microbatches 256] [--json]
 
 `--trace` is `production` (a seeded draw of the straggler mix production studies report:
 hettp/sim/traces.py) or a scripts/compare.py scenario (a built-in name or a JSON file), laid
 over the job's global ranks. The step model, its defaults (a GPU that sustains --gpu-tflops,
 NVLink in a node, InfiniBand between nodes) and what it leaves out are in hettp/sim/engine.py.
 `--calibrate` replays a measured comparison instead and prints how far the predicted step
-times are from the measured ones (hettp/sim/calibrate.py). `--json` prints one line.
+times are from the measured ones (hettp/sim/calibrate.py). `--sites` plans a job over
+clusters of their own GPU speed joined by a slower link instead (hettp/sim/geo.py): the grid,
+layers per stage and micro-batches per replica it predicts fastest, against what a planner that
+took the sites for one homogeneous cluster would run. `--json` prints one line.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ sys.path.insert(0, ROOT)
 from hettp.scenarios import ScenarioError, resolve  # noqa: E402
 from hettp.sim.calibrate import replay  # noqa: E402
 from hettp.sim.engine import POLICIES, Layout, SimError, flop_costs, simulate, summary  # noqa: E402
-from hettp.sim.network import Fabric  # noqa: E402
+from hettp.sim.geo import Site, plan_sites  # noqa: E402
+from hettp.sim.network import Fabric, Link  # noqa: E402
 from hettp.sim.traces import from_scenario, production  # noqa: E402
 from hettp.sim.workload import MODELS, WorkloadError  # noqa: E402
 
@@ -55,6 +61,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--het-tp-interval", type=int, default=10, help="steps per report")
     p.add_argument("--gpu-tflops", type=float, default=400.0, help="sustained TFLOP/s per GPU")
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="with --sites: per GPU")
     p.add_argument("--calibrate", metavar="REPORT_JSON", help="replay a measured comparison")
     p.add_argument(
         "--speeds",
@@ -63,8 +70,27 @@ def parse(argv=None) -> argparse.Namespace:
         help="with --calibrate: a slow rank's slowdown as its timed compute says (timed) or "
         "as the vanilla step time implies (step)",
     )
+    p.add_argument(
+        "--sites",
+        help="cross-cluster planning: NAME:GPUS:SPEED,... (speed relative to the fastest GPU)",
+    )
+    p.add_argument("--inter-site-gbps", type=float, default=100.0, help="link between sites")
+    p.add_argument("--inter-site-ms", type=float, default=5.0, help="one-way latency between sites")
+    p.add_argument(
+        "--global-microbatches",
+        type=int,
+        default=256,
+        help="with --sites: the global batch in micro-batches",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON line")
     args = p.parse_args(argv)
+    if args.sites:
+        try:
+            args.site_list = parse_sites(args.sites)
+        except (ValueError, SimError) as err:
+            p.error(f"--sites {args.sites}: {err}")
+        if args.inter_site_gbps <= 0 or args.inter_site_ms < 0:
+            p.error("--inter-site-gbps must be positive and --inter-site-ms non-negative")
     for name in ("gpus", "tp", "pp", "steps", "microbatches", "het_tp_interval", "gpus_per_node"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -78,6 +104,59 @@ def parse(argv=None) -> argparse.Namespace:
     if args.gpu_tflops <= 0:
         p.error(f"--gpu-tflops must be positive, got {args.gpu_tflops}")
     return args
+
+
+def parse_sites(text: str) -> list[Site]:
+    sites = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"'{item}' is not NAME:GPUS:SPEED")
+        sites.append(Site(parts[0], int(parts[1]), float(parts[2])))
+    if len(sites) < 2:
+        raise ValueError("give at least two sites")
+    return sites
+
+
+def geo(args) -> dict:
+    model = dataclasses.replace(MODELS[args.model], mlp_unit=args.het_tp_granularity)
+    fabric = Fabric(
+        args.gpus_per_node,
+        inter_cluster=Link(args.inter_site_ms / 1e3, args.inter_site_gbps * 1e9 / 8),
+    )
+    flops = args.gpu_tflops * 1e12
+    plan = plan_sites(
+        model,
+        args.site_list,
+        fabric,
+        lambda layout: flop_costs(model, layout, flops),
+        args.global_microbatches,
+        gpu_memory=args.gpu_memory_gb * 1e9,
+    )
+
+    def row(layout):
+        return {
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "dp": layout.dp,
+            "layers": list(layout.layers),
+            "microbatches": list(layout.counts),
+            "stages_per_site": list(layout.stages_per_site),
+            "crossing": list(layout.crossing),
+            "cross_gb_per_step": round(layout.cross_bytes / 1e9, 3),
+            "predicted_s": round(layout.predicted_s, 5),
+            "summary": layout.summary(),
+        }
+
+    return {
+        "sites": [dataclasses.asdict(s) for s in args.site_list],
+        "model": args.model,
+        "inter_site_gbps": args.inter_site_gbps,
+        "chosen": row(plan.chosen),
+        "baseline": row(plan.baseline),
+        "speedup": round(plan.speedup, 4),
+        "candidates": [row(c) for c in plan.candidates],
+    }
 
 
 def calibrate(args) -> dict:
@@ -143,6 +222,23 @@ def run(args) -> dict:
 
 
 def text(result: dict) -> str:
+    if "chosen" in result:
+        sites = ", ".join(
+            f"{s['name']}: {s['gpus']} GPUs at {s['speed']:g}" for s in result["sites"]
+        )
+        lines = [
+            f"{result['model']} over {sites}; {result['inter_site_gbps']:g} Gb/s between sites",
+            "",
+            f"{'':9s} {'step s':>8s} {'GB/step across':>15s}  layout",
+        ]
+        for name, r in [("chosen", result["chosen"]), ("baseline", result["baseline"])] + [
+            ("", c) for c in result["candidates"][1:]
+        ]:
+            lines.append(
+                f"{name:9s} {r['predicted_s']:8.3f} {r['cross_gb_per_step']:15.2f}  {r['summary']}"
+            )
+        lines.append(f"\nchosen vs homogeneous baseline: {result['speedup']:.2f}x")
+        return "\n".join(lines)
     if "rows" in result:
         lines = [f"replay of {result['report']} (speeds: {result['speeds']})", ""]
         lines.append(
@@ -175,7 +271,12 @@ def text(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse(argv)
     try:
-        result = calibrate(args) if args.calibrate else run(args)
+        if args.calibrate:
+            result = calibrate(args)
+        elif args.sites:
+            result = geo(args)
+        else:
+            result = run(args)
     except (SimError, WorkloadError, ScenarioError, ValueError, OSError) as err:
         print(f"simulate.py: error: {err}", file=sys.stderr)
         return 2

@@ -31,12 +31,12 @@ from ..loop import WARMUP_STEPS, ControlLoop, TimingReport
 from ..plan import BLOCKS, PartitionPlan
 from ..planner import Planner, plan_work
 from ..policy import policy as get_policy
+from ..rebatch import RebatchError, check_counts, even_counts
 from ..rebatch import decide as decide_rebatch
-from ..rebatch import even_counts
 from ..resize import skipped_count
-from ..stages import balance_layers, tp_imbalance
+from ..stages import StageError, balance_layers, check_split, tp_imbalance
 from ..transfer import REBUILD_FACTOR, CostModel, MigrationCost, PrimitiveCost
-from .network import Fabric, all_reduce
+from .network import Fabric, Link, all_reduce
 from .pipeline import one_f_one_b
 from .traces import Trace
 from .workload import ModelSpec, WorkloadError
@@ -129,6 +129,8 @@ class Simulation:
         detector: dict | None = None,
         max_resize: float = 0.5,
         device: bool = True,
+        layers: Sequence[int] | None = None,
+        counts: Sequence[int] | None = None,
     ):
         if policy not in POLICIES:
             raise SimError(f"policy '{policy}': the simulator runs {', '.join(POLICIES)}")
@@ -136,7 +138,7 @@ class Simulation:
             raise SimError("policy 'rebatch' needs data-parallel replicas (dp > 1)")
         if trace.gpus != layout.world:
             raise SimError(f"trace has {trace.gpus} GPUs, the layout {layout.world}")
-        if model.num_layers % layout.pp:
+        if layers is None and model.num_layers % layout.pp:
             raise SimError(f"{model.num_layers} layers do not split over {layout.pp} stages")
         try:
             plan = model.even_plan(layout.tp, model.num_layers)
@@ -147,10 +149,19 @@ class Simulation:
         self.policy, self.device = policy, device
         self.interval = interval
         per_stage = model.num_layers // layout.pp
-        self.layers = [per_stage] * layout.pp
-        self.plans = [plan.stage(s * per_stage, per_stage) for s in range(layout.pp)]
+        self.layers = list(layers) if layers is not None else [per_stage] * layout.pp
+        try:
+            check_split(self.layers, model.num_layers, layout.pp)
+            self.counts = (
+                check_counts(counts, microbatches * layout.dp)
+                if counts is not None
+                else even_counts(microbatches * layout.dp, layout.dp)
+            )
+        except (StageError, RebatchError) as err:
+            raise SimError(str(err)) from err
+        starts = [sum(self.layers[:s]) for s in range(layout.pp)]
+        self.plans = [plan.stage(starts[s], self.layers[s]) for s in range(layout.pp)]
         self.shares = [(0.0,) * layout.tp for _ in range(layout.pp)]
-        self.counts = even_counts(microbatches * layout.dp, layout.dp)
         self.unit_work = model.unit_params()
         self.unit_bytes = {b: n * model.state_bytes for b, n in self.unit_work.items()}
         self.factors = [1.0] * layout.world
@@ -203,19 +214,41 @@ class Simulation:
         return gpu % tp, gpu // tp % dp, gpu // (tp * dp)
 
     def _links(self) -> None:
+        """Per-transfer seconds. The link between sites is one pipe that every transfer
+        crossing it shares: the hand-offs of all replicas (one flow per TP rank: each sends
+        its copy of the hidden states) and, at the step's end, the data-parallel rings of
+        every stage that spans sites."""
         L, f, act = self.layout, self.fabric, self.model.activation()
         comm = self.costs.comm
+        wan = f.inter_cluster
+
+        def crosses(a: int, b: int) -> bool:
+            return f.link(a, b) is wan
+
+        hand_off_flows = L.tp * sum(
+            crosses(L.rank(0, d, s), L.rank(0, d, s + 1))
+            for d in range(L.dp)
+            for s in range(L.pp - 1)
+        )
         self.tp_comm = {}  # (replica, stage) -> seconds per layer per micro-batch
         self.hand_off = {}  # replica -> per boundary seconds
         for d in range(L.dp):
             for s in range(L.pp):
                 link = f.ring_link([L.rank(t, d, s) for t in range(L.tp)])
                 self.tp_comm[d, s] = 4 * all_reduce(act, L.tp, link) if comm else 0.0
-            self.hand_off[d] = tuple(
-                f.link(L.rank(0, d, s), L.rank(0, d, s + 1)).time(act) if comm else 0.0
-                for s in range(L.pp - 1)
-            )
-        self.dp_link = [f.ring_link([L.rank(0, d, s) for d in range(L.dp)]) for s in range(L.pp)]
+            hand_off = []
+            for s in range(L.pp - 1):
+                a, b = L.rank(0, d, s), L.rank(0, d, s + 1)
+                link = f.link(a, b)
+                if crosses(a, b):
+                    link = Link(link.alpha, link.beta / hand_off_flows)
+                hand_off.append(link.time(act) if comm else 0.0)
+            self.hand_off[d] = tuple(hand_off)
+        rings = [f.ring_link([L.rank(0, d, s) for d in range(L.dp)]) for s in range(L.pp)]
+        dp_flows = L.tp * sum(link is wan for link in rings)
+        self.dp_link = [
+            Link(link.alpha, link.beta / dp_flows) if link is wan else link for link in rings
+        ]
 
     def _rank_seconds(self, s: int) -> list[float]:
         """Per TP rank of stage s, its units' seconds per micro-batch at full speed."""

@@ -1,6 +1,8 @@
 """The 1F1B pipeline schedule, timed exactly: every stage runs its warm-up forwards, then
 alternates one forward and one backward, then drains its backwards; an operation starts when
-its stage is free and its input has arrived from the neighbour stage."""
+its stage is free and its input has arrived from the neighbour stage. A hand-off occupies its
+link (each direction of each boundary) for its whole time, one after the other: a slow link's
+bandwidth bounds the step, not only its latency."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def one_f_one_b(
     orders = [stage_order(s, stages, microbatches) for s in range(stages)]
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * stages
+    busy: dict[tuple[int, str], float] = {}  # a link direction: when its last hand-off ends
     position = [0] * stages
     left = sum(len(o) for o in orders)
     while left:
@@ -41,16 +44,18 @@ def one_f_one_b(
                 kind, m = orders[s][position[s]]
                 if kind == "F":
                     dep = done.get(("F", s - 1, m)) if s > 0 else 0.0
-                    arrival = None if dep is None else dep + (hand_off[s - 1] if s > 0 else 0.0)
+                    channel = (s - 1, "F") if s > 0 else None
                     length = forward[s]
                 else:
                     dep = done.get(("B", s + 1, m)) if s < stages - 1 else done.get(("F", s, m))
-                    arrival = (
-                        None if dep is None else dep + (hand_off[s] if s < stages - 1 else 0.0)
-                    )
+                    channel = (s, "B") if s < stages - 1 else None
                     length = backward[s]
-                if arrival is None:
+                if dep is None:
                     break
+                arrival = dep
+                if channel is not None:
+                    arrival = max(dep, busy.get(channel, 0.0)) + hand_off[channel[0]]
+                    busy[channel] = arrival
                 free[s] = max(free[s], arrival) + length
                 done[(kind, s, m)] = free[s]
                 position[s] += 1

@@ -178,3 +178,53 @@ def test_cli_prints_one_json_line_per_policy_and_refuses_bad_flags():
     e = json.loads(scenario.stdout)["E"]
     assert e["migrate"] > e["none"]
     assert math.isfinite(e["none"])
+
+
+def test_cross_cluster_plans_keep_tp_inside_a_site_and_beat_the_homogeneous_grid():
+    from hettp.sim.geo import Site, memory_per_gpu, plan_sites, price
+
+    model = dataclasses.replace(GPT_13B, mlp_unit=64)
+    sites = [Site("A", 64, 1.0), Site("B", 64, 0.5)]
+    fabric = Fabric(8, inter_cluster=Link(5e-3, 1.25e9))  # 10 Gb/s between the sites
+
+    def costs(layout):
+        return flop_costs(model, layout, 400e12)
+
+    plan = plan_sites(model, sites, fabric, costs, 64)
+    chosen = plan.chosen
+    assert chosen.predicted_s <= plan.baseline.predicted_s and plan.speedup > 1.5
+    # activations cross the slow link, not gradients; the slower site holds fewer layers
+    assert chosen.crossing == ("pipeline",)
+    a = chosen.stages_per_site[0]
+    per_stage = [sum(chosen.layers[:a]) / a, sum(chosen.layers[a:]) / (chosen.pp - a)]
+    assert per_stage[1] < 0.75 * per_stage[0]
+    # a grid whose TP group spans the sites is never priced
+    odd = [Site("A", 4, 1.0), Site("B", 124, 1.0)]
+    assert price(model, odd, fabric, costs, (8, 16, 1), 64) is None
+    # a grid the model does not fit in is skipped
+    assert memory_per_gpu(model, 1, 1) > 80e9
+    assert all(memory_per_gpu(model, c.tp, c.pp) <= 80e9 for c in plan.candidates)
+    with pytest.raises(SimError, match="memory"):
+        plan_sites(model, sites, fabric, costs, 64, gpu_memory=1e9)
+
+
+def test_cli_plans_sites():
+    out = _cli(
+        "--sites",
+        "A:64:1.0,B:64:0.5",
+        "--model",
+        "gpt-13b",
+        "--inter-site-gbps",
+        "10",
+        "--global-microbatches",
+        "64",
+        "--het-tp-granularity",
+        "64",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["chosen"]["predicted_s"] <= result["baseline"]["predicted_s"]
+    assert result["speedup"] >= 1.0
+    bad = _cli("--sites", "A:64")
+    assert bad.returncode == 2 and "NAME:GPUS:SPEED" in bad.stderr
