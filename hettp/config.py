@@ -17,6 +17,7 @@ import textwrap
 from dataclasses import dataclass, field
 from functools import cache
 
+from .compress import KINDS
 from .emulate import Scenario, ScenarioError
 from .plan import PartitionPlan, PlanError
 from .policy import POLICIES, Policy, policy
@@ -142,6 +143,13 @@ class HetTPConfig:
     """--het-tp-policy joint: at most this share of training time spent moving state, on
     average (a virtual queue in drift-plus-penalty form weighs it at each decision; rebatches
     and resizes move nothing). Default 0.05."""
+
+    dp_compress: str = _flag("none", choices=lambda: KINDS)
+    """Compress the data-parallel gradient reduction, for replicas joined by a slow link (a
+    group that spans clusters): bf16 sends half the bytes, int8 a quarter; each rank keeps
+    what rounding took from its gradient and adds it to its next one (error feedback), so
+    updates are delayed, not lost. Needs DP > 1 and fp32 gradient buffers; not with
+    --use-distributed-optimizer or --overlap-grad-reduce. The residue is not checkpointed."""
 
     # ---- derived by validated() -------------------------------------------------------------
     partition_plan: PartitionPlan | None = field(default=None, metadata=_DERIVED)
@@ -285,6 +293,12 @@ class HetTPConfig:
                 shape.pipeline_stages == 1,
                 "--het-tp-policy joint is not built for pipeline stages: use --het-dp with "
                 "--het-tp-policy migrate (each stage moves its units, the replicas rebatch)",
+            )
+        if self.dp_compress != "none":
+            _require(
+                shape.data_parallel > 1,
+                f"--het-dp-compress {self.dp_compress} compresses the data-parallel gradient "
+                "reduction, and the data-parallel size is 1",
             )
         if self.migration_budget is not None:
             _require(
@@ -451,6 +465,7 @@ _OWN_FLAGS = {
     "het_tp": "--het-tp",
     "het_dp": "--het-dp",
     "migration_budget": "--het-migration-budget",
+    "dp_compress": "--het-dp-compress",
 }
 DEFAULT_MIGRATION_BUDGET = 0.05
 

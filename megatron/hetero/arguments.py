@@ -1166,6 +1166,17 @@ def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
         config = HetTPConfig.from_args(args).validated(model_shape(args), cuda_available)
     except ConfigError as err:
         raise ArgumentError(str(err)) from None
+    if config.dp_compress != "none":
+        for attr, why in (
+            ("use_distributed_optimizer", "reduce-scatters into shards it owns"),
+            ("overlap_grad_reduce", "reduces buckets asynchronously during backward"),
+            ("grad_reduce_in_bf16", "keeps bf16 gradient buffers (compression takes fp32)"),
+        ):
+            if getattr(args, attr, False):
+                raise ArgumentError(
+                    f"--het-dp-compress {config.dp_compress} replaces the plain all-reduce of "
+                    f"fp32 gradients; --{attr.replace('_', '-')} {why}: drop one of them"
+                )
     if config.het_tp:
         if getattr(args, "virtual_pipeline_model_parallel_size", None):
             raise ArgumentError(

@@ -9,6 +9,11 @@ plan the buffers differ between TP ranks, the owned parts differ, and the TP sum
 rank's reduced part to another's unreduced one. `HetDDP` completes those parameters' DP
 reduction (one all-reduce of their masked gradients) before the TP all-reduce runs.
 
+With --het-dp-compress, `HetDDP` reduces the gradient buffers itself, compressed with error
+feedback (hettp/compress.py), instead of megatron-core's all-reduce: the same pre-scaling by
+each bucket's gradient_scaling_factor, then a compressed sum over the bucket group's
+data-parallel group (an average where megatron-core averages in the collective).
+
 `gathered_params` is the step boundary's view of the weights under --overlap-param-gather.
 """
 
@@ -20,13 +25,37 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 
+from hettp.compress import ErrorFeedbackReducer
+
 
 class HetDDP(DistributedDataParallel):
+    def __init__(self, *args, compress: str = "none", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reducer = ErrorFeedbackReducer(compress) if compress != "none" else None
+
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
+        if self.reducer is not None:
+            self._compressed_grad_sync()
+            return
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
             for bucket_group in self.bucket_groups:
                 _complete_replicated(bucket_group, self.config.sequence_parallel)
+
+    def _compressed_grad_sync(self) -> None:
+        """megatron-core's synchronous all-reduce path (no distributed optimizer, no overlap:
+        the arguments refuse both), with the reduction compressed."""
+        groups = self.bucket_groups + self.expert_parallel_bucket_groups
+        for g, bucket_group in enumerate(groups):
+            dp = bucket_group.data_parallel_group
+            size = dist.get_world_size(dp)
+            for b, bucket in enumerate(bucket_group.buckets):
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.grad_data *= bucket.gradient_scaling_factor
+                if size > 1:
+                    self.reducer.all_reduce_sum((g, b), bucket.grad_data, dp)
+                    if self.ddp_config.average_in_collective:
+                        bucket.grad_data /= size
 
 
 def _replicated(param, sequence_parallel: bool) -> bool:

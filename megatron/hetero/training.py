@@ -158,7 +158,11 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
     if args.fp16 or args.bf16:
         module = Float16Module(config, module)  # as Megatron-LM: half weights, fp32 loss
     # het-TP layers: the DP reduction of TP-replicated gradients must not depend on the plan
-    model = (DDP if runtime is None else HetDDP)(config, ddp_config(args), module)
+    compress = getattr(args, "het_dp_compress", "none")
+    if runtime is None and compress == "none":
+        model = DDP(config, ddp_config(args), module)
+    else:
+        model = HetDDP(config, ddp_config(args), module, compress=compress)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
     config.no_sync_func = model.no_sync

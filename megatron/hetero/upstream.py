@@ -139,6 +139,12 @@ def create_runtime(args) -> HetTPRuntime | None:
     """The het-TP runtime for upstream's args (None when no het-TP flag asks for anything);
     a bad flag exits with one line naming it, before any model exists."""
     try:
+        compress = getattr(args, "het_dp_compress", "none")
+        if compress != "none":
+            raise ArgumentError(
+                f"--het-dp-compress {compress}: upstream's DDP reduces the gradients itself; "
+                "hettp's own pretrain_gpt.py compresses them"
+            )
         runtime = HetTPRuntime.from_args(args)
         if runtime is not None:
             refused = _first_refusal(args, _REFUSED_ALWAYS)

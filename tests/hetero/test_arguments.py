@@ -155,6 +155,13 @@ def test_gpu_defaults_and_precision():
         ),
         ("--data-path some/prefix", 1, "give exactly one of --mock-data and --data-path"),
         ("--train-iters 0", 1, "--train-iters must be positive, got 0"),
+        ("--het-dp-compress int8", 1, "--het-dp-compress int8 compresses the data-parallel"),
+        (
+            "--het-dp-compress bf16 --use-distributed-optimizer",
+            2,
+            "--use-distributed-optimizer reduce-scatters",
+        ),
+        ("--het-dp-compress int8 --overlap-grad-reduce", 2, "--overlap-grad-reduce reduces"),
     ],
 )
 def test_contradictions_name_the_flag(extra, world, message):

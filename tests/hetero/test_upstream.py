@@ -99,6 +99,7 @@ def _upstream_args(argv=(), **overrides):
         (["--het-tp"], {"non_persistent_save_interval": 5}, "--non-persistent-save-interval"),
         (["--het-dp", "--het-tp-policy", "migrate"], {"data_parallel_size": 2}, "--het-dp (and"),
         (["--het-tp-policy", "rebatch"], {"data_parallel_size": 2}, "upstream's data loader"),
+        (["--het-dp-compress", "int8"], {"data_parallel_size": 2}, "upstream's DDP reduces"),
     ],
 )
 def test_create_runtime_checks_the_flags_on_upstream_args(argv, overrides, message):

@@ -723,3 +723,30 @@ def train_with_data_split(argv: list[str]) -> dict:
         "stdout": stdout,
         "metrics_file": result.metrics_file,
     }
+
+
+def compressed_sums(kind: str, steps: int) -> dict:
+    """hettp.compress on this rank: `steps` reductions of seeded per-rank gradients; what came
+    back each step, the exact sums, and the residue left at the end."""
+    import torch
+    import torch.distributed as dist
+
+    from hettp.compress import ErrorFeedbackReducer
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    reducer = ErrorFeedbackReducer(kind)
+    got, exact = [], []
+    for step in range(steps):
+        grads = [
+            torch.randn(10_000, generator=torch.Generator().manual_seed(100 * step + r))
+            for r in range(size)
+        ]
+        flat = grads[rank].clone()
+        reducer.all_reduce_sum("buffer", flat)
+        got.append(flat)
+        exact.append(sum(grads))
+    residues = [torch.zeros(10_000) for _ in range(size)]
+    dist.all_gather(residues, reducer.errors["buffer"])
+    dist.destroy_process_group()
+    return {"got": got, "exact": exact, "residue": sum(residues)}
