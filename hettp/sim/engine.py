@@ -262,10 +262,19 @@ class Simulation:
         return out
 
     def _rank_params(self, s: int) -> list[float]:
-        plan = self.plans[s]
+        """Parameters each TP rank of stage s holds: its units', and the embeddings (vocab-
+        parallel word embeddings and position embeddings on the first stage; the output
+        layer's, or the tied copy, on the last)."""
+        plan, L, m = self.plans[s], self.layout, self.model
+        extra = 0.0
+        if s == 0:
+            extra += m.vocab * m.hidden / L.tp + m.seq * m.hidden
+        if s == L.pp - 1 and (L.pp > 1 or not m.tied_embeddings):
+            extra += m.vocab * m.hidden / L.tp
         return [
-            sum(len(layer[b][t]) * self.unit_work[b] for layer in plan.layers for b in BLOCKS)
-            for t in range(self.layout.tp)
+            extra
+            + sum(len(layer[b][t]) * self.unit_work[b] for layer in plan.layers for b in BLOCKS)
+            for t in range(L.tp)
         ]
 
     def _refresh(self) -> None:
@@ -274,13 +283,26 @@ class Simulation:
         self.seconds = [self._rank_seconds(s) for s in range(L.pp)]
         self.params = [self._rank_params(s) for s in range(L.pp)]
         self.work = [plan_work(self.plans[s], self.unit_work, self.shares[s]) for s in range(L.pp)]
-        self.dp_seconds = max(
-            all_reduce(max(self.params[s]) * self.model.grad_bytes, L.dp, self.dp_link[s])
-            if self.costs.comm
-            else 0.0
-            for s in range(L.pp)
+        self.dp_seconds = (
+            max(
+                all_reduce(max(self.params[s]) * self.model.grad_bytes, L.dp, self.dp_link[s])
+                if self.costs.comm
+                else 0.0
+                for s in range(L.pp)
+            )
+            + self._embedding_sync()
         )
         self._cache.clear()
+
+    def _embedding_sync(self) -> float:
+        """With stages, the first and the last hold the tied word embeddings and all-reduce
+        their gradient after the data-parallel reduce (megatron-core's embedding group)."""
+        L, model = self.layout, self.model
+        if L.pp == 1 or not self.costs.comm or not model.tied_embeddings:
+            return 0.0
+        nbytes = model.vocab * model.hidden / L.tp * model.grad_bytes
+        link = self.fabric.link(L.rank(0, 0, 0), L.rank(0, 0, L.pp - 1))
+        return all_reduce(nbytes, 2, link)
 
     def _replica_time(self, d: int, counts: int) -> float:
         L, extra = self.layout, self.costs.stage_extra

@@ -34,6 +34,7 @@ class ModelSpec:
     grad_bytes: int = 2  # bytes per gradient element in the data-parallel reduce
     activation_bytes: int = 2  # bytes per activation element on the wire
     mlp_unit: int = 1  # ffn neurons per MLP unit (--het-tp-granularity)
+    tied_embeddings: bool = True  # unless --untie-embeddings-and-output-weights
 
     def __post_init__(self):
         if min(self.num_layers, self.hidden, self.ffn, self.heads, self.seq) < 1:
@@ -123,6 +124,7 @@ class ModelSpec:
                 micro_batch=int(values.get("micro_batch_size", 1)),
                 vocab=int(values.get("vocab_size", 50257)),
                 swiglu=bool(values.get("swiglu", False)),
+                tied_embeddings=not values.get("untie_embeddings_and_output_weights", False),
             )
         except KeyError as missing:
             raise WorkloadError(
