@@ -1,22 +1,23 @@
-"""Compressed data-parallel gradient reduction, for replicas joined by a slow link (seed 003:
-a DP group that spans two clusters).
+"""Compressed data-parallel gradient reduction, for replicas joined by a slow link (seed 003: a DP
+group that spans two clusters).
 
-Each rank sends its gradient in fewer bytes: `bf16` (half of fp32) or `int8` (a quarter, plus
-one fp32 scale per CHUNK elements), all-gathers the compressed tensors and sums them in fp32.
-What rounding took from a rank's gradient stays in its error buffer and is added to its next
-gradient before compressing (error feedback, Seide et al. 2014; Karimireddy et al. 2019), so a
-gradient is delayed, never lost: over any run, the summed updates differ from the exact ones
-by the last step's residue only. An all-gather moves (n - 1) compressed copies per rank where a
-ring all-reduce moves 2 (n - 1) / n full ones: less traffic for the two to eight replicas a
-cross-cluster group has, more beyond 8 (int8) or 4 (bf16).
-"""
+Each rank sends its gradient in fewer bytes: `bf16` (half of fp32) or `int8` (a quarter, plus one
+fp32 scale per CHUNK elements), all-gathers the compressed tensors and sums them in fp32. What
+rounding took from a rank's gradient stays in its error buffer and is added to its next gradient
+before compressing (error feedback, Seide et al. 2014; Karimireddy et al. 2019), so a gradient is
+delayed, never lost: over any run, the summed gradients differ from the exact ones by the last
+step's residue only (a non-finite residue is dropped, never carried). An all-gather moves (n - 1)
+compressed copies per rank where a ring all-reduce moves 2 (n - 1) / n full ones: less traffic for
+the two to eight replicas a cross-cluster group has, more beyond 8 (int8) or 4 (bf16)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-KINDS = ("none", "bf16", "int8")
+from .config import DP_COMPRESSION
+
+KINDS = DP_COMPRESSION
 CHUNK = 4096  # elements per int8 scale
 
 
@@ -69,7 +70,7 @@ class ErrorFeedbackReducer:
         value = flat + error
         payload, scales = compress(value, self.kind)
         sent = decompress(payload, scales, flat.numel())
-        error.copy_(value - sent)
+        error.copy_(torch.nan_to_num(value - sent, nan=0.0, posinf=0.0, neginf=0.0))
         size = dist.get_world_size(group)
         payloads = [torch.empty_like(payload) for _ in range(size)]
         dist.all_gather(payloads, payload, group=group)

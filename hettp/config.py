@@ -17,7 +17,6 @@ import textwrap
 from dataclasses import dataclass, field
 from functools import cache
 
-from .compress import KINDS
 from .emulate import Scenario, ScenarioError
 from .plan import PartitionPlan, PlanError
 from .policy import POLICIES, Policy, policy
@@ -144,7 +143,7 @@ class HetTPConfig:
     average (a virtual queue in drift-plus-penalty form weighs it at each decision; rebatches
     and resizes move nothing). Default 0.05."""
 
-    dp_compress: str = _flag("none", choices=lambda: KINDS)
+    dp_compress: str = _flag("none", choices=lambda: DP_COMPRESSION)
     """Compress the data-parallel gradient reduction, for replicas joined by a slow link (a
     group that spans clusters): bf16 sends half the bytes, int8 a quarter; each rank keeps
     what rounding took from its gradient and adds it to its next one (error feedback), so
@@ -299,6 +298,13 @@ class HetTPConfig:
                 shape.data_parallel > 1,
                 f"--het-dp-compress {self.dp_compress} compresses the data-parallel gradient "
                 "reduction, and the data-parallel size is 1",
+            )
+            most = DP_COMPRESSION_MAX_REPLICAS[self.dp_compress]
+            _require(
+                shape.data_parallel <= most,
+                f"--het-dp-compress {self.dp_compress} all-gathers every replica's compressed "
+                f"gradient, which moves more bytes than the plain all-reduce beyond {most} "
+                f"replicas; the data-parallel size is {shape.data_parallel}",
             )
         if self.migration_budget is not None:
             _require(
@@ -468,6 +474,10 @@ _OWN_FLAGS = {
     "dp_compress": "--het-dp-compress",
 }
 DEFAULT_MIGRATION_BUDGET = 0.05
+DP_COMPRESSION = ("none", "bf16", "int8")  # --het-dp-compress (hettp/compress.py)
+# where an all-gather of n - 1 compressed copies stops undercutting a ring all-reduce's
+# 2 (n - 1) / n fp32 ones: n / 2 copies of a half (bf16) or a quarter (int8)
+DP_COMPRESSION_MAX_REPLICAS = {"bf16": 4, "int8": 8}
 
 
 def _require(cond, message):

@@ -5,11 +5,12 @@
 
 Two sites in network namespaces (scripts/netlab.py; root), joined by a tbf-limited link. The
 planner (hettp/sim/geo.py) gets the sites, the link (its rate, at the 95.6% of it that TCP
-delivers through tbf) and this machine's compute, measured by one single-rank run of the same
-model (seconds per micro-batch, as an effective FLOP rate); it picks the grid and splits, and
-names what a planner blind to the sites would run. Both (with --all: every grid it priced) then
-train for real with pretrain_gpt.py across the sites; prints predicted and measured step times
-side by side, their ratio, and the chosen layout's measured speedup over the baseline's.
+delivers through tbf) and this machine's compute, measured by one single-rank run of the
+same model (its step over its micro-batches, as an effective FLOP rate); it picks the grid and
+splits, and names what a planner blind to the sites would run. Both (with --all: every grid it
+priced) then train for real with pretrain_gpt.py across the sites; prints predicted and
+measured step times side by side, their ratio, and the chosen layout's measured speedup over
+the baseline's.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ def model_flags(hidden: int = 256) -> list[str]:
 
 
 MODEL = model_flags()
-TCP_SHARE = 0.956  # of a tbf rate that gloo's TCP streams get (1448 payload bytes a frame)
-LOOPBACK = Link(alpha=5e-5, beta=1.3e9)  # gloo inside a site (hettp.transfer's p2p fit)
-WAN_ALPHA = 1e-4  # one-way latency over the veth pair, measured (scripts/netlab.py bench)
+# The link as a user would describe it to the planner: its nominal rate, of which TCP carries
+# 1448 payload bytes in every 1514-byte frame, and its latency (the veth pair's own: netem,
+# which would add more, is not in every kernel); gloo inside a site runs over loopback at
+# hettp.transfer's fitted point-to-point speed.
+TCP_SHARE = 1448 / 1514
+WAN_ALPHA = 1e-4
+LOOPBACK = Link(alpha=5e-5, beta=1.3e9)
 
 
 def _netlab():
@@ -77,6 +82,8 @@ def _flags(model: list[str], layout: GeoLayout, iters: int) -> list[str]:
         "--log-interval",
         str(iters),
     ]
+    if len(set(layout.layers[1:-1])) > 1:
+        raise ValueError(f"layers {layout.layers}: Megatron's flags set the first and last only")
     if layout.pp > 1 and len(set(layout.layers)) > 1:
         flags += [
             "--decoder-first-pipeline-num-layers",
@@ -91,28 +98,26 @@ def _flags(model: list[str], layout: GeoLayout, iters: int) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Compute:
-    """This machine's compute as the planner prices it: an effective FLOP rate (a micro-batch's
-    FLOPs over its seconds) and the seconds of a step that no micro-batch takes."""
+    """This machine's compute as the planner prices it: an effective FLOP rate, a micro-batch's
+    FLOPs over its seconds (what a step spends besides its micro-batches is counted in them:
+    on one CPU rank it is within the runs' noise, and a difference of two runs' steps to
+    separate it is noisier than it is large)."""
 
     flops: float
-    per_step: float
 
     def costs(self, model: ModelSpec, layout: Layout) -> Costs:
-        return dataclasses.replace(
-            flop_costs(model, layout, self.flops), optimizer_per_param=0.0, rest=self.per_step
-        )
+        return dataclasses.replace(flop_costs(model, layout, self.flops), optimizer_per_param=0.0)
 
 
 def measure_compute(netlab, model: ModelSpec, flags: list[str], iters: int, work: str) -> Compute:
-    """Two single-rank runs of the model, at 2 and 4 micro-batches a step."""
-    steps = {}
+    """One single-rank run of the model at the job's micro-batches a step."""
+    mbs = model_microbatches(flags)
+    one = GeoLayout(1, 1, 1, (model.num_layers,), (mbs,), (1,), (), 0.0, 0.0)
     with netlab.TwoSites(None) as sites:
-        for mbs in (2, 4):
-            one = GeoLayout(1, 1, 1, (model.num_layers,), (mbs,), (1,), (), 0.0, 0.0)
-            argv = _flags(flags, one, iters) + ["--global-batch-size", str(mbs * model.micro_batch)]
-            job = netlab.launch(sites, (1, 0), argv, os.path.join(work, f"compute{mbs}"), 600)
-            steps[mbs] = netlab.steady(netlab.step_seconds(job.metrics))
-    per_mb = max(1e-6, (steps[4] - steps[2]) / 2)
+        job = netlab.launch(
+            sites, (1, 0), _flags(flags, one, iters), os.path.join(work, "one"), 600
+        )
+    step = netlab.steady(netlab.step_seconds(job.metrics))
     unit = flop_costs(model, Layout(1), 1.0)
     flops = (
         model.num_layers
@@ -122,7 +127,7 @@ def measure_compute(netlab, model: ModelSpec, flags: list[str], iters: int, work
         )
         + unit.stage_extra[-1]
     )
-    return Compute(flops / per_mb, max(0.0, steps[2] - 2 * per_mb))
+    return Compute(flops * mbs / step)
 
 
 def check(
@@ -186,7 +191,6 @@ def check(
         "ranks": list(ranks),
         "iters": iters,
         "cpu_gflops": compute.flops / 1e9,
-        "per_step_s": compute.per_step,
         "rows": rows,
         "measured_speedup": baseline["measured_s"] / chosen["measured_s"],
         "predicted_speedup": plan.speedup,
@@ -216,8 +220,7 @@ def main(argv=None) -> int:
         return 0
     print(
         f"{ranks[0]}+{ranks[1]} CPU ranks in two sites, {a.rate_mbit:g} Mbit/s between them; "
-        f"compute measured at {result['cpu_gflops']:.1f} GFLOP/s a rank in the layers, "
-        f"{result['per_step_s'] * 1e3:.0f} ms a step besides"
+        f"compute measured at {result['cpu_gflops']:.1f} GFLOP/s a rank"
     )
     print(
         f"{'run':12s} {'predicted s':>11s} {'measured s':>10s} {'ratio':>6s} "

@@ -91,9 +91,11 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--sites {args.sites}: {err}")
         if args.inter_site_gbps <= 0 or args.inter_site_ms < 0:
             p.error("--inter-site-gbps must be positive and --inter-site-ms non-negative")
-    for name in ("gpus", "tp", "pp", "steps", "microbatches", "het_tp_interval", "gpus_per_node"):
+    for name in ("gpus", "tp", "pp", "microbatches", "het_tp_interval", "gpus_per_node"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.steps < 2:
+        p.error(f"--steps must be >= 2 (the first step is left out), got {args.steps}")
     if args.gpus % (args.tp * args.pp):
         p.error(f"--gpus {args.gpus} is not a multiple of --tp x --pp = {args.tp * args.pp}")
     unknown = set(args.policies.split(",")) - set(POLICIES)
@@ -161,7 +163,10 @@ def geo(args) -> dict:
 
 def calibrate(args) -> dict:
     rows = replay(args.calibrate, args.speeds)
-    worst = max(rows, key=lambda r: r.rel_error)
+    predicted = [r for r in rows if not r.fitted]
+    if not predicted:
+        raise ValueError(f"{args.calibrate}: no row to predict (only vanilla runs)")
+    worst = max(predicted, key=lambda r: r.rel_error)
     return {
         "report": args.calibrate,
         "speeds": args.speeds,
@@ -172,10 +177,12 @@ def calibrate(args) -> dict:
                 "measured_s": round(r.measured_s, 5),
                 "predicted_s": round(r.predicted_s, 5),
                 "rel_error": round(r.rel_error, 4),
+                "fitted": r.fitted,
             }
             for r in rows
         ],
         "max_rel_error": round(worst.rel_error, 4),
+        "max_rel_error_fitted": round(max((r.rel_error for r in rows if r.fitted), default=0), 4),
         "worst": f"{worst.scenario}/{worst.policy}",
     }
 
@@ -249,8 +256,12 @@ def text(result: dict) -> str:
             lines.append(
                 f"{r['scenario']:16s} {r['policy']:9s} {r['measured_s'] * 1e3:12.1f} "
                 f"{r['predicted_s'] * 1e3:13.1f} {r['rel_error']:7.1%}"
+                + ("  (fitted: its runs gave the speeds or T_fast)" if r["fitted"] else "")
             )
-        lines.append(f"\nmax relative error {result['max_rel_error']:.1%} ({result['worst']})")
+        lines.append(
+            f"\nmax relative error of the predicted rows {result['max_rel_error']:.1%} "
+            f"({result['worst']}); of the fitted rows {result['max_rel_error_fitted']:.1%}"
+        )
         return "\n".join(lines)
     lines = [
         f"{result['gpus']} GPUs (TP={result['tp']} PP={result['pp']} DP={result['dp']}), "

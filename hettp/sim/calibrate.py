@@ -7,7 +7,9 @@ baseline (T_fast and each rank's timed compute C, which give the seconds per uni
 of the step) and each scenario's speeds: an emulated scenario's pattern (who is slow when) with
 the slowdown its vanilla runs measured (the emulation only approximates its nominal factor),
 a real-contention scenario's speeds as its vanilla runs measured them per report. Each row's
-predicted step time is taken over the iterations its measured one was (report.Run.window)."""
+predicted step time is taken over the iterations its measured one was (report.Run.window).
+The rows whose runs gave an input (the vanilla rows: T_fast, the speeds) are `fitted`; the
+others are predictions, and `max_rel_error` is over them."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Row:
     policy: str
     measured_s: float
     predicted_s: float
+    fitted: bool  # the row's own runs gave the replay an input (T_fast, or the speeds)
 
     @property
     def rel_error(self) -> float:
@@ -69,7 +72,7 @@ def _timing_factors(
 
 
 def scenario_factors(
-    spec: dict, measured: dict[int, list[float]], tp: int, iterations: int
+    spec: dict, measured: dict[int, list[float]], tp: int, iterations: int, interval: int
 ) -> list[tuple[float, ...]]:
     """Per iteration, per rank: the emulation's pattern at its measured level (module
     docstring); real contention: the measured factors of the report interval each iteration
@@ -83,11 +86,12 @@ def scenario_factors(
             slow = [
                 measured[e][rank]
                 for e in ends
-                if all(nominal[i - 1][rank] > 1.0 for i in range(max(1, e - 1), e + 1))
+                if all(nominal[i - 1][rank] > 1.0 for i in range(max(1, e - interval + 1), e + 1))
             ]
             levels.append(max(1.0, statistics.median(slow)) if slow else None)
+        # a rank never slow throughout a report (short bursts) keeps its nominal factor
         return [
-            tuple(1.0 if f == 1.0 or levels[r] is None else levels[r] for r, f in enumerate(row))
+            tuple(f if f == 1.0 or levels[r] is None else levels[r] for r, f in enumerate(row))
             for row in nominal
         ]
     if spec.get("noisy_neighbor_rank") is None or not ends:
@@ -129,14 +133,17 @@ def replay(path: str, speeds: str = "timed") -> list[Row]:
     plan = model.even_plan(tp, model.num_layers)
     params = model.unit_params()
     even = sum(len(layer[b][0]) * params[b] for layer in plan.layers for b in params)
-    per_param = max(compute) / even / microbatches
     # A rank's compute outside its units (norms, embedding, loss, the optimizer), where the
     # comparison timed all of it: a slow device or a busy neighbour stretches it too.
     busy = base.get("busy_s", max(compute))
+    fixed = base.get("fixed_s", 0.0)  # of the timed compute, the optimizer step
+    per_param = (max(compute) - fixed) / even / microbatches
+    units = {b: per_param * n for b, n in params.items()}
     costs = Costs(
-        {b: per_param * n for b, n in params.items()},
+        units,
         ((busy - max(compute)) / microbatches,),
         rest=base["t_fast_s"] - busy,
+        optimizer=fixed,
         comm=False,
     )
     specs = {s["name"]: s for s in report["scenarios"]}
@@ -148,9 +155,10 @@ def replay(path: str, speeds: str = "timed") -> list[Row]:
         ]
         by_step = (base["t_fast_s"] - max(compute), max(compute)) if speeds == "step" else None
         measured = _timing_factors(report_dir, vanilla, by_step)
-        factors = scenario_factors(spec, measured, tp, iterations)
         run_args = _run_args(report_dir, row)
+        factors = scenario_factors(spec, measured, tp, iterations, run_args["het_tp_interval"])
         policy = row["policy"] if row["policy"] != PLAIN else "none"
+        real = spec.get("noisy_neighbor_rank") is not None
         sim = Simulation(
             model,
             Layout(tp),
@@ -168,8 +176,7 @@ def replay(path: str, speeds: str = "timed") -> list[Row]:
                 end_patience=run_args.get("het_tp_end_patience", 1),
             ),
             max_resize=run_args["het_tp_max_resize"],
-            device=spec.get("noisy_neighbor_rank") is not None
-            or "mode=device" in (spec.get("emulate") or ""),
+            device=real or "mode=device" in (spec.get("emulate") or ""),
         )
         result = sim.run(iterations)
         window = _window(iterations, spec.get("varying", False))
@@ -177,5 +184,6 @@ def replay(path: str, speeds: str = "timed") -> list[Row]:
         predicted = (
             statistics.fmean(times) if spec.get("varying", False) else statistics.median(times)
         )
-        out.append(Row(row["scenario"], row["policy"], row["step_s"], predicted))
+        fitted = row in vanilla  # its runs gave the speeds (and, without a straggler, T_fast)
+        out.append(Row(row["scenario"], row["policy"], row["step_s"], predicted, fitted))
     return out

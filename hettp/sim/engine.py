@@ -14,9 +14,11 @@ Replicas at one TP position and stage share a unit plan (their gradients are all
 one control loop per stage plans for all of them on the slowest replica's report, as
 megatron/hetero/control.py does. A stage none of whose GPUs is ever slow in the trace gets the
 same uniform report every step, which can never start a straggle: it runs no loop (exact, and
-what makes 4096 GPUs fast). Decisions take effect at the step they are taken in; a migration
-stalls the step by its predicted seconds (hettp.transfer.MigrationCost, as the planner weighs
-it); a resize is free and its accuracy cost is not simulated.
+what makes 4096 GPUs fast). Decisions are taken at a step's end and shape the steps after
+it; a migration stalls the step it ends by its predicted seconds (hettp.transfer.MigrationCost,
+as the planner weighs it); a resize is free and its accuracy cost is not simulated. Speeds hold
+between a trace's changes (no timing noise), so a report's median is its last step, and the
+rebatch policy decides on the paces at each report interval's end.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..policy import policy as get_policy
 from ..rebatch import RebatchError, check_counts, even_counts
 from ..rebatch import decide as decide_rebatch
 from ..resize import skipped_count
-from ..stages import StageError, balance_layers, check_split, tp_imbalance
+from ..stages import LayerSplit, StageError, balance_layers, check_split, tp_imbalance
 from ..transfer import REBUILD_FACTOR, CostModel, MigrationCost, PrimitiveCost
 from .network import Fabric, Link, all_reduce
 from .pipeline import one_f_one_b
@@ -70,6 +72,8 @@ class Costs:
     stage_extra: tuple[float, ...]
     optimizer_per_param: float = 0.0
     rest: float = 0.0
+    optimizer: float = 0.0  # per step and rank, measured: stretched by any slowdown (an
+    # emulation's sharded mode times the optimizer step too)
     comm: bool = True  # model the TP, pipeline and data-parallel transfers
 
 
@@ -90,7 +94,7 @@ def flop_costs(model: ModelSpec, layout: Layout, gpu_flops: float, hbm_bytes_s: 
 class Result:
     policy: str
     step_s: list[float]  # per step
-    ideal_s: list[float]  # per step, the pooled bound (DESIGN.md's T_ideal)
+    ideal_s: list[float]  # per step, docs/design.md's T_ideal over every GPU of the job
     decisions: list[dict] = field(default_factory=list)
     planner_seconds: list[float] = field(default_factory=list)  # per report, wall
     moved_seconds: float = 0.0
@@ -188,7 +192,11 @@ class Simulation:
                     interval=interval,
                 )
                 self.migration_cost[s] = cost
-        self.moves_layers = spec is not None and spec.migrates and layout.pp > 1
+        # layers move under migrate only: under resizing policies they stay (as the runtime)
+        self.moves_layers = (
+            spec is not None and spec.migrates and not spec.resizes and layout.pp > 1
+        )
+        self.onset = StragglerDetector(layout.tp, **(detector or {})).onset
         self._cache: dict = {}
 
     def _transfer_costs(self, s: int) -> CostModel:
@@ -220,10 +228,9 @@ class Simulation:
         every stage that spans sites."""
         L, f, act = self.layout, self.fabric, self.model.activation()
         comm = self.costs.comm
-        wan = f.inter_cluster
 
         def crosses(a: int, b: int) -> bool:
-            return f.link(a, b) is wan
+            return bool(f.clusters) and f.cluster_of(a) != f.cluster_of(b)
 
         hand_off_flows = L.tp * sum(
             crosses(L.rank(0, d, s), L.rank(0, d, s + 1))
@@ -244,10 +251,22 @@ class Simulation:
                     link = Link(link.alpha, link.beta / hand_off_flows)
                 hand_off.append(link.time(act) if comm else 0.0)
             self.hand_off[d] = tuple(hand_off)
+        ring_crosses = [
+            any(crosses(L.rank(0, d, s), L.rank(0, (d + 1) % L.dp, s)) for d in range(L.dp))
+            for s in range(L.pp)
+        ]
+        # at the step's end: the crossing rings and, with stages, the tied-embedding reduce
+        # between the first and the last stage of every replica that spans the sites
+        self.embedding_crosses = L.pp > 1 and crosses(L.rank(0, 0, 0), L.rank(0, 0, L.pp - 1))
+        step_end_flows = L.tp * (
+            sum(ring_crosses)
+            + (L.dp if self.embedding_crosses and self.model.tied_embeddings else 0)
+        )
+        self.step_end_flows = max(1, step_end_flows)
         rings = [f.ring_link([L.rank(0, d, s) for d in range(L.dp)]) for s in range(L.pp)]
-        dp_flows = L.tp * sum(link is wan for link in rings)
         self.dp_link = [
-            Link(link.alpha, link.beta / dp_flows) if link is wan else link for link in rings
+            Link(link.alpha, link.beta / self.step_end_flows) if cross else link
+            for link, cross in zip(rings, ring_crosses)
         ]
 
     def _rank_seconds(self, s: int) -> list[float]:
@@ -302,6 +321,8 @@ class Simulation:
             return 0.0
         nbytes = model.vocab * model.hidden / L.tp * model.grad_bytes
         link = self.fabric.link(L.rank(0, 0, 0), L.rank(0, 0, L.pp - 1))
+        if self.embedding_crosses:  # every replica's TP ranks share the link between sites
+            link = Link(link.alpha, link.beta / self.step_end_flows)
         return all_reduce(nbytes, 2, link)
 
     def _replica_time(self, d: int, counts: int) -> float:
@@ -346,12 +367,14 @@ class Simulation:
                 for t in range(L.tp)
             )
             * self.costs.optimizer_per_param
-        )
+        ) + self.costs.optimizer * max(self.factors)
         return pipes + self.dp_seconds + opt + self.costs.rest
 
     # ---- the run ------------------------------------------------------------------------------
 
     def run(self, steps: int) -> Result:
+        if steps < 2:
+            raise SimError(f"simulate at least 2 steps (the first is left out), not {steps}")
         L = self.layout
         self._refresh()
         fast = self._uniform_time(compute=1.0)
@@ -389,6 +412,7 @@ class Simulation:
             unit_seconds={b: v * compute for b, v in self.costs.unit_seconds.items()},
             stage_extra=tuple(e * compute for e in self.costs.stage_extra),
             optimizer_per_param=self.costs.optimizer_per_param * compute,
+            optimizer=self.costs.optimizer * compute,
         )
         self._cache.clear()
         self._refresh()
@@ -452,13 +476,15 @@ class Simulation:
                 self.counts = choice.after
                 self._cache.clear()
                 decisions.append({"step": step, "action": "rebatch", "counts": list(choice.after)})
-        if self.moves_layers and step > WARMUP_STEPS and step % self.interval == 0:
+        # as the runtime: not at a boundary where units moved (the stages report afresh first)
+        interval_end = step > WARMUP_STEPS and step % self.interval == 0
+        if self.moves_layers and interval_end and not changed:
             began = time.perf_counter()
-            moved = self._move_layers()
+            split = self._move_layers()
             wall += time.perf_counter() - began
-            if moved is not None:
-                stall = max(stall, moved[1])
-                decisions.append({"step": step, "action": "layers", "layers": list(moved[0])})
+            if split is not None:
+                stall = max(stall, split.move_seconds)
+                decisions.append({"step": step, "action": "layers", "layers": list(split.counts)})
         return stall, wall, decisions
 
     def _replica_paces(self) -> list[float]:
@@ -474,22 +500,28 @@ class Simulation:
             for d in range(L.dp)
         ]
 
-    def _move_layers(self):
-        """hettp.stages on the stages' slowest ranks (units first: not while a stage's ranks
-        are uneven); the layers keep their unit plans."""
+    def _move_layers(self) -> LayerSplit | None:
+        """hettp.stages on the stages' slowest ranks' layer compute per step (units first: not
+        while a stage's ranks are uneven); the layers keep their unit plans."""
         L = self.layout
+        even = sum(self.counts) / L.dp
         per_rank = [
             [
-                max(self.factors[L.rank(t, d, s)] for d in range(L.dp)) * self.seconds[s][t]
+                max(self.factors[L.rank(t, d, s)] for d in range(L.dp)) * self.seconds[s][t] * even
                 for t in range(L.tp)
             ]
             for s in range(L.pp)
         ]
-        onset = next(iter(self.loops.values())).detector.onset if self.loops else 1.3
-        if any(tp_imbalance(r) >= onset for r in per_rank if min(r) > 0):
+        if any(tp_imbalance(r) >= self.onset for r in per_rank if min(r) > 0):
             return None
         layer_bytes = self.model.layer_params() * self.model.state_bytes / L.tp
-        move = self.fabric.inter_node.time(layer_bytes) * REBUILD_FACTOR
+        move = (
+            max(
+                self.fabric.link(L.rank(0, 0, s), L.rank(0, 0, s + 1)).time(layer_bytes)
+                for s in range(L.pp - 1)
+            )
+            * REBUILD_FACTOR
+        )
         split = balance_layers(self.layers, [max(r) for r in per_rank], move)
         if split is None:
             return None
@@ -502,7 +534,7 @@ class Simulation:
         for loop in self.loops.values():
             loop.applied()
         self._refresh()
-        return split.counts, split.move_seconds
+        return split
 
 
 def simulate(

@@ -1,16 +1,16 @@
-"""Cross-cluster planning (seed 003, HGTrainer in PAPERS.md): given sites (clusters) of GPUs
-of their own speed and the links between them, the Megatron grid (TP x PP x DP), the layers
-per stage and the micro-batches per replica that train fastest.
+"""Cross-cluster planning (seed 003: HGTrainer's heterogeneous, geo-distributed training): given
+sites (clusters) of GPUs of their own speed and the links between them, the Megatron grid (TP x PP x
+DP), the layers per stage and the micro-batches per replica that train fastest.
 
-megatron-core lays ranks out TP fastest, then data-parallel, then pipeline stages, and every
-site holds consecutive global ranks; so a grid decides which traffic crosses a site boundary:
-stages on both sides (activations cross), replicas on both sides (gradients cross), or a TP
-group (refused: TP all-reduces four times a layer). Each site's stage count follows from the
-grid (its per-site PP degree); its stages' layers and its replicas' micro-batches follow from
-its GPUs' speed (hettp.stages.optimal_split, hettp.rebatch.split: the trainer's own
---het-tp layer moves and --het-dp counts). Every candidate is priced by the simulator's step
-model; the baseline is what a planner that took the sites for one homogeneous cluster would
-pick (the fastest grid there, even splits), priced on the real sites."""
+megatron-core lays ranks out TP fastest, then data-parallel, then pipeline stages, and every site
+holds consecutive global ranks; so a grid decides which traffic crosses a site boundary: stages on
+both sides (activations cross), replicas on both sides (gradients cross), or a TP group (refused: TP
+all-reduces four times a layer). Each site's stage count follows from the grid (its per-site PP
+degree); its stages' layers and its replicas' micro-batches follow from its GPUs' speed
+(hettp.stages.optimal_split, hettp.rebatch.split: the trainer's own --het-tp layer moves and --het-
+dp counts). Every candidate is priced by the simulator's step model; the baseline is what a planner
+that took the sites for one homogeneous cluster would pick (the fastest grid there, even splits),
+priced on the real sites."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..rebatch import split as split_microbatches
 from ..stages import optimal_split
 from .engine import Costs, Layout, SimError, Simulation
-from .network import Fabric, all_reduce
+from .network import Fabric
 from .traces import persistent
 from .workload import ModelSpec, WorkloadError
 
@@ -91,12 +91,14 @@ def _site_of(sites: Sequence[Site]) -> Callable[[int], int]:
     return lambda rank: next(i for i, b in enumerate(bounds) if rank < b)
 
 
-def memory_per_gpu(model: ModelSpec, tp: int, pp: int) -> float:
-    """Bytes the first stage's GPU holds at an even split: its parameters' weights, optimizer
-    state and gradients (4 bytes), and 1F1B's `pp` micro-batches of activations in flight
-    (34 bytes per token and hidden element per layer, sharded by TP: Korthikanti et al.)."""
-    layers = -(-model.num_layers // pp)
-    params = layers * model.layer_params() / tp
+def memory_per_gpu(model: ModelSpec, tp: int, pp: int, layers: int | None = None) -> float:
+    """Bytes the first stage's GPU holds with `layers` layers (default: an even split's): its
+    parameters' and embeddings' weights, optimizer state and gradients (4 bytes), and 1F1B's
+    `pp` micro-batches of activations in flight (34 bytes per token and hidden element per
+    layer, sharded by TP: Korthikanti et al.)."""
+    layers = layers if layers is not None else -(-model.num_layers // pp)
+    embeddings = (model.vocab / tp + model.seq) * model.hidden
+    params = layers * model.layer_params() / tp + embeddings
     activations = pp * layers * 34 * model.tokens * model.hidden / tp
     return params * (model.state_bytes + 4) + activations
 
@@ -133,8 +135,6 @@ def price(
     tp, pp, dp = grid
     layout = Layout(tp, pp, dp)
     site_of = _site_of(sites)
-    if gpu_memory is not None and memory_per_gpu(model, tp, pp) > gpu_memory:
-        return None
     speeds = {g: sites[site_of(g)].speed for g in range(layout.world)}
     for d in range(dp):
         for s in range(pp):
@@ -155,6 +155,8 @@ def price(
         layers = (model.num_layers // pp,) * pp
         counts = (microbatches // dp,) * dp
     else:
+        return None
+    if gpu_memory is not None and memory_per_gpu(model, tp, pp, max(layers)) > gpu_memory:
         return None
     trace = persistent(layout.world, {g: 1.0 / v for g, v in speeds.items() if v < 1.0})
     sim_fabric = Fabric(
@@ -202,12 +204,15 @@ def price(
             * tp
         )
     for s in range(pp):
-        members = {site_of(layout.rank(0, d, s)) for d in range(dp)}
-        if len(members) > 1:
+        ring = [site_of(layout.rank(0, d, s)) for d in range(dp)]
+        changes = sum(a != b for a, b in zip(ring, ring[1:] + ring[:1]))  # link crossings
+        if changes:
             if "data" not in crossing:
                 crossing.append("data")
             grads = max(sim.params[s]) * model.grad_bytes
-            cross_bytes += tp * 2 * 2 * (dp - 1) / dp * grads  # a ring crosses twice
+            cross_bytes += tp * changes * 2 * (dp - 1) / dp * grads
+    if sim.embedding_crosses and model.tied_embeddings:
+        cross_bytes += tp * dp * 2 * model.vocab * model.hidden / tp * model.grad_bytes
     first_site = [site_of(layout.rank(0, 0, s)) for s in range(pp)]
     stages_per_site = tuple(first_site.count(i) for i in range(len(sites)))
     return GeoLayout(
@@ -272,8 +277,3 @@ def plan_sites(
     if baseline is None:
         raise SimError("no homogeneous grid fits these sites (a TP group would span two)")
     return GeoPlan(priced[0], baseline, tuple(priced[:keep]))
-
-
-def wan_all_reduce_seconds(nbytes: float, n: int, fabric: Fabric) -> float:
-    """A data-parallel reduce over the inter-site link (for reports)."""
-    return all_reduce(nbytes, n, fabric.inter_cluster)

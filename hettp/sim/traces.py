@@ -1,7 +1,7 @@
 """Straggler traces: which GPU is how many times slower over which steps.
 
 Built from the scenarios scripts/compare.py runs (hettp.scenarios), or drawn from the shapes
-production studies report (PAPERS.md): persistent 1.2-1.5x slowdowns on a few percent of GPUs
+production studies report: persistent 1.2-1.5x slowdowns on a few percent of GPUs
 (the common case in ByteDance's study of 3,079 jobs), a rare single worker at ~3x, and
 transient episodes minutes long with onsets mid-run."""
 

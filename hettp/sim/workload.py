@@ -31,7 +31,7 @@ class ModelSpec:
     # bytes a parameter carries when it migrates: weights plus the optimizer's copies of it
     # (bf16 weights + fp32 master + two fp32 Adam moments = 14; fp32 on CPU without masters: 12)
     state_bytes: int = 14
-    grad_bytes: int = 2  # bytes per gradient element in the data-parallel reduce
+    grad_bytes: int = 4  # per gradient element in the data-parallel reduce (fp32 under bf16)
     activation_bytes: int = 2  # bytes per activation element on the wire
     mlp_unit: int = 1  # ffn neurons per MLP unit (--het-tp-granularity)
     tied_embeddings: bool = True  # unless --untie-embeddings-and-output-weights

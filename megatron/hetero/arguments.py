@@ -1171,6 +1171,7 @@ def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
             ("use_distributed_optimizer", "reduce-scatters into shards it owns"),
             ("overlap_grad_reduce", "reduces buckets asynchronously during backward"),
             ("grad_reduce_in_bf16", "keeps bf16 gradient buffers (compression takes fp32)"),
+            ("fp16", "scales the loss (an overflow would poison the residues kept between steps)"),
         ):
             if getattr(args, attr, False):
                 raise ArgumentError(

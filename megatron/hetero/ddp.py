@@ -33,6 +33,13 @@ class HetDDP(DistributedDataParallel):
         super().__init__(*args, **kwargs)
         self.reducer = ErrorFeedbackReducer(compress) if compress != "none" else None
 
+    def rebuilt(self) -> HetDDP:
+        """A new wrapper around the same module (its parameters re-shaped by a migration or a
+        layer move), reducing as this one does. The compression residues start over: they
+        belong to the old buffers' layout."""
+        kind = self.reducer.kind if self.reducer is not None else "none"
+        return type(self)(self.config, self.ddp_config, self.module, compress=kind)
+
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
         if self.reducer is not None:
             self._compressed_grad_sync()
@@ -44,7 +51,11 @@ class HetDDP(DistributedDataParallel):
 
     def _compressed_grad_sync(self) -> None:
         """megatron-core's synchronous all-reduce path (no distributed optimizer, no overlap:
-        the arguments refuse both), with the reduction compressed."""
+        the arguments refuse both), with the reduction compressed. Its NaN and large-gradient
+        checks are off in this trainer's DDP config (ddp_config: check_for_nan_in_grad is not
+        set), so skipping them changes nothing; a config that sets them is refused."""
+        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
+            raise RuntimeError("--het-dp-compress does not run megatron-core's gradient checks")
         groups = self.bucket_groups + self.expert_parallel_bucket_groups
         for g, bucket_group in enumerate(groups):
             dp = bucket_group.data_parallel_group

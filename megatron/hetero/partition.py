@@ -288,7 +288,7 @@ def _rebuild(state, replaced, old, extra=None):
     model (a layer moved in from another stage) their {param: (master, state)}."""
     old_ddp, old_opt = state.model, state.optimizer
 
-    model = type(old_ddp)(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
+    model = old_ddp.rebuilt()
     optimizer = get_megatron_optimizer(old_opt.config, [model])
     carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
     for old_param, (master, param_state) in whole_state(old).items():

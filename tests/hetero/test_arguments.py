@@ -162,6 +162,12 @@ def test_gpu_defaults_and_precision():
             "--use-distributed-optimizer reduce-scatters",
         ),
         ("--het-dp-compress int8 --overlap-grad-reduce", 2, "--overlap-grad-reduce reduces"),
+        (
+            "--het-dp-compress int8 --bf16 --grad-reduce-in-bf16",
+            2,
+            "--grad-reduce-in-bf16 keeps bf16 gradient buffers",
+        ),
+        ("--het-dp-compress bf16", 8, "beyond 4 replicas; the data-parallel size is 8"),
     ],
 )
 def test_contradictions_name_the_flag(extra, world, message):

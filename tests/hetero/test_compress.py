@@ -44,6 +44,25 @@ def test_error_feedback_delays_gradients_and_loses_none(kind):
     assert drift.abs().max() < 1e-4 * sum(exact).abs().max()
 
 
+def test_a_rebuilt_wrapper_keeps_compressing():
+    """A migration or layer move rebuilds DDP (partition._rebuild: `rebuilt()`); the new
+    wrapper must reduce as the old one did, residues started over."""
+    from hettp.compress import ErrorFeedbackReducer
+    from megatron.hetero.ddp import HetDDP
+
+    class Probe(HetDDP):
+        def __init__(self, config, ddp_config, module, compress="none"):
+            self.config, self.ddp_config, self.module = config, ddp_config, module
+            self.reducer = ErrorFeedbackReducer(compress) if compress != "none" else None
+
+    old = Probe("config", "ddp", "module", compress="int8")
+    old.reducer.errors["buffer"] = torch.ones(3)
+    new = old.rebuilt()
+    assert type(new) is Probe and new.module == "module"
+    assert new.reducer.kind == "int8" and not new.reducer.errors
+    assert Probe("config", "ddp", "module").rebuilt().reducer is None
+
+
 TRAIN = MHA.replace("--train-iters 1", "--train-iters 8").split() + [
     "--global-batch-size",
     "8",

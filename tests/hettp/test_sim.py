@@ -33,6 +33,12 @@ def test_1f1b_matches_its_closed_forms():
         one_f_one_b([f] * s, [b] * s, m, [h] * (s - 1))
         >= (m + s - 1) * (f + b) + 2 * (s - 1) * h - 1e-9
     )
+    # any stage and micro-batch count schedules (no deadlock) and hand-offs only add time
+    for stages in range(1, 6):
+        for mbs in range(1, 9):
+            plain = one_f_one_b([1.0] * stages, [2.0] * stages, mbs)
+            assert plain == pytest.approx((mbs + stages - 1) * 3.0)
+            assert one_f_one_b([1.0] * stages, [2.0] * stages, mbs, [0.5] * (stages - 1)) >= plain
     # one slow stage paces the steady state: at least M of its (f + b), more than uniform
     slow = one_f_one_b([1, 3, 1, 1], [2, 6, 2, 2], m)
     assert slow >= m * 9 and slow > one_f_one_b([1] * 4, [2] * 4, m)
@@ -228,3 +234,19 @@ def test_cli_plans_sites():
     assert result["speedup"] >= 1.0
     bad = _cli("--sites", "A:64")
     assert bad.returncode == 2 and "NAME:GPUS:SPEED" in bad.stderr
+
+
+def test_the_committed_comparison_replays_within_ten_percent_where_stragglers_are_emulated():
+    """scripts/simulate.py --calibrate on results/compare: the vanilla rows gave the replay its
+    inputs (T_fast, the speeds) and are marked so; the policies' rows are predictions."""
+    from hettp.sim.calibrate import replay
+
+    rows = replay(os.path.join(ROOT, "results", "compare", "report.json"))
+    assert {(r.scenario, r.policy) for r in rows if r.fitted} == {
+        ("none", "none"),
+        ("persistent-2x", "none"),
+        ("transient", "none"),
+        ("noisy", "none"),
+    }
+    emulated = [r for r in rows if not r.fitted and r.scenario != "noisy"]
+    assert len(emulated) == 9 and max(r.rel_error for r in emulated) < 0.11
