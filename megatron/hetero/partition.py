@@ -24,7 +24,7 @@ from hettp.plan import BLOCKS, PartitionPlan, PlanError
 from hettp.transfer import CostModel, plan_transfer
 
 from . import cpu_compat
-from .ddp import gathered_params
+from .ddp import HetDDP, gathered_params
 from .layers import UnitBlock
 from .model import unwrap_model
 from .unit_state import (
@@ -288,7 +288,10 @@ def _rebuild(state, replaced, old, extra=None):
     model (a layer moved in from another stage) their {param: (master, state)}."""
     old_ddp, old_opt = state.model, state.optimizer
 
-    model = old_ddp.rebuilt()
+    if isinstance(old_ddp, HetDDP):  # keeps its gradient compression
+        model = old_ddp.rebuilt()
+    else:  # upstream Megatron-LM's own wrapper
+        model = type(old_ddp)(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
     optimizer = get_megatron_optimizer(old_opt.config, [model])
     carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
     for old_param, (master, param_state) in whole_state(old).items():
