@@ -33,10 +33,15 @@ class ModelShape:
 
     tp_size: int
     num_layers: int
-    query_groups: int  # attention units
+    query_groups: int
     ffn_hidden_size: int
     pipeline_stages: int = 1  # whole layers can move between them
     data_parallel: int = 1  # replicas a global batch is split over
+    attention_heads: int = 0  # 0: as many as query groups (MHA)
+
+    @property
+    def heads(self) -> int:
+        return self.attention_heads or self.query_groups
 
 
 def _flag(default, **argparse_kwargs):
@@ -60,7 +65,13 @@ class HetTPConfig:
     checkpoint's plan."""
 
     granularity: int = 1
-    """ffn neurons per MLP unit (attention units are query groups)."""
+    """ffn neurons per MLP unit."""
+
+    attn_granularity: int = 0
+    """Query heads per attention unit, a divisor of the heads per query group (0: whole query
+    groups, their heads with their K and V). Finer units let a model with few groups (one per
+    rank) be re-partitioned; a rank holding any head of a group keeps the group's K and V rows
+    as a replica, whose gradients are summed over their holders once per step."""
 
     policy: str = _flag("static", choices=lambda: tuple(POLICIES))
     """What to do about slow ranks."""
@@ -155,6 +166,15 @@ class HetTPConfig:
     resize_shares: tuple[float, ...] | None = field(default=None, metadata=_DERIVED)
     scenario: Scenario | None = field(default=None, metadata=_DERIVED)
     validated_for: ModelShape | None = field(default=None, metadata=_DERIVED)
+
+    def head_units(self, shape: ModelShape) -> int:
+        """Query heads per attention unit when units are finer than a group, else 0."""
+        per_group = shape.heads // shape.query_groups
+        return self.attn_granularity if 0 < self.attn_granularity < per_group else 0
+
+    def attention_units(self, shape: ModelShape) -> int:
+        heads = self.head_units(shape)
+        return shape.heads // heads if heads else shape.query_groups
 
     # ---- flags ------------------------------------------------------------------------------
 
@@ -325,6 +345,14 @@ class HetTPConfig:
         _require(
             self.granularity > 0, f"--het-tp-granularity must be positive, got {self.granularity}"
         )
+        per_group = shape.heads // shape.query_groups
+        _require(
+            self.attn_granularity == 0
+            or (self.attn_granularity > 0 and per_group % self.attn_granularity == 0),
+            f"--het-tp-attn-granularity {self.attn_granularity} must divide the "
+            f"{per_group} query heads per group (--num-attention-heads {shape.heads} / "
+            f"--num-query-groups {shape.query_groups}), or be 0 for whole groups",
+        )
         if p.vanilla:
             for name in ("het_tp", "plan", "resize"):
                 _require(
@@ -451,7 +479,12 @@ class HetTPConfig:
             if self.plan is not None:
                 try:
                     plan = PartitionPlan.parse(
-                        self.plan, tp, shape.num_layers, shape.query_groups, ffn // gran, gran
+                        self.plan,
+                        tp,
+                        shape.num_layers,
+                        self.attention_units(shape),
+                        ffn // gran,
+                        gran,
                     )
                 except PlanError as err:
                     raise ConfigError(f"--het-tp-plan: {err}") from None

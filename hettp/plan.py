@@ -16,7 +16,7 @@ import json
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BLOCKS = ("attn", "mlp")
 
@@ -26,13 +26,79 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+class HeadUnits:
+    """Attention units finer than a query group: `heads_per_unit` query heads each (a divisor of
+    the heads per group). A rank holding any head of a group holds that group's K and V rows as
+    a replica; the lowest such rank holds the main replica (the one a checkpoint saves and a
+    gradient norm counts).
+
+    In megatron-core's canonical QKV weight each group is `heads_per_group + 2` fragments of
+    `head_dim` rows: its query heads, then K, then V. Plans name units `0 .. units - 1`, heads
+    in order, so a unit's heads are consecutive and never span two groups."""
+
+    heads_per_unit: int
+    heads_per_group: int
+    groups: int
+
+    def __post_init__(self):
+        if self.heads_per_unit < 1 or self.heads_per_group % self.heads_per_unit:
+            raise ValueError(
+                f"{self.heads_per_unit} query heads per attention unit do not divide the "
+                f"{self.heads_per_group} heads of a query group"
+            )
+
+    @property
+    def units(self) -> int:
+        return self.groups * self.heads_per_group // self.heads_per_unit
+
+    @property
+    def fragments(self) -> int:
+        """Head-sized fragments of the canonical QKV weight."""
+        return self.groups * (self.heads_per_group + 2)
+
+    def group_of(self, unit: int) -> int:
+        return unit * self.heads_per_unit // self.heads_per_group
+
+    def groups_of(self, units: Sequence[int]) -> tuple[int, ...]:
+        """The groups whose K and V a rank holding `units` keeps, ascending."""
+        return tuple(sorted({self.group_of(u) for u in units}))
+
+    def query_fragments(self, unit: int) -> tuple[int, ...]:
+        """The canonical fragments of a unit's query heads."""
+        first = unit * self.heads_per_unit
+        return tuple(
+            self.group_of(unit) * (self.heads_per_group + 2) + head % self.heads_per_group
+            for head in range(first, first + self.heads_per_unit)
+        )
+
+    def kv_fragments(self, group: int) -> tuple[int, int]:
+        base = group * (self.heads_per_group + 2) + self.heads_per_group
+        return base, base + 1
+
+    def holders(self, owners: Sequence[Sequence[int]]) -> dict[int, tuple[int, ...]]:
+        """{group: the ranks holding its K and V, ascending} of one layer's per-rank units."""
+        out: dict[int, list[int]] = {}
+        for rank, units in enumerate(owners):
+            for group in self.groups_of(units):
+                out.setdefault(group, []).append(rank)
+        return {g: tuple(r) for g, r in sorted(out.items())}
+
+    def replicated(self, owners: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """The groups of one layer held by more than one rank: their K/V gradients are summed."""
+        return tuple(g for g, ranks in self.holders(owners).items() if len(ranks) > 1)
+
+
+@dataclass(frozen=True)
 class PartitionPlan:
     tp_size: int
-    attn_units: int  # query groups per layer
+    attn_units: int  # query groups (or head units) per layer
     mlp_units: int  # ffn neurons per layer / mlp_unit_size
     mlp_unit_size: int
     # layers[i][block] = per-rank tuples of unit ids, in each rank's local order
     layers: tuple[dict[str, tuple[tuple[int, ...], ...]], ...]
+    # attention units finer than a query group (which groups' K/V a rank's units bring); not
+    # part of a plan's identity, which is who owns which unit
+    heads: HeadUnits | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.tp_size < 1:
@@ -41,6 +107,11 @@ class PartitionPlan:
             raise PlanError(f"plan: MLP unit size must be >= 1, got {self.mlp_unit_size}")
         if not self.layers:
             raise PlanError("plan: no layers")
+        if self.heads is not None and self.heads.units != self.attn_units:
+            raise PlanError(
+                f"plan: {self.attn_units} attention units, but head units of "
+                f"{self.heads.heads_per_unit} heads make {self.heads.units}"
+            )
         for index, layer in enumerate(self.layers):
             if set(layer) != set(BLOCKS):
                 raise PlanError(f"plan layer {index}: blocks must be {BLOCKS}, got {sorted(layer)}")
@@ -82,6 +153,7 @@ class PartitionPlan:
         attn_counts: Sequence[int],
         mlp_counts: Sequence[int],
         mlp_unit_size: int = 1,
+        heads: HeadUnits | None = None,
     ) -> PartitionPlan:
         """Every layer alike; rank r owns the r-th contiguous run of `counts[r]` units."""
         layer = {
@@ -89,12 +161,23 @@ class PartitionPlan:
             "mlp": _contiguous(mlp_counts, mlp_units, "mlp", tp_size),
         }
         return cls(
-            tp_size, attn_units, mlp_units, mlp_unit_size, tuple(layer for _ in range(num_layers))
+            tp_size,
+            attn_units,
+            mlp_units,
+            mlp_unit_size,
+            tuple(layer for _ in range(num_layers)),
+            heads,
         )
 
     @classmethod
     def even(
-        cls, tp_size: int, num_layers: int, attn_units: int, mlp_units: int, mlp_unit_size: int = 1
+        cls,
+        tp_size: int,
+        num_layers: int,
+        attn_units: int,
+        mlp_units: int,
+        mlp_unit_size: int = 1,
+        heads: HeadUnits | None = None,
     ) -> PartitionPlan:
         """Megatron's own partition: equal contiguous shares."""
         for name, total in (("query groups", attn_units), ("MLP units", mlp_units)):
@@ -110,6 +193,7 @@ class PartitionPlan:
             [attn_units // tp_size] * tp_size,
             [mlp_units // tp_size] * tp_size,
             mlp_unit_size,
+            heads,
         )
 
     @classmethod
@@ -121,6 +205,7 @@ class PartitionPlan:
         attn_units: int,
         mlp_units: int,
         mlp_unit_size: int = 1,
+        heads: HeadUnits | None = None,
     ) -> PartitionPlan:
         """A JSON file path, or inline per-rank counts for every layer: 'attn=2,1,1;mlp=90,30,8'.
 
@@ -130,7 +215,7 @@ class PartitionPlan:
             text = spec if spec.lstrip().startswith("{") else _read(spec)
             plan = cls.from_json(text)
             plan.check_model(tp_size, num_layers, attn_units, mlp_units, mlp_unit_size)
-            return plan
+            return dataclasses.replace(plan, heads=heads)
         counts = {}
         for part in filter(None, (p.strip() for p in spec.split(";"))):
             block, sep, values = part.partition("=")
@@ -158,7 +243,14 @@ class PartitionPlan:
                     )
                 counts[block] = [total // tp_size] * tp_size
         return cls.from_counts(
-            tp_size, num_layers, attn_units, mlp_units, counts["attn"], counts["mlp"], mlp_unit_size
+            tp_size,
+            num_layers,
+            attn_units,
+            mlp_units,
+            counts["attn"],
+            counts["mlp"],
+            mlp_unit_size,
+            heads,
         )
 
     def rebalanced(
@@ -200,9 +292,7 @@ class PartitionPlan:
                         units.append(spare.popleft())
                 new_layer[block] = tuple(tuple(u) for u in owners)
             new_layers.append(new_layer)
-        return PartitionPlan(
-            self.tp_size, self.attn_units, self.mlp_units, self.mlp_unit_size, tuple(new_layers)
-        )
+        return dataclasses.replace(self, layers=tuple(new_layers))
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -243,7 +333,7 @@ class PartitionPlan:
         for what, mine, theirs in (
             ("TP size", self.tp_size, tp_size),
             ("layers", self.num_layers, num_layers),
-            ("query groups per layer", self.attn_units, attn_units),
+            ("attention units per layer", self.attn_units, attn_units),
             ("MLP unit size", self.mlp_unit_size, mlp_unit_size),
             ("MLP units per layer", self.mlp_units, mlp_units),
         ):

@@ -66,12 +66,16 @@ def plan_work(
     """Per rank, the work of its active units (every layer and block)."""
     shares = shares or (0.0,) * plan.tp_size
     work = [0.0] * plan.tp_size
+    kv = unit_work.get("kv", 0.0) if plan.heads is not None else 0.0
     for layer in plan.layers:
         for block in BLOCKS:
             for rank, units in enumerate(layer[block]):
                 work[rank] += (len(units) - skipped_count(len(units), shares[rank])) * unit_work[
                     block
                 ]
+        if kv:  # head units: a rank computes the K/V of every group it holds a head of
+            for rank, units in enumerate(layer["attn"]):
+                work[rank] += kv * len(plan.heads.groups_of(units))
     return tuple(work)
 
 
@@ -123,6 +127,79 @@ def proportional_plan(
             assigned = [a + c for a, c in zip(assigned, counts)]
             changes.setdefault(index, {})[block] = [c * chunk for c in counts]
     return plan.recounted(changes)
+
+
+def grouped_plan(
+    plan: PartitionPlan, speeds: Sequence[float], unit_work: Mapping[str, float]
+) -> PartitionPlan:
+    """Head units kept in whole query groups (no K/V replicas), then the MLP counts evening out
+    each rank's work to its share of `speeds`. A rank may take as many groups as fit in its
+    share; a group stays with the rank holding most of its heads where it fits (few units
+    move), the rest go to whoever would finish them first. Where the shares cannot hold every
+    group, groups are dealt by that rule alone."""
+    heads, n = plan.heads, plan.tp_size
+    per_group = heads.heads_per_group // heads.heads_per_unit
+    total = sum(speeds)
+    share = [s / total for s in speeds]
+    w_attn, w_mlp, w_kv = unit_work["attn"], unit_work["mlp"], unit_work.get("kv", 0.0)
+    group_work = per_group * w_attn + w_kv
+    chunk = mlp_chunk(plan)
+    layer_work = plan.attn_units * w_attn + plan.mlp_units * w_mlp + heads.groups * w_kv
+    fits = [math.floor(share[r] * layer_work / group_work + 1e-9) for r in range(n)]
+    if sum(fits) < heads.groups:
+        fits = [0] * n
+        for _ in range(heads.groups):
+            rank = min(range(n), key=lambda r: ((fits[r] + 1) / max(share[r], 1e-12), r))
+            fits[rank] += 1
+    layers = []
+    for layer in plan.layers:
+        room, counts = list(fits), [0] * n
+        held = [[0] * heads.groups for _ in range(n)]
+        for rank, units in enumerate(layer["attn"]):
+            for unit in units:
+                held[rank][heads.group_of(unit)] += 1
+        owner = {}
+        for _, group, rank in sorted(
+            (-held[r][g], g, r) for r in range(n) for g in range(heads.groups) if held[r][g]
+        ):
+            if group not in owner and room[rank]:
+                owner[group], room[rank] = rank, room[rank] - 1
+        for group in range(heads.groups):
+            if group not in owner:
+                rank = min(
+                    (r for r in range(n) if room[r]),
+                    key=lambda r: ((fits[r] - room[r] + 1) / max(share[r], 1e-12), r),
+                )
+                owner[group], room[rank] = rank, room[rank] - 1
+        for rank in owner.values():
+            counts[rank] += 1
+        attn = []
+        for rank, units in enumerate(layer["attn"]):
+            kept = [u for u in units if owner[heads.group_of(u)] == rank]
+            gained = [
+                u
+                for u in range(plan.attn_units)
+                if owner[heads.group_of(u)] == rank and u not in kept
+            ]
+            attn.append(tuple(kept + gained))
+        rest = [max(0.0, share[r] * layer_work - counts[r] * group_work) for r in range(n)]
+        mlp = [c * chunk for c in _apportion(plan.mlp_units // chunk, rest)]
+        layers.append((dict(layer, attn=tuple(attn)), mlp))
+    grouped = dataclasses.replace(plan, layers=tuple(layer for layer, _ in layers))
+    return grouped.recounted({i: {"mlp": mlp} for i, (_, mlp) in enumerate(layers)})
+
+
+def _apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """`total` whole items in proportion to `weights` (largest remainder)."""
+    mass = sum(weights)
+    if mass <= 0:
+        weights, mass = [1.0] * len(weights), float(len(weights))
+    exact = [total * w / mass for w in weights]
+    counts = [math.floor(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda r: (counts[r] - exact[r], r))
+    for rank in order[: total - sum(counts)]:
+        counts[rank] += 1
+    return counts
 
 
 def balancing_shares(
@@ -282,7 +359,7 @@ class Planner:
             return self._rebalance(plan, model, before, detection, "hybrid-migrate", shares)
         if not stragglers or self._onset is None:
             return None
-        target = proportional_plan(plan, _speeds(model, plan, self.unit_work))
+        target = self._target(plan, model)
         if target == plan:
             return None
         # Against the straggle without the resize: the resize is a lossy stopgap that the
@@ -312,8 +389,21 @@ class Planner:
             details,
         )
 
+    def _target(self, plan, model) -> PartitionPlan:
+        """The plan the model balances: unit counts proportional to the ranks' speeds; with
+        head units also the one that keeps attention in whole query groups and lets the MLP
+        even out the work (no K/V replicas), whichever the model predicts faster (a tie keeps
+        whole groups: less memory)."""
+        speeds = _speeds(model, plan, self.unit_work)
+        target = proportional_plan(plan, speeds)
+        if plan.heads is None:
+            return target
+        whole = grouped_plan(plan, speeds, self.unit_work)
+        split = model.step_time(plan_work(target, self.unit_work))
+        return whole if model.step_time(plan_work(whole, self.unit_work)) <= split else target
+
     def _migrate(self, plan, model, before, detection, action, shares, why=None, min_gain=None):
-        target = proportional_plan(plan, _speeds(model, plan, self.unit_work))
+        target = self._target(plan, model)
         after = model.step_time(plan_work(target, self.unit_work))
         min_gain = self.min_gain if min_gain is None else min_gain
         if target == plan or before - after <= min_gain * before:

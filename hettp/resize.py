@@ -10,6 +10,7 @@ the skipped ones a suffix: the layers slice views, nothing is gathered on the ho
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -160,9 +161,7 @@ class Priorities:
                     for block, owners in layer.items()
                 }
             )
-        return PartitionPlan(
-            plan.tp_size, plan.attn_units, plan.mlp_units, plan.mlp_unit_size, tuple(layers)
-        )
+        return dataclasses.replace(plan, layers=tuple(layers))
 
 
 def active_counts(plan: PartitionPlan, shares: Sequence[float]) -> dict:

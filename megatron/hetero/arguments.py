@@ -1154,6 +1154,7 @@ def model_shape(args) -> ModelShape:
         args.ffn_hidden_size,
         getattr(args, "pipeline_model_parallel_size", 1) or 1,
         getattr(args, "data_parallel_size", 1) or 1,
+        args.num_attention_heads,
     )
 
 

@@ -70,9 +70,13 @@ class HetDDP(DistributedDataParallel):
 
 
 def _replicated(param, sequence_parallel: bool) -> bool:
-    """Whether megatron-core all-reduces `param`'s gradient over the TP group."""
-    return getattr(param, "average_gradients_across_tp_domain", False) or (
-        sequence_parallel and getattr(param, "sequence_parallel", False)
+    """Whether `param`'s gradient is summed over TP ranks after the DP reduction: by
+    megatron-core (replicated over the TP group) or by the runtime (a K/V replica of head
+    units held by several ranks, `het_replicated`)."""
+    return (
+        getattr(param, "average_gradients_across_tp_domain", False)
+        or getattr(param, "het_replicated", False)
+        or (sequence_parallel and getattr(param, "sequence_parallel", False))
     )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 
 import torch
@@ -165,7 +166,7 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
             built = {g: _build(decoder, config, after, g, whole, tp_rank) for g in incoming}
             if fault is not None:
                 fault("built")
-            reference = decoder.layers[0]
+            reference = _references(decoder)
             receives, carried = [], {}
             for g, layer in built.items():
                 tensors, carried_layer = _receivers(layer, reference, view)
@@ -203,7 +204,7 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
             decoder.num_layers_per_pipeline_rank = len(layers)
             decoder.submodules.layer_specs = [decoder.submodules.layer_specs[0]] * len(layers)
             set_split(config, after)
-            _rebuild(state, {}, view, extra=carried)
+            _rebuild(state, {}, carried, old=view)
         except BaseException:
             decoder.layers, decoder.num_layers_per_pipeline_rank = saved[0], saved[1]
             decoder.submodules.layer_specs = saved[2]
@@ -266,12 +267,19 @@ def _build(decoder, config, after, global_index, whole, tp_rank):
     for block in (layer.self_attention, layer.mlp):
         if isinstance(block, UnitBlock):
             units = whole.units(global_index, block.block, tp_rank)
-            block.set_units(units, _empty_shards(block, len(units)))
-    reference = dict(decoder.layers[0].named_parameters())
+            replicas = _empty_replicas(block, units)
+            if replicas:  # head units: the K/V replicas of the units' groups, marked now (the
+                # optimizer built next copies the marks onto its fp32 masters)
+                block.set_units(units, _empty_shards(block, len(units)), replicas)
+                holders = block.heads.holders(whole.layers[global_index]["attn"])
+                block.linear_qkv.mark_replicas(holders, tp_rank)
+            else:
+                block.set_units(units, _empty_shards(block, len(units)))
+    reference = _references(decoder)
     device = next(iter(reference.values())).device
     with torch.no_grad():
         for name, param in layer.named_parameters():
-            like = reference[name]
+            like = _like(reference, name)
             param.data = torch.empty(param.shape, dtype=like.dtype, device=device)
             # what megatron-core sets while initialising (tensor_model_parallel, partition_dim,
             # ...: gradient clipping counts TP duplicates by them), and what later wrappers set
@@ -279,6 +287,45 @@ def _build(decoder, config, after, global_index, whole, tp_rank):
                 if attr not in _DDP_PARAM_ATTRS and not hasattr(param, attr):
                     setattr(param, attr, value)
     return layer
+
+
+def _empty_replicas(block, units) -> dict:
+    """Uninitialised K/V replicas of the groups of `units` (head units), else {}."""
+    if not block.heads:
+        return {}
+    template = next(iter(block.unit_tensors()))[2]
+    return {
+        name: {
+            g: torch.empty(shape, dtype=template.dtype, device=template.device)
+            for g in block.heads.groups_of(units)
+        }
+        for name, _, shape in block.replica_tensors()
+    }
+
+
+_REPLICA = re.compile(r"\.kv_(weight|bias)\.\d+$")
+
+
+def _kind(name: str) -> str:
+    """A layer's parameter name without its K/V replica's group."""
+    return _REPLICA.sub(r".kv_\1", name)
+
+
+def _references(decoder) -> dict:
+    """A parameter of each kind the stage's layers hold (by _kind): what a built layer's
+    parameters take their attributes and optimizer state layout from."""
+    out = {}
+    for layer in decoder.layers:
+        for name, param in layer.named_parameters():
+            out.setdefault(_kind(name), param)
+    return out
+
+
+def _like(reference: dict, name: str):
+    """The reference of parameter `name`; a K/V replica kind that no local layer holds takes
+    the query rows' (same dtype, same megatron-core attributes)."""
+    kind = _kind(name)
+    return reference[kind] if kind in reference else reference[kind.replace(".kv_", ".")]
 
 
 def _empty_shards(block, count) -> dict:
@@ -295,10 +342,9 @@ def _empty_shards(block, count) -> dict:
 def _receivers(layer, reference, view):
     """Tensors to receive a built layer's payload into (the order of _payload), and the
     optimizer state they become: {parameter: (fp32 master or None, moments)}."""
-    model_param = dict(reference.named_parameters())
     tensors, carried = [], {}
     for name, param in layer.named_parameters():
-        like = model_param[name]  # every layer's parameter of this name has the same state
+        like = _like(reference, name)  # every parameter of a kind has the same state layout
         tensors.append(param.data)
         master = None
         if view.has_master(like):

@@ -8,9 +8,12 @@ units, in this order" and describe them to dist-checkpointing in the canonical g
 checkpoints load under any plan, TP size, or vanilla megatron-core.
 
 Units: attention = one query group (its query heads plus its K and V heads, which Megatron's
-QKV weight lays out per group as [q..q k v]) and the matching columns of the output projection;
-MLP = `--het-tp-granularity` ffn neurons: their fc1 rows (gate and up rows together with
-SwiGLU) and fc2 columns. A rank may own no unit of a block; it still joins the all-reduce.
+QKV weight lays out per group as [q..q k v]) and the matching columns of the output projection,
+or with `--het-tp-attn-granularity N` N query heads of a group (their query rows and output
+columns), the group's K and V rows then held as a replica by every rank holding one of its heads
+(HetQKVLinear); MLP = `--het-tp-granularity` ffn neurons: their fc1 rows (gate and up rows
+together with SwiGLU) and fc2 columns. A rank may own no unit of a block; it still joins the
+all-reduce.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 
+from hettp.plan import HeadUnits
 from hettp.units import UnitLayout
 
 # Attributes DDP attaches to parameters for its own grad buffers; a re-shaped parameter gets
@@ -151,6 +155,188 @@ class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
         return output, output_bias
 
 
+def _column_gemm(linear, input_, weight):
+    """A column-parallel GEMM with megatron-core's collectives (the input all-gathered under
+    sequence parallelism, else its gradient all-reduced over the TP group) on a weight the
+    caller assembled."""
+    if linear.sequence_parallel:
+        return linear_with_grad_accumulation_and_async_allreduce(
+            input_,
+            weight,
+            None,
+            gradient_accumulation_fusion=False,
+            allreduce_dgrad=False,
+            sequence_parallel=True,
+            tp_group=linear.tp_group,
+        )
+    return F.linear(copy_to_tensor_model_parallel_region(input_, group=linear.tp_group), weight)
+
+
+def _param_like(tensor, template) -> torch.nn.Parameter:
+    """A new Parameter holding `tensor`, with the attributes megatron-core set on `template`
+    (tensor_model_parallel, partition_dim, ...), not the DDP ones."""
+    new = torch.nn.Parameter(tensor, requires_grad=template.requires_grad)
+    for attr, value in vars(template).items():
+        if attr not in _DDP_PARAM_ATTRS:
+            setattr(new, attr, value)
+    return new
+
+
+class HetQKVLinear(HetColumnParallelLinear):
+    """linear_qkv. With query groups as units, a HetColumnParallelLinear. With query heads as
+    units (`split_heads`), `weight` (and `bias`) hold only the query rows of this rank's heads,
+    and each group one of them belongs to has its K and V rows in `kv_weight[str(group)]`
+    (`kv_bias`): a replica, one Parameter per group, so the replicas other than the main one can
+    be left out of the gradient norm (megatron-core skips parameters marked `shared`) and the
+    replicated ones found for the per-step sum of their gradients (`het_replicated`)."""
+
+    heads: HeadUnits | None = None
+    head_dim: int = 0
+    main_groups: frozenset = frozenset()  # groups whose main replica this rank holds
+
+    def split_heads(self, heads: HeadUnits, head_dim: int, units) -> None:
+        """At build: from megatron-core's even shard ([q..q k v] per local group) to this
+        rank's query rows of `units` (the even head units) and its groups' K/V replicas."""
+        hpg, dim = heads.heads_per_group, head_dim
+        groups = heads.groups_of(units)
+        per_group = (hpg + 2) * dim
+        tensors, replicas = {}, {}
+        for name in ("weight", "bias"):
+            param = getattr(self, name, None)
+            if param is None:
+                continue
+            data = param.data
+            tensors[name] = torch.cat(
+                [data.narrow(0, i * per_group, hpg * dim) for i in range(len(groups))]
+            )
+            replicas[name] = {
+                g: data.narrow(0, i * per_group + hpg * dim, 2 * dim).clone()
+                for i, g in enumerate(groups)
+            }
+        self.heads, self.head_dim = heads, dim
+        self.main_groups = frozenset(groups)
+        layouts = {name: UnitLayout(0, heads.heads_per_unit * dim) for name in tensors}
+        self.unit_layouts = layouts
+        self.set_replicas(replicas)
+        self.set_shard(units, {name: t.contiguous() for name, t in tensors.items()})
+        self.bind_units(units, heads.units, layouts)
+
+    @property
+    def replica_groups(self) -> tuple[int, ...]:
+        return tuple(int(g) for g in self.kv_weight) if self.heads is not None else ()
+
+    def set_replicas(self, replicas: dict) -> None:
+        """replicas[parameter name][group]: a tensor (a new replica) or the Parameter already
+        held (kept as it is)."""
+        for name, by_group in replicas.items():
+            template = getattr(self, name)
+            store = torch.nn.ParameterDict()
+            for group, tensor in sorted(by_group.items()):
+                store[str(group)] = (
+                    tensor
+                    if isinstance(tensor, torch.nn.Parameter)
+                    else _param_like(tensor, template)
+                )
+            setattr(self, f"kv_{name}", store)
+        if self.heads is not None:
+            self._update_local_size(len(self.units))
+
+    def mark_replicas(self, holders: dict, rank: int) -> None:
+        """holders[group]: the ranks holding its K/V (ascending); the lowest holds the main."""
+        self.main_groups = frozenset(g for g in self.replica_groups if holders[g][0] == rank)
+        for name in ("weight", "bias"):
+            for group, param in getattr(self, f"kv_{name}", {}).items():
+                param.shared = holders[int(group)][0] != rank
+                param.het_replicated = len(holders[int(group)]) > 1
+
+    def replica_params(self, name: str = "weight") -> dict:
+        """{group: Parameter} of the K/V replicas of `name` (empty with group units)."""
+        store = getattr(self, f"kv_{name}", None) if self.heads is not None else None
+        return {int(g): p for g, p in store.items()} if store is not None else {}
+
+    def _update_local_size(self, num_local_units):
+        super()._update_local_size(num_local_units)
+        if self.heads is not None:
+            self.output_size_per_partition += 2 * self.head_dim * len(self.replica_groups)
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if self.heads is None:
+            return super().forward(input_, weight, runtime_gather_output)
+        if weight is not None or runtime_gather_output or self.gather_output:
+            raise NotImplementedError(
+                "het-TP head units: linear_qkv takes its own weight and does not gather its output"
+            )
+        # the query rows of the active heads, then K and V per group: one GEMM
+        active = len(self.units) if self.active is None else self.active
+        rows = active * self.heads.heads_per_unit * self.head_dim
+        groups = [str(g) for g in self.replica_groups]
+        weight = torch.cat([self.weight[:rows]] + [self.kv_weight[g] for g in groups])
+        output = _column_gemm(self, input_, weight)
+        bias = None
+        if self.bias is not None:
+            bias = torch.cat([self.bias[:rows]] + [self.kv_bias[g] for g in groups])
+            if not self.skip_bias_add:
+                output, bias = output + bias, None
+        return output, bias
+
+    def canonical_fragments(self, name: str, of=lambda param: param) -> list:
+        """(view, fragment, main) of every head-sized piece of `name` this rank holds, by its
+        place in megatron-core's canonical QKV tensor (query heads, then each replica's K and V;
+        `main`: the replica a checkpoint saves). `of` maps a parameter to the tensor to view
+        (e.g. its gradient)."""
+        heads, dim = self.heads, self.head_dim
+        local = of(getattr(self, name))
+        out = []
+        for position, unit in enumerate(self.units):
+            for i, fragment in enumerate(heads.query_fragments(unit)):
+                start = (position * heads.heads_per_unit + i) * dim
+                out.append((local.narrow(0, start, dim), fragment, True))
+        for group, param in self.replica_params(name).items():
+            main = group in self.main_groups
+            k, v = heads.kv_fragments(group)
+            out.append((of(param).narrow(0, 0, dim), k, main))
+            out.append((of(param).narrow(0, dim, dim), v, main))
+        return out
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        if self.heads is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        state = ColumnParallelLinear.sharded_state_dict(self, prefix, sharded_offsets, metadata)
+        fragments = self.heads.fragments
+        for name in ("weight", "bias"):
+            base = state.get(f"{prefix}{name}")
+            if base is None:
+                continue
+            queries = [
+                (position * self.head_dim, fragment)
+                for position, fragment in enumerate(
+                    f for unit in self.units for f in self.heads.query_fragments(unit)
+                )
+            ]
+            state[f"{prefix}{name}"] = fragment_factory(
+                base.key,
+                getattr(self, name),
+                self.head_dim,
+                queries,
+                fragments,
+                sharded_offsets,
+                base.replica_id,
+            )
+            for group, param in self.replica_params(name).items():
+                k, v = self.heads.kv_fragments(group)
+                main = group in self.main_groups
+                state[f"{prefix}kv_{name}.{group}"] = fragment_factory(
+                    base.key,
+                    param,
+                    self.head_dim,
+                    [(0, k), (self.head_dim, v)],
+                    fragments,
+                    sharded_offsets,
+                    base.replica_id if main else _non_main(base.replica_id),
+                )
+        return state
+
+
 class HetRowParallelLinear(UnitShardedLinear, RowParallelLinear):
     def _update_local_size(self, num_local_units):
         self.input_size_per_partition = self.unit_layouts["weight"].local_size(num_local_units)
@@ -260,6 +446,48 @@ def unit_sharded_factory(
     return ShardedTensorFactory(key, data, build, merge, replica_id)
 
 
+def fragment_factory(
+    key, data, width, placements, fragments, sharded_offsets, replica_id
+) -> ShardedTensorFactory:
+    """One ShardedTensor per (local start, fragment) of `placements`: `width` rows of `data`
+    along axis 0 at that fragment of the canonical tensor (of `fragments` such pieces). Head
+    units use it for the QKV weight, whose query heads and K/V replicas sit apart locally. A
+    rank holding nothing offers a non-main replica of fragment 0 (see unit_sharded_factory)."""
+    prepend = len(sharded_offsets)
+    placements = list(placements)
+
+    def piece(key, tensor, fragment, replica):
+        return ShardedTensor.from_rank_offsets(
+            key,
+            tensor,
+            *sharded_offsets,
+            (prepend, fragment, fragments),
+            replica_id=replica,
+            prepend_axis_num=prepend,
+        )
+
+    def build(key, tensor, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise NotImplementedError(
+                "het-TP checkpoints do not support flattened (distributed optimizer) shards"
+            )
+        if not placements:
+            shape = (width, *tensor.shape[1:])
+            return [piece(key, tensor.new_zeros(shape), 0, _non_main(replica_id))]
+        return [piece(key, tensor.narrow(0, s, width), f, replica_id) for s, f in placements]
+
+    def merge(pieces):
+        pieces = list(pieces)
+        if not placements:
+            return torch.empty(tuple(data.shape), dtype=data.dtype, device=data.device)
+        out = pieces[0].new_empty(tuple(data.shape))
+        for (start, _), loaded in zip(placements, pieces):
+            out.narrow(0, start, width).copy_(loaded)
+        return out
+
+    return ShardedTensorFactory(key, data, build, merge, replica_id)
+
+
 def _non_main(replica_id):
     if isinstance(replica_id, int):
         return replica_id + 1
@@ -270,7 +498,10 @@ class SDPACoreAttention(MegatronModule):
     """Core attention over however many heads this rank holds (zero included), with torch SDPA.
 
     Takes megatron's [s, b, heads, dim] query/key/value and returns [s, b, heads * dim].
+    With head units, `head_groups` says which of the key/value heads each query head reads.
     """
+
+    head_groups: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -311,7 +542,12 @@ class SDPACoreAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
-        if heads != k.size(1):
+        if self.head_groups is not None:  # head units: each query head reads its group's K/V
+            index = self.head_groups
+            if index.device != k.device:  # the module moved after the units last changed
+                index = self.head_groups = index.to(k.device)
+            k, v = k.index_select(1, index), v.index_select(1, index)
+        elif heads != k.size(1):
             k = k.repeat_interleave(heads // k.size(1), dim=1)
             v = v.repeat_interleave(heads // v.size(1), dim=1)
         mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked
@@ -341,6 +577,12 @@ class UnitBlock:
 
     block: str
     linear_names: tuple
+    heads: HeadUnits | None = None  # attention units of query heads (K/V replicas)
+
+    def replica_tensors(self) -> list:
+        """(parameter name, {group: Parameter}, payload shape) per tensor a rank holds once per
+        group of its units (head units' K/V); none for other blocks."""
+        return []
 
     @property
     def units(self) -> tuple:
@@ -411,6 +653,7 @@ class HetSelfAttention(UnitBlock, SelfAttention):
         attn_mask_type=None,
         cp_comm_type=None,
         pg_collection=None,
+        head_units: int = 0,
         **kwargs,
     ):
         if attn_mask_type is not None:
@@ -427,6 +670,10 @@ class HetSelfAttention(UnitBlock, SelfAttention):
             raise ValueError("het-TP needs at least one query group per TP rank in the even plan")
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         dim = self.hidden_size_per_attention_head
+        self.heads = None
+        if head_units and head_units < self.heads_per_group:
+            self._init_head_units(config, head_units)
+            return
         units = _even_units(config.num_query_groups)
         qkv = {"weight": UnitLayout(0, (self.heads_per_group + 2) * dim)}
         if self.linear_qkv.bias is not None:
@@ -436,9 +683,60 @@ class HetSelfAttention(UnitBlock, SelfAttention):
             units, config.num_query_groups, {"weight": UnitLayout(1, self.heads_per_group * dim)}
         )
 
+    def _init_head_units(self, config, head_units: int) -> None:
+        if not isinstance(self.linear_qkv, HetQKVLinear):
+            raise TypeError("head units need the het-TP spec's linear_qkv (HetQKVLinear)")
+        self.heads = HeadUnits(head_units, self.heads_per_group, config.num_query_groups)
+        dim = self.hidden_size_per_attention_head
+        units = _even_units(self.heads.units)
+        self.linear_qkv.split_heads(self.heads, dim, units)
+        self.linear_proj.bind_units(
+            units, self.heads.units, {"weight": UnitLayout(1, head_units * dim)}
+        )
+        self._units_changed(len(units))
+
+    def set_units(self, units, tensors: dict, replicas: dict | None = None) -> None:
+        """As UnitBlock's; with head units `replicas` gives the K/V replicas of the groups of
+        `units` (HetQKVLinear.set_replicas)."""
+        if self.heads is not None:
+            if replicas is None:
+                raise ValueError("head units: set_units needs the K/V replicas of the new units")
+            self.linear_qkv.set_replicas(replicas)
+        super().set_units(units, tensors)
+
+    def reorder(self, units) -> None:
+        super().reorder(units)
+        self._units_changed(self.active)
+
+    def replica_tensors(self):
+        """(parameter name, {group: Parameter}, payload shape) per K/V replica tensor of
+        linear_qkv: what travels with a head unit besides its own rows (none with group
+        units)."""
+        if self.heads is None:
+            return []
+        out = []
+        for name in ("weight", "bias"):
+            template = getattr(self.linear_qkv, name, None)
+            if template is not None:
+                shape = (2 * self.hidden_size_per_attention_head, *template.shape[1:])
+                out.append((name, self.linear_qkv.replica_params(name), shape))
+        return out
+
     def _units_changed(self, num_local_units):
-        self.num_query_groups_per_partition = num_local_units
-        self.num_attention_heads_per_partition = num_local_units * self.heads_per_group
+        if self.heads is None:
+            self.num_query_groups_per_partition = num_local_units
+            self.num_attention_heads_per_partition = num_local_units * self.heads_per_group
+            return
+        per_unit = self.heads.heads_per_unit
+        groups = self.linear_qkv.replica_groups
+        self.num_query_groups_per_partition = len(groups)
+        self.num_attention_heads_per_partition = num_local_units * per_unit
+        place = {g: i for i, g in enumerate(groups)}
+        self.core_attention.head_groups = torch.tensor(
+            [place[self.heads.group_of(u)] for u in self.units[:num_local_units]],
+            dtype=torch.long,
+            device=self.linear_qkv.weight.device,
+        ).repeat_interleave(per_unit)
 
     def get_query_key_value_tensors(
         self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
@@ -449,6 +747,12 @@ class HetSelfAttention(UnitBlock, SelfAttention):
             )
         mixed_qkv, _ = self.linear_qkv(hidden_states)
         sq, b = mixed_qkv.shape[:2]
+        if self.heads is not None:  # the active heads' query rows, then K and V per group
+            heads = self.num_attention_heads_per_partition
+            groups, dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
+            query, kv = torch.split(mixed_qkv, [heads * dim, groups * 2 * dim], dim=2)
+            kv = kv.reshape(sq, b, groups, 2, dim)
+            return query.reshape(sq, b, heads, dim), kv[:, :, :, 0], kv[:, :, :, 1]
         groups, dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
         mixed_qkv = mixed_qkv.view(sq, b, groups, (self.heads_per_group + 2) * dim)
         query, key, value = torch.split(mixed_qkv, [self.heads_per_group * dim, dim, dim], dim=3)

@@ -12,6 +12,7 @@ TransferError and keeps its previous model, optimizer and plan.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -60,7 +61,9 @@ def even_plan(module, tp_size: int) -> PartitionPlan:
     blocks = het_blocks(module)
     attn, mlp = blocks[(0, "attn")], blocks[(0, "mlp")]
     unit_size = mlp.linear_fc2.unit_layouts["weight"].width
-    return PartitionPlan.even(tp_size, len(blocks) // 2, attn.num_units, mlp.num_units, unit_size)
+    return PartitionPlan.even(
+        tp_size, len(blocks) // 2, attn.num_units, mlp.num_units, unit_size, attn.heads
+    )
 
 
 def comm_device():
@@ -80,6 +83,7 @@ class HetPartition:
         self.cost_model = cost_model or CostModel()
         blocks = het_blocks(module)
         self._size_checkpoint_runs(blocks)
+        self._mark_replicas(blocks)
         # Parameters per unit of each block kind: the weight of a unit's share of the work.
         self.unit_work = {
             name: sum(
@@ -88,6 +92,10 @@ class HetPartition:
             )
             for name in BLOCKS
         }
+        # head units: one group's K/V replica, which a rank holding any of its heads computes
+        self.unit_work["kv"] = sum(
+            math.prod(shape) for _, _, shape in blocks[(0, "attn")].replica_tensors()
+        )
 
     def unit_bytes(self, model, optimizer) -> dict[str, int]:
         """What moving one unit of each block carries now: its weights, and the fp32 masters
@@ -119,16 +127,59 @@ class HetPartition:
         for (index, name), block in blocks.items():
             if tuple(block.units) != plan.units(index, name, self.rank):
                 raise PlanError(f"layer {index} {name}: the plan names other units")
-        self.plan = plan
+        self.plan = dataclasses.replace(plan, heads=self.plan.heads)
+        self._mark_replicas(blocks)
 
-    def check(self, plan: PartitionPlan) -> None:
-        """Raise PlanError if `plan` does not fit this model (before anything moves)."""
+    # ---- K/V replicas (head units) ------------------------------------------------------
+
+    def _mark_replicas(self, blocks) -> None:
+        """After every change of owners: which replicas are main, which are replicated, and
+        the (layer, group) list whose gradients `sum_replica_grads` adds up."""
+        self._replicated = []
+        for (index, name), block in sorted(blocks.items()):
+            heads = block.heads
+            if name != "attn" or heads is None:
+                continue
+            owners = self.plan.layers[index]["attn"]
+            block.linear_qkv.mark_replicas(heads.holders(owners), self.rank)
+            self._replicated.extend((index, g) for g in heads.replicated(owners))
+
+    def sum_replica_grads(self, module, attr: str = "main_grad") -> None:
+        """Give every replica of a group's K/V the sum of its holders' gradients (`attr`: DDP's
+        main_grad, or .grad without DDP): one all-reduce over the TP group of the replicated
+        groups' gradients, zeros where a rank holds none. After the data-parallel reduction;
+        under the distributed optimizer HetDDP makes these gradients whole first."""
+        if not self._replicated:
+            return
+        blocks = het_blocks(module)
+        slots = []  # per replicated (layer, group): the tensors of this rank, or their sizes
+        for index, group in self._replicated:
+            for _, by_group, shape in blocks[(index, "attn")].replica_tensors():
+                slots.append((by_group.get(group), math.prod(shape)))
+        flat = torch.zeros(sum(n for _, n in slots), dtype=torch.float32, device=comm_device())
+        offset = 0
+        for param, n in slots:
+            if param is not None:
+                flat[offset : offset + n].copy_(getattr(param, attr).reshape(-1))
+            offset += n
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for param, n in slots:
+            if param is not None:
+                grad = getattr(param, attr)
+                grad.copy_(flat[offset : offset + n].view(grad.shape))
+            offset += n
+
+    def check(self, plan: PartitionPlan) -> PartitionPlan:
+        """Raise PlanError if `plan` does not fit this model (before anything moves); returns
+        it with this model's head units (plans from JSON or a checkpoint do not say)."""
         p = self.plan
         plan.check_model(p.tp_size, p.num_layers, p.attn_units, p.mlp_units, p.mlp_unit_size)
+        return dataclasses.replace(plan, heads=p.heads)
 
     def install(self, module, plan: PartitionPlan, step=None, fault=None) -> Migration:
         """Move weights of a model that has no optimizer yet (right after it was built)."""
-        self.check(plan)
+        plan = self.check(plan)
         migration, _ = self._move(module, plan, optimizer=None, step=step, fault=fault)
         return migration
 
@@ -137,7 +188,7 @@ class HetPartition:
 
         `state` holds .model (DDP), .optimizer, .scheduler and .config; they are replaced in place.
         """
-        self.check(plan)
+        plan = self.check(plan)
         with gathered_params(state):
             view = OptimizerView(state.optimizer)
             view.gather()  # whole masters and moments under the distributed optimizer
@@ -155,7 +206,7 @@ class HetPartition:
             moved = torch.tensor([migration.units_moved], dtype=torch.int64, device=comm_device())
             dist.all_reduce(moved, op=dist.ReduceOp.MAX)
             if moved.item():
-                _rebuild(state, replaced, view)
+                _rebuild(state, *replaced, old=view)
             else:  # at most a local reorder, done on the gathered copies
                 _write_back(view)
         return migration
@@ -163,7 +214,7 @@ class HetPartition:
     def reorder(self, state, plan: PartitionPlan) -> None:
         """Adopt `plan`, which only changes local orders: permute weights and optimizer state
         in place (same parameter objects, so DDP and the optimizer stay as they are). Local."""
-        self.check(plan)
+        plan = self.check(plan)
         for index in range(plan.num_layers):
             for block in BLOCKS:
                 for rank in range(plan.tp_size):
@@ -218,16 +269,19 @@ class HetPartition:
                 fault=fault,
                 agree_over=agree_over,
             )
-            replaced = self._commit(blocks, pieces, positions, plan, keys, result)
+            replaced, created = self._commit(blocks, pieces, positions, plan, keys, result)
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
         self._size_checkpoint_runs(blocks)
-        return migration, replaced
+        self._mark_replicas(blocks)
+        return migration, (replaced, created)
 
     def _commit(self, blocks, pieces, positions, plan, state_keys, result):
-        """Install the new shards; local only, so it cannot leave ranks disagreeing."""
+        """Install the new shards; local only, so it cannot leave ranks disagreeing. Returns
+        {old param: (new param, moved state)} and, for K/V replicas new to this rank,
+        {new param: (fp32 master or None, optimizer state)}."""
         incoming = {(m.layer, m.block, m.unit): tensors for m, tensors in result.received.items()}
-        replaced = {}
+        replaced, created = {}, {}
         for (index, name), block in blocks.items():
             old_units, new_units = block.units, plan.units(index, name, self.rank)
             if old_units == new_units:
@@ -255,12 +309,51 @@ class HetPartition:
                 moments.append(
                     {k: rebuilt[i * per_param + 1 + j] for j, k in enumerate(state_keys)}
                 )
-            block.set_units(new_units, new_shards)
+            replicas, new_state = _new_replicas(
+                block, new_units, rebuilt[len(old_params) * per_param :], state_keys
+            )
+            if replicas:
+                block.set_units(new_units, new_shards, replicas)
+            else:
+                block.set_units(new_units, new_shards)
             for old, (_, _, new, _), param_moments in zip(
                 old_params, block.unit_tensors(), moments
             ):
                 replaced[old] = (new, param_moments)
-        return replaced
+            for name, by_group, _ in block.replica_tensors() if replicas else ():
+                for group, param in by_group.items():
+                    if (name, group) in new_state:
+                        created[param] = new_state[(name, group)]
+        return replaced, created
+
+
+def _new_replicas(block, new_units, stacked, state_keys):
+    """The K/V replicas a head-unit block holds under `new_units`: its own Parameter where it
+    held the group already, else the payload of the first new unit of the group (weights, and
+    the master and moments: every replica's are equal). Returns ({} with group units)
+    {name: {group: Parameter or tensor}} and {(name, group): (master, state)} of the new ones."""
+    if not block.replica_tensors():
+        return {}, {}
+    heads, per_tensor = block.heads, len(state_keys) + 1
+    first = {}
+    for position, unit in enumerate(new_units):
+        first.setdefault(heads.group_of(unit), position)
+    replicas, new_state = {}, {}
+    for t, (name, held, shape) in enumerate(block.replica_tensors()):
+        rows = shape[0]
+        out = replicas.setdefault(name, {})
+        for group, position in first.items():
+            if group in held:
+                out[group] = held[group]
+                continue
+            columns = [
+                stacked[t * per_tensor + j].narrow(0, position * rows, rows).clone()
+                for j in range(per_tensor)
+            ]
+            out[group] = columns[0]
+            state = dict(zip(state_keys, columns[1:]))
+            new_state[(name, group)] = (state.pop("master", None), state)
+    return replicas, new_state
 
 
 def _set_checkpoint_runs(blocks, plan: PartitionPlan) -> None:
@@ -281,7 +374,7 @@ def _write_back(view) -> None:
             view.scatter(param, view.master(param), view.state[param])
 
 
-def _rebuild(state, replaced, old, extra=None):
+def _rebuild(state, replaced, extra=None, *, old):
     """New DDP wrapper and optimizer around the re-shaped parameters, same training state:
     fp32 masters, moments, step count, loss scaler and learning-rate schedule carry over.
     `old` is the gathered view of the old optimizer; `extra` gives parameters new to the
@@ -321,7 +414,8 @@ def _rebuild(state, replaced, old, extra=None):
     old_ddp.buffers, old_ddp.bucket_groups = [], []
     old_ddp.expert_parallel_buffers, old_ddp.expert_parallel_bucket_groups = [], []
     old_ddp.grad_accs, old_ddp.params_with_grad = [], []
-    for old_param in replaced:
+    live = set(model.module.parameters())  # replaced ones, and K/V replicas given up
+    for old_param in [p for p in whole_state(old) if p not in live]:
         for key in ("main_grad", "main_param", "main_param_sharded"):
             old_param.__dict__.pop(key, None)
     for param in model.module.parameters():

@@ -26,8 +26,10 @@ from hettp.resize import (
     check_shares,
     realized_share,
     skipped_count,
+    skipped_units,
     swapped_units,
 )
+from hettp.units import UnitLayout
 
 from . import cpu_compat
 from .ddp import gathered_params
@@ -273,8 +275,9 @@ class Resizer:
         keys = state_keys(optimizer, blocks)
         has_moments = any(k != "master" for k in keys)
         wanted = [k for k in keys if k != "master" or weights]
+        idle = self._idle_groups(blocks)
         with torch.no_grad():
-            for block in blocks.values():
+            for (index, _), block in blocks.items():
                 n, active = len(block.units), block.active
                 if active == n:
                     continue
@@ -283,7 +286,27 @@ class Resizer:
                         self._stash.extend(_Frozen(v) for v in layout.suffix(param.data, n, active))
                     for key in wanted:
                         self._stash.extend(_frozen_state(optimizer, param, key, layout, n, active))
+                for param in _replicas_of(block, idle.get(index, ())):
+                    whole = UnitLayout(0, param.shape[0])
+                    if weights:
+                        self._stash.append(_Frozen(param.data))
+                    for key in wanted:
+                        self._stash.extend(_frozen_state(optimizer, param, key, whole, 1, 0))
         return has_moments
+
+    def _idle_groups(self, blocks) -> dict:
+        """{layer: groups none of whose heads any rank computes} (head units): their K/V
+        replicas get no gradient anywhere and are frozen like skipped units."""
+        plan, out = self.partition.plan, {}
+        skipped = skipped_units(plan, self.shares)
+        for (index, name), block in blocks.items():
+            heads = block.heads
+            if heads is None:
+                continue
+            off = set().union(*(skipped[(index, name, r)] for r in range(plan.tp_size)))
+            live = {heads.group_of(u) for u in range(heads.units) if u not in off}
+            out[index] = set(range(heads.groups)) - live
+        return out
 
     def _owned(self, state) -> _Owned:
         """Which elements this DP rank scores. Whole evidence from a checkpoint becomes DP rank
@@ -318,6 +341,13 @@ class Resizer:
                 for key, b in blocks.items()
             }
         return self._evidence
+
+
+def _replicas_of(block, groups) -> list:
+    """A head-unit block's K/V replicas of `groups` (none with group units)."""
+    if block.heads is None:
+        return []
+    return [p for _, held, _ in block.replica_tensors() for g, p in held.items() if g in groups]
 
 
 class _Frozen:

@@ -169,7 +169,11 @@ class HetTPRuntime:
             return None
         from .spec import get_het_gpt_layer_spec
 
-        return get_het_gpt_layer_spec(self.normalization, self.config.granularity)
+        return get_het_gpt_layer_spec(
+            self.normalization,
+            self.config.granularity,
+            self.config.head_units(self.config.validated_for),
+        )
 
     def configure(self, config, saved: SavedPlan | None = None) -> None:
         """Before the model is built: with pipeline stages, a checkpoint saved after layer moves
@@ -394,7 +398,10 @@ class HetTPRuntime:
             self.controller.begin_step(iteration)
 
     def before_optimizer_step(self) -> None:
-        """After backward, before optimizer.step(): resized ranks impute or score gradients."""
+        """After backward, before optimizer.step(): K/V replicas get their summed gradients
+        (head units), resized ranks impute or score gradients."""
+        if self.partition is not None:
+            self.partition.sum_replica_grads(self.state.model)
         if self.resizer is not None:
             self.resizer.before_step(self.state)
         if self.controller is not None:

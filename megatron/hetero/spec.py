@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from .layers import (
     HetColumnParallelLinear,
     HetMLP,
+    HetQKVLinear,
     HetRowParallelLinear,
     HetSelfAttention,
     SDPACoreAttention,
@@ -120,11 +121,15 @@ def gpt_block_spec(layer_spec: ModuleSpec, num_layers: int) -> TransformerBlockS
     )
 
 
-def get_het_gpt_layer_spec(normalization: str = "LayerNorm", mlp_unit_size: int = 1) -> ModuleSpec:
+def get_het_gpt_layer_spec(
+    normalization: str = "LayerNorm", mlp_unit_size: int = 1, attn_head_units: int = 0
+) -> ModuleSpec:
+    """`attn_head_units`: query heads per attention unit (0: a whole query group)."""
     spec = get_local_gpt_layer_spec(normalization)
     attention = spec.submodules.self_attention
     attention.module = HetSelfAttention
-    attention.submodules.linear_qkv = HetColumnParallelLinear
+    attention.params = {**(attention.params or {}), "head_units": attn_head_units}
+    attention.submodules.linear_qkv = HetQKVLinear
     attention.submodules.core_attention = SDPACoreAttention
     attention.submodules.linear_proj = HetRowParallelLinear
     mlp = spec.submodules.mlp

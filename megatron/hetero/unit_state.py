@@ -14,6 +14,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from hettp.exchange import TensorSpec
+from hettp.units import UnitLayout
 
 
 class OptimizerView:
@@ -187,7 +188,10 @@ def carry_into(optimizer, carried: dict) -> None:
     for sub in view.sharded:
         for param in held_params(sub):
             if param in carried:
-                view.scatter(param, *carried[param])
+                master, param_state = carried[param]
+                if param_state and step is not None and "step" not in param_state:
+                    param_state = {**param_state, "step": _copied(step)}
+                view.scatter(param, master, param_state)
     with torch.no_grad():
         for sub in view.subs:
             if sub in view.sharded:
@@ -256,14 +260,34 @@ def state_keys(optimizer, blocks) -> list[str]:
 
 
 def unit_tensors(block, optimizer, state_keys):
-    """(tensor, layout) per unit-sharded parameter, each followed by its `state_keys` tensors."""
+    """(tensor, layout) per unit-sharded parameter, each followed by its `state_keys` tensors.
+
+    With head units, then per K/V replica tensor a temporary one holding, for each local unit
+    in order, its group's replica (and each state tensor likewise): what a moved head carries
+    so that its receiver can hold the group's K/V (partition.py keeps one copy per group)."""
     out = []
     for _, _, param, layout in block.unit_tensors():
         out.append((param.data, layout))
         for key in state_keys:
-            extra = optimizer.master(param) if key == "master" else optimizer.state[param][key]
-            out.append((extra.data if key == "master" else extra, layout))
+            out.append((_state_of(optimizer, param, key), layout))
+    for _, by_group, shape in block.replica_tensors():
+        layout = UnitLayout(0, shape[0])
+        per_unit = [by_group[block.heads.group_of(u)] for u in block.units]
+        template = next(iter(block.unit_tensors()))[2]
+        for key in [None, *state_keys]:
+            dtype = template.dtype if key is None else torch.float32
+            tensors = [p.data if key is None else _state_of(optimizer, p, key) for p in per_unit]
+            stacked = (
+                torch.cat(tensors)
+                if tensors
+                else torch.empty((0, *shape[1:]), dtype=dtype, device=template.device)
+            )
+            out.append((stacked, layout))
     return out
+
+
+def _state_of(optimizer, param, key):
+    return optimizer.master(param).data if key == "master" else optimizer.state[param][key]
 
 
 def payload(pieces, num_local_units, position):
@@ -293,4 +317,8 @@ def unit_specs(block, state_keys) -> list[TensorSpec]:
         shape = layout.payload_shape(param.shape)
         specs.append(TensorSpec(shape, param.dtype, layout.axis))
         specs.extend(TensorSpec(shape, torch.float32, layout.axis) for _ in state_keys)
+    dtype = next(iter(block.unit_tensors()))[2].dtype
+    for _, _, shape in block.replica_tensors():
+        specs.append(TensorSpec(tuple(shape), dtype, 0))
+        specs.extend(TensorSpec(tuple(shape), torch.float32, 0) for _ in state_keys)
     return specs

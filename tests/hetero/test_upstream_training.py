@@ -25,9 +25,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 # A tiny GPT with upstream's own flags; the fusions are CUDA kernels, dropout 0 for exact
-# comparisons, and a fixed decay length so a resumed run keeps the same schedule.
+# comparisons, and a fixed decay length so a resumed run keeps the same schedule. One query
+# group per TP rank: the het-TP runs use query heads as attention units (HEADS).
 MODEL = (
     "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+    "--group-query-attention --num-query-groups 2 "
     "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 2 "
     "--lr 1e-3 --lr-decay-iters 14 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
     "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-interval 100 "
@@ -36,6 +38,7 @@ MODEL = (
     "--no-bias-dropout-fusion"
 ).split()
 STRAGGLER = ["--het-tp-emulate", "persistent:rank=1,factor=3", "--het-tp-interval", "2"]
+HEADS = ["--het-tp-attn-granularity", "1"]
 # the weight-decay schedule's length follows --train-iters, which a resumed run extends
 RESUME = ["--override-opt_param-scheduler"]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
@@ -149,6 +152,7 @@ def migrated(trees, vanilla):
         "--het-tp-policy",
         "migrate",
         *STRAGGLER,
+        *HEADS,
         "--train-iters",
         "12",
         "--save",
@@ -224,6 +228,7 @@ def test_het_tp_resumes_in_the_migrated_plan(trees, vanilla_resumed, migrated):
         "migrate",
         "--het-tp-interval",
         "2",
+        *HEADS,
     )
     assert resumed.returncode == 0, str(resumed)
     last_plan = re.findall(r"het-TP repartition at iteration \d+: (TP=2 .*?) \|", run.output)[-1]
@@ -236,7 +241,7 @@ def test_het_tp_resumes_in_the_migrated_plan(trees, vanilla_resumed, migrated):
 
 def test_resize_under_a_straggler_decides_and_finishes(trees, vanilla):
     _, patched, _ = trees
-    run = launch(patched, "--het-tp-policy", "resize", *STRAGGLER, "--train-iters", "8")
+    run = launch(patched, "--het-tp-policy", "resize", *STRAGGLER, *HEADS, "--train-iters", "8")
     assert run.returncode == 0, str(run)
     assert re.search(r"het-TP decision at iteration \d+: resize", run.output), str(run)
     assert sorted(run.losses) == list(range(1, 9))

@@ -329,20 +329,38 @@ def _gather_full(module, group, dp_group=None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron.hetero.layers import UnitShardedLinear
+    from megatron.hetero.layers import HetQKVLinear, UnitShardedLinear
 
-    unit_owned = {}
+    unit_owned, head_owned, replicas = {}, {}, set()
     for m in module.modules():
-        if isinstance(m, UnitShardedLinear):
+        if isinstance(m, HetQKVLinear) and m.heads is not None:
+            for name in m.unit_layouts:
+                head_owned[id(getattr(m, name))] = (m, name)
+                replicas.update(id(p) for p in m.replica_params(name).values())
+        elif isinstance(m, UnitShardedLinear):
             for name, layout in m.unit_layouts.items():
                 unit_owned[id(getattr(m, name))] = (m, layout)
     full = {}
     tp = dist.get_world_size(group)
     for name, param in module.named_parameters():
+        if id(param) in replicas:  # in the canonical QKV tensor, with the query rows
+            continue
         for what, tensor in (("param", param.detach()), ("grad", param.grad)):
             if tensor is None:
                 continue
-            if id(param) in unit_owned:
+            if id(param) in head_owned:
+                m, pname = head_owned[id(param)]
+                of = (lambda p: p.detach()) if what == "param" else (lambda p: p.grad)
+                mine = {
+                    fragment: view.clone()
+                    for view, fragment, main in m.canonical_fragments(pname, of)
+                    if main
+                }
+                gathered = [None] * tp
+                dist.all_gather_object(gathered, mine, group=group)
+                pieces = {f: t for part in gathered for f, t in part.items()}
+                value = torch.cat([pieces[f] for f in range(m.heads.fragments)])
+            elif id(param) in unit_owned:
                 m, layout = unit_owned[id(param)]
                 mine = {
                     u: layout.payload(tensor, len(m.units), i).clone()
@@ -374,7 +392,7 @@ def _unit_slices(full_name, module, units_by_block):
                 f"decoder.layers.{index}.{'self_attention' if block_name == 'attn' else 'mlp'}."
                 f"{linear}.{param_name}" == full_name
             ):
-                return [(layout, u) for u in units]
+                return [(layout, u, getattr(block, linear)) for u in units]
     return []
 
 
@@ -384,10 +402,22 @@ def _mask_units(full, module, units_by_block):
     all_zero = True
     for key, tensor in full.items():
         what, _, name = key.partition(":")
-        for layout, unit in _unit_slices(name, module, units_by_block):
-            for part in range(layout.parts):
-                index, _ = layout.global_fragment(unit, part, _num_units(module, name))
-                view = tensor.narrow(layout.axis, index * layout.width, layout.width)
+        for layout, unit, linear in _unit_slices(name, module, units_by_block):
+            heads = getattr(linear, "heads", None)
+            if heads is not None:  # head units: the unit's query heads in the canonical QKV
+                dim = linear.head_dim
+                views = [tensor.narrow(0, f * dim, dim) for f in heads.query_fragments(unit)]
+            else:
+                views = [
+                    tensor.narrow(
+                        layout.axis,
+                        layout.global_fragment(unit, part, _num_units(module, name))[0]
+                        * layout.width,
+                        layout.width,
+                    )
+                    for part in range(layout.parts)
+                ]
+            for view in views:
                 if what == "grad":
                     all_zero = all_zero and bool((view == 0).all())
                 view.zero_()
@@ -429,7 +459,9 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
             from megatron.hetero.partition import HetPartition
             from megatron.hetero.spec import get_het_gpt_layer_spec
 
-            spec = get_het_gpt_layer_spec(args.normalization, args.het_tp_granularity)
+            spec = get_het_gpt_layer_spec(
+                args.normalization, args.het_tp_granularity, args.het_tp_attn_granularity
+            )
         module = build_gpt_model(args, transformer_config(args), tokenizer.vocab_size, spec)
         if args.het_tp:
             partition = HetPartition(module)
@@ -482,6 +514,8 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
             module.zero_grad(set_to_none=True)
             losses = module(mine, position, mask, labels=labels)
             losses.mean().backward()
+            if partition is not None:  # what the runtime does: K/V replicas' sum
+                partition.sum_replica_grads(module, attr="grad")
             for param in module.parameters():
                 # what finalize_model_grads does under sequence parallelism: sum the replicated
                 # norm weights' gradients over the TP group (each rank saw part of the sequence)

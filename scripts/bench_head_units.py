@@ -1,0 +1,101 @@
+"""Query heads against query groups as attention units, side by side in one invocation.
+
+    python scripts/bench_head_units.py [--tp 2] [--factor 3] [--rank 0] [--repeats 2]
+                                       [--iters 24] [--out results/head_units]
+
+A GQA model with one query group per TP rank (Llama-style: SwiGLU, RoPE, RMSNorm), a persistent
+straggler of --factor on TP rank --rank: scripts/compare.py runs it twice, with whole groups as
+attention units (today's default) and with one query head per unit
+(--het-tp-attn-granularity 1), each against plain vanilla megatron-core, and this prints the
+steady E of migrate and hybrid from both next to each other. With more ranks than cores the
+runs are dilated (compare.py --dilation auto). Reports land in --out/tp<T>-<F>x/{groups,heads}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+COMPARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare.py")
+
+
+def model(tp: int, hidden: int) -> list[str]:
+    """One query group per TP rank, four query heads per group."""
+    return (
+        f"--num-layers 2 --hidden-size {hidden} --num-attention-heads {4 * tp} "
+        f"--group-query-attention --num-query-groups {tp} --swiglu "
+        f"--ffn-hidden-size {hidden * 11 // 4} --position-embedding-type rope "
+        "--normalization RMSNorm --disable-bias-linear --seq-length 128 "
+        "--max-position-embeddings 128 --micro-batch-size 4 --lr 1e-4 --mock-data "
+        "--vocab-size 255 --hidden-dropout 0 --attention-dropout 0"
+    ).split()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--factor", type=float, default=3.0, help="the straggler's slowdown")
+    p.add_argument("--rank", type=int, default=0, help="the straggling TP rank")
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--iters", type=int, default=24)
+    p.add_argument("--out", default="results/head_units")
+    a = p.parse_args(argv)
+    if not 0 <= a.rank < a.tp:
+        p.error(f"--rank {a.rank} is not a TP rank of --tp {a.tp}")
+    out = os.path.join(a.out, f"tp{a.tp}-{a.factor:g}x-rank{a.rank}")
+    os.makedirs(out, exist_ok=True)
+    scenario = os.path.join(out, "scenario.json")
+    name = f"persistent-{a.factor:g}x-rank{a.rank}"
+    with open(scenario, "w", encoding="utf-8") as f:
+        json.dump([{"name": name, "emulate": f"persistent:rank={a.rank},factor={a.factor:g}"}], f)
+    flags = model(a.tp, a.hidden_size)
+    rows = {}
+    for units, extra in (("groups", []), ("heads", ["--het-tp-attn-granularity", "1"])):
+        report = os.path.join(out, units)
+        code = subprocess.call(
+            [
+                sys.executable,
+                COMPARE,
+                "--tp",
+                str(a.tp),
+                "--scenarios",
+                scenario,
+                "--policies",
+                "migrate,hybrid",
+                "--repeats",
+                str(a.repeats),
+                "--iters",
+                str(a.iters),
+                "--out",
+                report,
+                "--",
+                *flags,
+                *extra,
+            ]
+        )
+        if code:
+            return code
+        with open(os.path.join(report, "report.json"), encoding="utf-8") as f:
+            rows[units] = {(r["scenario"], r["policy"]): r for r in json.load(f)["rows"]}
+    lines = [
+        f"head units vs group units: TP={a.tp}, one query group per rank, rank {a.rank} "
+        f"{a.factor:g}x slower (steady E, 1.0 = the bound)",
+        f"{'policy':<8} {'groups E':>9} {'heads E':>8} {'heads/groups':>13}",
+    ]
+    for policy in ("migrate", "hybrid"):
+        g, h = rows["groups"][(name, policy)]["E"], rows["heads"][(name, policy)]["E"]
+        ratio = f"{h / g:.3f}" if g else "-"
+        lines.append(f"{policy:<8} {g:>9.3f} {h:>8.3f} {ratio:>13}")
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(out, "summary.txt"), "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Query heads as attention units (--het-tp-attn-granularity), on real gloo groups.
+
+Models with one query group per TP rank: a plan may split a group's heads over ranks, which
+then hold its K and V as replicas. Numerics against vanilla megatron-core at TP=1 (dense, same
+weights), training against vanilla at the same TP size, migrations, resizing, checkpoints.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hettp.plan import PartitionPlan
+from hettp.resize import skipped_units
+from tests.utils import COMMON, close, het_numerics, run_ranks, train, train_with_repartitions
+
+# TP=2, one group per rank: 8 heads in 2 groups of 4, SwiGLU, RoPE, RMSNorm, no biases
+GQA2 = (
+    COMMON + " --num-attention-heads 8 --group-query-attention --num-query-groups 2 --swiglu"
+    " --ffn-hidden-size 128 --disable-bias-linear --position-embedding-type rope"
+    " --normalization RMSNorm --het-tp-granularity 2"
+)
+# TP=4, one group per rank: 16 heads in 4 groups of 4, GELU, biases (K/V bias replicas too)
+GQA4 = COMMON + " --num-attention-heads 16 --group-query-attention --num-query-groups 4"
+
+NUMERICS = {
+    # one head per unit: 3/5 splits group 0 (heads 0-3) over both ranks; 8/0 gives all to rank 0
+    "tp2": (GQA2, 2, "--het-tp-attn-granularity 1", [None, "attn=3,5", "attn=8,0"]),
+    # two heads per unit (8 units), sequence parallel: groups 0, 1 and 2 are split
+    "tp4-sp": (
+        GQA4 + " --sequence-parallel",
+        4,
+        "--het-tp-attn-granularity 2",
+        [None, "attn=1,3,2,2", "attn=3,0,4,1"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {m: run_ranks(het_numerics, 1, m.split(), [None])[0][0] for m in (GQA2, GQA4)}
+
+
+@pytest.mark.parametrize("case", list(NUMERICS))
+def test_split_groups_match_the_dense_reference(references, case):
+    model, tp, flags, plans = NUMERICS[case]
+    argv = (model + f" --tensor-model-parallel-size {tp} --het-tp {flags}").split()
+    results = run_ranks(het_numerics, tp, argv, plans)[0]
+    reference = references[model.replace(" --sequence-parallel", "")]
+    for plan, result in zip(plans, results):
+        assert set(result) == set(reference)
+        for key, want in reference.items():
+            close(result[key], want, f"{case} plan {plan} {key}")
+
+
+def test_resized_heads_equal_the_reference_with_those_heads_zeroed():
+    """Units of 2 heads; rank 1 holds units 1-3 and skips 2 and 3, all of group 1: no rank
+    computes with group 1's K/V then, and its gradient is zero like the skipped rows'."""
+    argv = GQA2.split() + ["--het-tp", "--het-tp-attn-granularity", "2"]
+    spec, shares = "attn=1,3", (0.0, 0.5)
+    plan = PartitionPlan.parse(spec, 2, 2, 4, 64, 2)
+    zeroed = {}
+    for (layer, block, _), units in skipped_units(plan, shares).items():
+        zeroed.setdefault((layer, block), []).extend(sorted(units))
+    assert zeroed[(0, "attn")] == [3]  # skipped_count(3, 0.5) == 1: the last unit
+    resized = run_ranks(
+        het_numerics, 2, argv + ["--tensor-model-parallel-size", "2"], [spec], shares, None, zeroed
+    )[0][0]
+    reference = run_ranks(het_numerics, 1, argv, [None], None, zeroed, zeroed)[0][0]
+    assert resized.pop("skipped_grads_zero") is True
+    reference.pop("skipped_grads_zero")
+    for key, want in reference.items():
+        close(resized[key], want, key)
+
+
+TRAINING = {
+    # TP=2 x DP=2 under the distributed optimizer: replicas' gradients are made whole over DP
+    # before their TP sum
+    "tp2-dp2-distopt": (
+        GQA2,
+        4,
+        "--tensor-model-parallel-size 2 --use-distributed-optimizer",
+        "--het-tp-attn-granularity 1",
+        "attn=3,5",
+        {3: "attn=3,5", 6: "attn=7,1", 8: "attn=4,4"},
+        # a moved head carries its query rows, output columns and its group's K and V (each
+        # head_dim 8 x hidden 64), plus Adam's two moments, fp32, in both layers
+        2 * (8 * 64 + 64 * 8 + 16 * 64) * 4 * 3,
+    ),
+    "tp4-sp": (
+        GQA4,
+        4,
+        "--tensor-model-parallel-size 4 --sequence-parallel",
+        "--het-tp-attn-granularity 2",
+        "attn=1,3,2,2",
+        {3: "attn=1,3,2,2", 6: "attn=3,0,4,1", 8: "attn=2,2,2,2"},
+        # unit 1 (2 heads of 4 rows) moves 0 -> 1 with rows, biases and its group's K/V
+        2 * (8 * 64 + 8 + 64 * 8 + 8 * 64 + 8) * 4 * 3,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAINING))
+def test_split_plans_and_migrations_train_as_vanilla(case):
+    """10 steps, gradient clipping on (megatron's default 1.0: a replica counted twice in the
+    gradient norm would change every clipped step): vanilla megatron-core, a plan splitting
+    groups from the start, and the even plan migrated three times, creating and dropping
+    K/V replicas."""
+    model, world, parallel, flags, split, plans, first_bytes = TRAINING[case]
+    argv = (
+        model.replace("--train-iters 1", "--train-iters 10")
+        + f" --global-batch-size 8 --eval-iters 0 --log-interval 5 {parallel}"
+    ).split()
+    het = ["--het-tp", *flags.split()]
+    vanilla = run_ranks(train, world, argv)[0]
+    split_run = run_ranks(train, world, argv + het + ["--het-tp-plan", split])[0]
+    migrated = run_ranks(train_with_repartitions, world, argv + het, plans)
+    for step in range(1, 11):
+        want = vanilla["losses"][step]
+        for got in [split_run["losses"][step]] + [r["losses"][step] for r in migrated]:
+            assert abs(got - want) <= 1e-6 * abs(want), f"{case} step {step}: {got} vs {want}"
+    events = migrated[0]["events"]
+    assert [e["iteration"] for e in events] == [3, 6, 8]
+    assert events[0]["bytes"] == first_bytes
+
+
+CKPT = (
+    GQA2.replace("--train-iters 1", "--train-iters 10")
+    + " --global-batch-size 8 --eval-iters 0 --log-interval 5"
+).split()
+
+
+def test_checkpoint_of_split_groups_loads_anywhere(tmp_path):
+    """Saved with group 0 split 3/1 over the ranks (its K/V saved once), step 5; resumed under
+    another split, under query-group units, and into vanilla megatron-core at TP=1."""
+    heads = ["--het-tp", "--het-tp-attn-granularity", "1"]
+    saved = run_ranks(
+        train,
+        2,
+        CKPT
+        + heads
+        + ["--tensor-model-parallel-size", "2", "--het-tp-plan", "attn=3,5"]
+        + ["--save", str(tmp_path / "ckpt"), "--save-interval", "5"],
+    )[0]
+    only5 = tmp_path / "only5"
+    only5.mkdir()
+    (only5 / "iter_0000005").symlink_to(tmp_path / "ckpt" / "iter_0000005")
+    (only5 / "latest_checkpointed_iteration.txt").write_text("5")
+    for world, flags in (
+        (2, heads + ["--tensor-model-parallel-size", "2", "--het-tp-plan", "attn=6,2"]),
+        (2, ["--het-tp", "--tensor-model-parallel-size", "2"]),
+        (1, []),
+    ):
+        resumed = run_ranks(train, world, CKPT + flags + ["--load", str(only5)])[0]
+        assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10], flags
+        for step in range(6, 11):
+            got, want = resumed["losses"][step], saved["losses"][step]
+            assert abs(got - want) <= 1e-5 * abs(want), f"{flags} step {step}: {got} vs {want}"

@@ -1,0 +1,100 @@
+"""Query heads as attention units, pure: which groups' K/V a rank holds, where a head sits in
+megatron-core's QKV tensor, the flag, and how the planner weighs K/V replicas (milliseconds)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hettp.config import ConfigError, HetTPConfig, ModelShape
+from hettp.plan import HeadUnits, PartitionPlan
+from hettp.planner import Planner, StepModel, grouped_plan, plan_work, proportional_plan
+
+# Llama-3-70B's attention at TP=8: 64 heads in 8 groups, one head per unit
+LLAMA = HeadUnits(heads_per_unit=1, heads_per_group=8, groups=8)
+
+
+def test_units_groups_and_canonical_fragments():
+    heads = HeadUnits(heads_per_unit=2, heads_per_group=4, groups=2)  # 8 heads, 4 units
+    assert heads.units == 4 and heads.fragments == 12  # per group: 4 query heads, K, V
+    assert [heads.group_of(u) for u in range(4)] == [0, 0, 1, 1]
+    assert heads.query_fragments(0) == (0, 1) and heads.query_fragments(3) == (8, 9)
+    assert heads.kv_fragments(0) == (4, 5) and heads.kv_fragments(1) == (10, 11)
+    every = sorted(
+        [f for u in range(4) for f in heads.query_fragments(u)]
+        + [f for g in range(2) for f in heads.kv_fragments(g)]
+    )
+    assert every == list(range(12))  # the canonical tensor, each piece once
+    owners = [(0, 1, 2), (3,)]  # group 1 split over both ranks
+    assert heads.holders(owners) == {0: (0,), 1: (0, 1)}
+    assert heads.replicated(owners) == (1,)
+    with pytest.raises(ValueError, match="3 query heads per attention unit do not divide"):
+        HeadUnits(3, 4, 2)
+
+
+def test_the_flag_is_checked_against_the_model():
+    gqa = ModelShape(
+        tp_size=2, num_layers=2, query_groups=2, ffn_hidden_size=128, attention_heads=8
+    )
+    config = HetTPConfig(het_tp=True, attn_granularity=1).validated(gqa)
+    assert config.head_units(gqa) == 1 and config.attention_units(gqa) == 8
+    whole = HetTPConfig(het_tp=True, attn_granularity=4).validated(gqa)
+    assert whole.head_units(gqa) == 0 and whole.attention_units(gqa) == 2  # = a whole group
+    plan = HetTPConfig(plan="attn=3,5", attn_granularity=1).validated(gqa).partition_plan
+    assert plan.counts(0, "attn") == (3, 5)
+    with pytest.raises(ConfigError, match="--het-tp-attn-granularity 3 must divide the 4 query"):
+        HetTPConfig(het_tp=True, attn_granularity=3).validated(gqa)
+    with pytest.raises(ConfigError, match="--het-tp-plan: .* sum to 2, the model has 8 units"):
+        HetTPConfig(plan="attn=1,1", attn_granularity=1).validated(gqa)
+
+
+def _plan(attn, mlp=(64, 64), heads=LLAMA, tp=2):
+    groups_plan = PartitionPlan.from_counts(tp, 2, heads.units, sum(mlp), attn, mlp, 4, heads)
+    return groups_plan
+
+
+def test_work_counts_the_replicas_a_split_brings():
+    heads = HeadUnits(1, 4, 2)
+    work = {"attn": 2.0, "mlp": 1.0, "kv": 2.0}
+    even = _plan((4, 4), heads=heads)
+    split = _plan((3, 5), heads=heads)
+    assert plan_work(even, work) == (2 * (8 + 64 + 2), 2 * (8 + 64 + 2))
+    # rank 1 holds a head of group 0 too: one more K/V replica per layer
+    assert plan_work(split, work) == (2 * (6 + 64 + 2), 2 * (10 + 64 + 4))
+    assert plan_work(dataclasses.replace(split, heads=None), work)[1] == 2 * (10 + 64)
+
+
+def test_grouped_plan_keeps_groups_whole_and_evens_out_with_the_mlp():
+    heads = HeadUnits(1, 4, 2)
+    work = {"attn": 2.0, "mlp": 1.0, "kv": 2.0}
+    plan = _plan((3, 5), heads=heads)  # group 0 split
+    grouped = grouped_plan(plan, (1.0, 3.0), work)
+    for layer in range(2):
+        assert heads.replicated(grouped.layers[layer]["attn"]) == ()
+        # rank 0 held 3 of group 0's heads: it keeps group 0
+        assert set(grouped.units(layer, "attn", 0)) == {0, 1, 2, 3}
+    w = plan_work(grouped, work)
+    assert w[0] / sum(w) == pytest.approx(0.25, abs=0.02)  # MLP evened the shares out
+
+
+def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
+    heads = HeadUnits(1, 4, 2)
+    work = {"attn": 2.0, "mlp": 1.0, "kv": 2.0}
+    planner = Planner("migrate", work)
+    even = _plan((4, 4), heads=heads)
+    # rank 0 at 2x: the MLP alone can even the work out, no replica is worth it
+    slow = StepModel(rest=0.0, factors=(2.0, 1.0), slope=1.0)
+    target = planner._target(even, slow)
+    assert all(heads.replicated(layer["attn"]) == () for layer in target.layers)
+    assert target.counts(0, "mlp")[0] < 64
+    # a 3x rank, and an MLP too small to absorb what a whole group leaves: it splits group 0
+    tiny = _plan((4, 4), mlp=(1, 1), heads=heads)
+    slower = StepModel(rest=0.0, factors=(3.0, 1.0), slope=1.0)
+    target = planner._target(tiny, slower)
+    assert target.counts(0, "attn") == (2, 6)
+    assert heads.replicated(target.layers[0]["attn"]) == (0,)
+    grouped = grouped_plan(tiny, [1 / 3, 1.0], work)
+    assert grouped.counts(0, "attn") == (0, 8)
+    assert slower.step_time(plan_work(target, work)) < slower.step_time(plan_work(grouped, work))
+    assert target == proportional_plan(tiny, slower.balanced_work(sum(plan_work(tiny, work))))
