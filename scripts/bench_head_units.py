@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                 "--tp",
                 str(a.tp),
                 "--scenarios",
-                scenario,
+                f"none,{scenario}",  # none: the baseline (T_fast, C)
                 "--policies",
                 "migrate,hybrid",
                 "--repeats",

@@ -11,7 +11,15 @@ import pytest
 
 from hettp.plan import PartitionPlan
 from hettp.resize import skipped_units
-from tests.utils import COMMON, close, het_numerics, run_ranks, train, train_with_repartitions
+from tests.utils import (
+    COMMON,
+    close,
+    het_numerics,
+    run_ranks,
+    train,
+    train_with_layer_moves,
+    train_with_repartitions,
+)
 
 # TP=2, one group per rank: 8 heads in 2 groups of 4, SwiGLU, RoPE, RMSNorm, no biases
 GQA2 = (
@@ -155,3 +163,22 @@ def test_checkpoint_of_split_groups_loads_anywhere(tmp_path):
         for step in range(6, 11):
             got, want = resumed["losses"][step], saved["losses"][step]
             assert abs(got - want) <= 1e-5 * abs(want), f"{flags} step {step}: {got} vs {want}"
+
+
+def test_layers_with_split_groups_move_between_pipeline_stages():
+    """TP=2 x PP=2, four layers whose group 0 is split 3/1: layers move to the last stage at 3
+    and back at 5, each built there with its K/V replicas; the losses stay vanilla's."""
+    argv = (
+        GQA2.replace("--num-layers 2", "--num-layers 4").replace("--train-iters 1", "")
+        + " --train-iters 7 --global-batch-size 8 --eval-iters 0 --log-interval 1"
+        " --lr-decay-iters 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
+    ).split()
+    vanilla = run_ranks(train, 4, argv)[0]["losses"]
+    heads = argv + "--het-tp --het-tp-attn-granularity 1 --het-tp-plan attn=3,5".split()
+    ranks = run_ranks(train_with_layer_moves, 4, heads, {3: (1, 3), 5: (3, 1)})
+    for rank, result in enumerate(ranks):
+        assert [e["iteration"] for e in result["events"] if "sent" in e] == [3, 5], rank
+        assert result["seen"][5][0] == ([1, 2, 3] if rank < 2 else [4])
+        for step in range(1, 8):
+            got, want = result["losses"][step], vanilla[step]
+            assert abs(got - want) <= 1e-6 * abs(want), f"rank {rank} step {step}"
