@@ -235,6 +235,13 @@ class Decision:
         return self.action in ("migrate", "hybrid-migrate")
 
 
+# An attention unit's work counts its GEMMs by their parameters; its core attention costs more on
+# top, by how much depends on the kernel and the sequence: forward and backward of torch's SDPA
+# on CPU at sequence 128 and head dim 64 took 0.8x its heads' GEMMs (results/notes.md), a fused
+# GPU kernel far less. The planner keeps head units in whole groups only where that is no slower
+# at either end of this range.
+ATTENTION_COST_RANGE = (1.0, 2.0)
+
 # A move at a report, the straggle unchanged, must gain this much of the predicted step: the
 # model's noise between reports stays below it, a first move made before the model knew the
 # per-call cost does not.
@@ -390,17 +397,21 @@ class Planner:
         )
 
     def _target(self, plan, model) -> PartitionPlan:
-        """The plan the model balances: unit counts proportional to the ranks' speeds; with
-        head units also the one that keeps attention in whole query groups and lets the MLP
-        even out the work (no K/V replicas), whichever the model predicts faster (a tie keeps
-        whole groups: less memory)."""
+        """The plan the model balances: unit counts proportional to the ranks' speeds. With head
+        units, the plan keeping attention in whole query groups (no K/V replicas; the MLP evens
+        out the work) where the model predicts it no slower for any attention cost in
+        ATTENTION_COST_RANGE: a proportional split is right whatever attention costs, a
+        compensating MLP only where its cost is right."""
         speeds = _speeds(model, plan, self.unit_work)
         target = proportional_plan(plan, speeds)
         if plan.heads is None:
             return target
         whole = grouped_plan(plan, speeds, self.unit_work)
-        split = model.step_time(plan_work(target, self.unit_work))
-        return whole if model.step_time(plan_work(whole, self.unit_work)) <= split else target
+        for scale in ATTENTION_COST_RANGE:
+            work = {**self.unit_work, "attn": self.unit_work["attn"] * scale}
+            if model.step_time(plan_work(whole, work)) > model.step_time(plan_work(target, work)):
+                return target
+        return whole
 
     def _migrate(self, plan, model, before, detection, action, shares, why=None, min_gain=None):
         target = self._target(plan, model)

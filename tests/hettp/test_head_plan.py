@@ -83,11 +83,14 @@ def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
     work = {"attn": 2.0, "mlp": 1.0, "kv": 2.0}
     planner = Planner("migrate", work)
     even = _plan((4, 4), heads=heads)
-    # rank 0 at 2x: the MLP alone can even the work out, no replica is worth it
-    slow = StepModel(rest=0.0, factors=(2.0, 1.0), slope=1.0)
+    # rank 0 at 1.3x: the MLP alone evens the work out whatever attention costs
+    slow = StepModel(rest=0.0, factors=(1.3, 1.0), slope=1.0)
     target = planner._target(even, slow)
     assert all(heads.replicated(layer["attn"]) == () for layer in target.layers)
-    assert target.counts(0, "mlp")[0] < 64
+    assert target.counts(0, "attn") == (4, 4) and target.counts(0, "mlp")[0] < 64
+    # at 2x, keeping group 0 on rank 0 is right only if core attention costs nothing: split
+    target = planner._target(even, StepModel(rest=0.0, factors=(2.0, 1.0), slope=1.0))
+    assert target.counts(0, "attn") == (3, 5)
     # a 3x rank, and an MLP too small to absorb what a whole group leaves: it splits group 0
     tiny = _plan((4, 4), mlp=(1, 1), heads=heads)
     slower = StepModel(rest=0.0, factors=(3.0, 1.0), slope=1.0)
