@@ -347,8 +347,12 @@ class HetTPConfig:
         )
         per_group = shape.heads // shape.query_groups
         _require(
-            self.attn_granularity == 0
-            or (self.attn_granularity > 0 and per_group % self.attn_granularity == 0),
+            self.attn_granularity >= 0,
+            f"--het-tp-attn-granularity must be >= 0 (0: whole query groups), got "
+            f"{self.attn_granularity}",
+        )
+        _require(
+            self.attn_granularity == 0 or per_group % self.attn_granularity == 0,
             f"--het-tp-attn-granularity {self.attn_granularity} must divide the "
             f"{per_group} query heads per group (--num-attention-heads {shape.heads} / "
             f"--num-query-groups {shape.query_groups}), or be 0 for whole groups",

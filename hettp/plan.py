@@ -1,7 +1,8 @@
 """Partition plans: which TP rank owns which units of every layer's attention and MLP.
 
 A unit is the smallest piece of a TP-sharded block that can live on any rank: one query group
-(its query heads plus its K and V heads) for attention, `mlp_unit_size` ffn neurons for the MLP.
+(its query heads plus its K and V heads) or, with head units (HeadUnits), a few query heads of a
+group for attention, `mlp_unit_size` ffn neurons for the MLP.
 A plan lists, per layer and block, the units of each rank in the rank's local order. Ranks may
 own different numbers of units, including none, and layers may differ.
 
@@ -180,7 +181,7 @@ class PartitionPlan:
         heads: HeadUnits | None = None,
     ) -> PartitionPlan:
         """Megatron's own partition: equal contiguous shares."""
-        for name, total in (("query groups", attn_units), ("MLP units", mlp_units)):
+        for name, total in (("attention units", attn_units), ("MLP units", mlp_units)):
             if total % tp_size:
                 raise PlanError(
                     f"an even plan needs {name} ({total}) divisible by TP size {tp_size}"

@@ -208,15 +208,18 @@ def balancing_shares(
     """Resize shares that bring each straggler down to the slowest other rank's compute time
     (no migration: everybody else keeps its work), within the cap."""
     work = plan_work(plan, unit_work)
+    # head units' K/V replicas are computed whatever a rank skips: not resizable
+    kept = plan_work(plan, {"attn": 0.0, "mlp": 0.0, "kv": unit_work.get("kv", 0.0)})
     others = [model.rank_time(r, w) for r, w in enumerate(work) if r not in stragglers]
     target = max(others) if others else 0.0
     shares = []
     for rank, w in enumerate(work):
-        if rank not in stragglers or w == 0 or model.rank_time(rank, w) <= target:
+        movable = w - kept[rank]
+        if rank not in stragglers or movable <= 0 or model.rank_time(rank, w) <= target:
             shares.append(0.0)
             continue
-        keep = (target / model.factors[rank] - model.fixed) / model.slope
-        shares.append(round(min(cap, 1.0 - keep / w), 4))
+        keep = (target / model.factors[rank] - model.fixed) / model.slope - kept[rank]
+        shares.append(round(min(cap, 1.0 - keep / movable), 4))
     return tuple(shares)
 
 

@@ -8,7 +8,8 @@ straggler of --factor on TP rank --rank: scripts/compare.py runs it twice, with 
 attention units (today's default) and with one query head per unit
 (--het-tp-attn-granularity 1), each against plain vanilla megatron-core, and this prints the
 steady E of migrate and hybrid from both next to each other. With more ranks than cores the
-runs are dilated (compare.py --dilation auto). Reports land in --out/tp<T>-<F>x/{groups,heads}.
+runs are dilated (compare.py --dilation auto). Reports land in
+--out/tp<T>-<F>x-rank<R>/{groups,heads}, the side-by-side table in summary.txt there.
 """
 
 from __future__ import annotations

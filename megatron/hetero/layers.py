@@ -186,13 +186,13 @@ class HetQKVLinear(HetColumnParallelLinear):
     """linear_qkv. With query groups as units, a HetColumnParallelLinear. With query heads as
     units (`split_heads`), `weight` (and `bias`) hold only the query rows of this rank's heads,
     and each group one of them belongs to has its K and V rows in `kv_weight[str(group)]`
-    (`kv_bias`): a replica, one Parameter per group, so the replicas other than the main one can
-    be left out of the gradient norm (megatron-core skips parameters marked `shared`) and the
-    replicated ones found for the per-step sum of their gradients (`het_replicated`)."""
+    (`kv_bias`): a replica, one Parameter per group. HetPartition marks them after every change
+    of owners: the lowest holder's is the main one, the others are `shared` (megatron-core's
+    gradient norm skips them; a checkpoint saves the main one), and those of groups held twice
+    or more are `het_replicated` (their gradients are summed once per step)."""
 
     heads: HeadUnits | None = None
     head_dim: int = 0
-    main_groups: frozenset = frozenset()  # groups whose main replica this rank holds
 
     def split_heads(self, heads: HeadUnits, head_dim: int, units) -> None:
         """At build: from megatron-core's even shard ([q..q k v] per local group) to this
@@ -214,7 +214,6 @@ class HetQKVLinear(HetColumnParallelLinear):
                 for i, g in enumerate(groups)
             }
         self.heads, self.head_dim = heads, dim
-        self.main_groups = frozenset(groups)
         layouts = {name: UnitLayout(0, heads.heads_per_unit * dim) for name in tensors}
         self.unit_layouts = layouts
         self.set_replicas(replicas)
@@ -243,7 +242,6 @@ class HetQKVLinear(HetColumnParallelLinear):
 
     def mark_replicas(self, holders: dict, rank: int) -> None:
         """holders[group]: the ranks holding its K/V (ascending); the lowest holds the main."""
-        self.main_groups = frozenset(g for g in self.replica_groups if holders[g][0] == rank)
         for name in ("weight", "bias"):
             for group, param in getattr(self, f"kv_{name}", {}).items():
                 param.shared = holders[int(group)][0] != rank
@@ -292,7 +290,7 @@ class HetQKVLinear(HetColumnParallelLinear):
                 start = (position * heads.heads_per_unit + i) * dim
                 out.append((local.narrow(0, start, dim), fragment, True))
         for group, param in self.replica_params(name).items():
-            main = group in self.main_groups
+            main = not getattr(param, "shared", False)
             k, v = heads.kv_fragments(group)
             out.append((of(param).narrow(0, 0, dim), k, main))
             out.append((of(param).narrow(0, dim, dim), v, main))
@@ -324,7 +322,7 @@ class HetQKVLinear(HetColumnParallelLinear):
             )
             for group, param in self.replica_params(name).items():
                 k, v = self.heads.kv_fragments(group)
-                main = group in self.main_groups
+                main = not getattr(param, "shared", False)
                 state[f"{prefix}kv_{name}.{group}"] = fragment_factory(
                     base.key,
                     param,
@@ -640,7 +638,8 @@ class UnitBlock:
 
 
 class HetSelfAttention(UnitBlock, SelfAttention):
-    """SelfAttention whose rank holds any number of query groups."""
+    """SelfAttention whose rank holds any number of query groups, or with `head_units` any
+    number of units of that many query heads (and the K/V of their groups)."""
 
     block = "attn"
     linear_names = ("linear_qkv", "linear_proj")

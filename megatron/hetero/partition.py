@@ -241,8 +241,8 @@ class HetPartition:
     # ------------------------------------------------------------------------------------
 
     def _move(self, module, plan, optimizer, step, fault, agree_over=None):
-        """Transfer and commit; returns the Migration and {old param: (new param, new
-        optimizer state)}."""
+        """Transfer and commit; returns the Migration and ({old param: (new param, new
+        optimizer state)}, {K/V replica new to this rank: (master, optimizer state)})."""
         blocks = het_blocks(module)
         keys = state_keys(optimizer, blocks)
         specs = {b: unit_specs(blocks[(0, b)], keys) for b in BLOCKS}
@@ -327,10 +327,11 @@ class HetPartition:
         return replaced, created
 
 
-def _new_replicas(block, new_units, stacked, state_keys):
+def _new_replicas(block, new_units, per_unit, state_keys):
     """The K/V replicas a head-unit block holds under `new_units`: its own Parameter where it
     held the group already, else the payload of the first new unit of the group (weights, and
-    the master and moments: every replica's are equal). Returns ({} with group units)
+    the master and moments: every replica's are equal). `per_unit`: the assembled ReplicaLayout
+    entries of unit_tensors, per tensor a list over the new units. Returns ({} with group units)
     {name: {group: Parameter or tensor}} and {(name, group): (master, state)} of the new ones."""
     if not block.replica_tensors():
         return {}, {}
@@ -339,17 +340,13 @@ def _new_replicas(block, new_units, stacked, state_keys):
     for position, unit in enumerate(new_units):
         first.setdefault(heads.group_of(unit), position)
     replicas, new_state = {}, {}
-    for t, (name, held, shape) in enumerate(block.replica_tensors()):
-        rows = shape[0]
+    for t, (name, held, _) in enumerate(block.replica_tensors()):
         out = replicas.setdefault(name, {})
         for group, position in first.items():
             if group in held:
                 out[group] = held[group]
                 continue
-            columns = [
-                stacked[t * per_tensor + j].narrow(0, position * rows, rows).clone()
-                for j in range(per_tensor)
-            ]
+            columns = [per_unit[t * per_tensor + j][position].clone() for j in range(per_tensor)]
             out[group] = columns[0]
             state = dict(zip(state_keys, columns[1:]))
             new_state[(name, group)] = (state.pop("master", None), state)
@@ -378,7 +375,8 @@ def _rebuild(state, replaced, extra=None, *, old):
     """New DDP wrapper and optimizer around the re-shaped parameters, same training state:
     fp32 masters, moments, step count, loss scaler and learning-rate schedule carry over.
     `old` is the gathered view of the old optimizer; `extra` gives parameters new to the
-    model (a layer moved in from another stage) their {param: (master, state)}."""
+    model (a layer moved in from another stage, a K/V replica a head brought) their
+    {param: (master, state)}."""
     old_ddp, old_opt = state.model, state.optimizer
 
     if isinstance(old_ddp, HetDDP):  # keeps its gradient compression

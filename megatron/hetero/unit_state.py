@@ -14,7 +14,6 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from hettp.exchange import TensorSpec
-from hettp.units import UnitLayout
 
 
 class OptimizerView:
@@ -262,28 +261,44 @@ def state_keys(optimizer, blocks) -> list[str]:
 def unit_tensors(block, optimizer, state_keys):
     """(tensor, layout) per unit-sharded parameter, each followed by its `state_keys` tensors.
 
-    With head units, then per K/V replica tensor a temporary one holding, for each local unit
-    in order, its group's replica (and each state tensor likewise): what a moved head carries
-    so that its receiver can hold the group's K/V (partition.py keeps one copy per group)."""
+    With head units, then per K/V replica tensor (and each of its state tensors) the list of
+    every local unit's group replica, under a ReplicaLayout: what a moved head carries so that
+    its receiver can hold the group's K/V. Views, so nothing is copied but what is sent."""
     out = []
     for _, _, param, layout in block.unit_tensors():
         out.append((param.data, layout))
         for key in state_keys:
             out.append((_state_of(optimizer, param, key), layout))
-    for _, by_group, shape in block.replica_tensors():
-        layout = UnitLayout(0, shape[0])
+    for _, by_group, _ in block.replica_tensors():
         per_unit = [by_group[block.heads.group_of(u)] for u in block.units]
-        template = next(iter(block.unit_tensors()))[2]
         for key in [None, *state_keys]:
-            dtype = template.dtype if key is None else torch.float32
-            tensors = [p.data if key is None else _state_of(optimizer, p, key) for p in per_unit]
-            stacked = (
-                torch.cat(tensors)
-                if tensors
-                else torch.empty((0, *shape[1:]), dtype=dtype, device=template.device)
+            out.append(
+                (
+                    [p.data if key is None else _state_of(optimizer, p, key) for p in per_unit],
+                    REPLICA,
+                )
             )
-            out.append((stacked, layout))
     return out
+
+
+class ReplicaLayout:
+    """The layout of a per-unit list of K/V replicas (unit_tensors): a unit's payload is its
+    group's whole replica; a run joins them along rows; assembling keeps the list (partition.py
+    keeps one replica per group); a local reorder leaves replicas as they are."""
+
+    axis = 0
+
+    def payload(self, per_unit, num_local_units, position):
+        return per_unit[position]
+
+    def run(self, per_unit, num_local_units, positions):
+        return torch.cat([per_unit[p] for p in positions])
+
+    def assemble(self, payloads, template):
+        return list(payloads)
+
+
+REPLICA = ReplicaLayout()
 
 
 def _state_of(optimizer, param, key):
@@ -306,12 +321,14 @@ def permute(pieces, old_units, new_units):
     position = {u: i for i, u in enumerate(old_units)}
     order = [position[u] for u in new_units]
     for tensor, layout in pieces:
-        tensor.copy_(layout.permuted(tensor, len(old_units), order))
+        if layout is not REPLICA:  # a group's replica does not depend on its heads' order
+            tensor.copy_(layout.permuted(tensor, len(old_units), order))
 
 
 def unit_specs(block, state_keys) -> list[TensorSpec]:
     """Shape and dtype of what one unit of `block` sends: per parameter its slice, then one
-    fp32 slice per `state_keys` entry (the order of payload(unit_tensors(...)))."""
+    fp32 slice per `state_keys` entry; with head units then its group's K/V replica and their
+    state (the order of payload(unit_tensors(...)))."""
     specs = []
     for _, _, param, layout in block.unit_tensors():
         shape = layout.payload_shape(param.shape)

@@ -8,6 +8,7 @@ weights), training against vanilla at the same TP size, migrations, resizing, ch
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hettp.plan import PartitionPlan
 from hettp.resize import skipped_units
@@ -19,6 +20,7 @@ from tests.utils import (
     train,
     train_with_layer_moves,
     train_with_repartitions,
+    train_with_resizes,
 )
 
 # TP=2, one group per rank: 8 heads in 2 groups of 4, SwiGLU, RoPE, RMSNorm, no biases
@@ -61,8 +63,9 @@ def test_split_groups_match_the_dense_reference(references, case):
 
 
 def test_resized_heads_equal_the_reference_with_those_heads_zeroed():
-    """Units of 2 heads; rank 1 holds units 1-3 and skips 2 and 3, all of group 1: no rank
-    computes with group 1's K/V then, and its gradient is zero like the skipped rows'."""
+    """Units of 2 heads; rank 0 holds unit 0, rank 1 units 1-3 (group 0 split) and skips its
+    last one, unit 3: the skipped heads' rows get no gradient, and the replicas' gradients are
+    those of the heads still computed."""
     argv = GQA2.split() + ["--het-tp", "--het-tp-attn-granularity", "2"]
     spec, shares = "attn=1,3", (0.0, 0.5)
     plan = PartitionPlan.parse(spec, 2, 2, 4, 64, 2)
@@ -182,3 +185,31 @@ def test_layers_with_split_groups_move_between_pipeline_stages():
         for step in range(1, 8):
             got, want = result["losses"][step], vanilla[step]
             assert abs(got - want) <= 1e-6 * abs(want), f"rank {rank} step {step}"
+
+
+def test_replicas_no_rank_computes_with_stay_frozen():
+    """TP=2, 4 groups of 2 heads, a head per unit: rank 1 holds groups 2 and 3 and skips half
+    its units from step 2, the last two of its order, all of one group. No rank computes with
+    that group's K/V: its weights and Adam moments stay as they were (like the skipped heads'),
+    while the other group's go on training."""
+    argv = (
+        COMMON.replace("--train-iters 1", "--train-iters 6")
+        + " --num-attention-heads 8 --group-query-attention --num-query-groups 4"
+        " --disable-bias-linear --global-batch-size 4 --weight-decay 0.1"
+        " --tensor-model-parallel-size 2 --het-tp --het-tp-attn-granularity 1"
+    ).split()
+    ranks = run_ranks(train_with_resizes, 2, argv, {2: [("resize", (0.0, 0.5))]}, {2, 6})
+    records = ranks[1]["records"]
+    for layer in range(2):
+        at2, at6 = records[2]["blocks"][(layer, "attn")], records[6]["blocks"][(layer, "attn")]
+        assert at2["active"] == 2 and set(at2["units"]) == {4, 5, 6, 7}
+        skipped = set(at2["units"][2:])
+        idle = [g for g in (2, 3) if {2 * g, 2 * g + 1} <= skipped]
+        assert len(idle) == 1, at2["units"]  # the precondition: one whole group skipped
+        live = ({2, 3} - set(idle)).pop()
+        per_kv = 1 + len(records[2]["state_keys"])  # the K/V weight, then its moments
+        for unit in at2["units"]:
+            kv2, kv6 = at2["values"][unit][-per_kv:], at6["values"][unit][-per_kv:]
+            same = all(torch.equal(a, b) for a, b in zip(kv2, kv6))
+            assert same == (unit // 2 == idle[0]), (layer, unit)
+        assert live in {u // 2 for u in at2["units"][:2]}

@@ -9,7 +9,14 @@ import pytest
 
 from hettp.config import ConfigError, HetTPConfig, ModelShape
 from hettp.plan import HeadUnits, PartitionPlan
-from hettp.planner import Planner, StepModel, grouped_plan, plan_work, proportional_plan
+from hettp.planner import (
+    Planner,
+    StepModel,
+    balancing_shares,
+    grouped_plan,
+    plan_work,
+    proportional_plan,
+)
 
 # Llama-3-70B's attention at TP=8: 64 heads in 8 groups, one head per unit
 LLAMA = HeadUnits(heads_per_unit=1, heads_per_group=8, groups=8)
@@ -45,6 +52,8 @@ def test_the_flag_is_checked_against_the_model():
     assert plan.counts(0, "attn") == (3, 5)
     with pytest.raises(ConfigError, match="--het-tp-attn-granularity 3 must divide the 4 query"):
         HetTPConfig(het_tp=True, attn_granularity=3).validated(gqa)
+    with pytest.raises(ConfigError, match="--het-tp-attn-granularity must be >= 0"):
+        HetTPConfig(het_tp=True, attn_granularity=-1).validated(gqa)
     with pytest.raises(ConfigError, match="--het-tp-plan: .* sum to 2, the model has 8 units"):
         HetTPConfig(plan="attn=1,1", attn_granularity=1).validated(gqa)
 
@@ -101,3 +110,17 @@ def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
     assert grouped.counts(0, "attn") == (0, 8)
     assert slower.step_time(plan_work(target, work)) < slower.step_time(plan_work(grouped, work))
     assert target == proportional_plan(tiny, slower.balanced_work(sum(plan_work(tiny, work))))
+
+
+def test_resize_shares_leave_the_replicas_out():
+    """A rank skipping heads still computes its groups' K/V: the share is cut from the rest."""
+    heads = HeadUnits(1, 4, 2)
+    work = {"attn": 2.0, "mlp": 1.0, "kv": 8.0}
+    plan = _plan((4, 4), mlp=(8, 8), heads=heads)
+    model = StepModel(rest=0.0, factors=(1.5, 1.0), slope=1.0)
+    (share, _) = balancing_shares(plan, work, model, {0}, cap=0.9)
+    kept = 2 * 8.0  # one group's K/V in each of 2 layers
+    movable = plan_work(plan, work)[0] - kept
+    assert model.rank_time(0, kept + (1 - share) * movable) == pytest.approx(
+        plan_work(plan, work)[1], rel=1e-3
+    )
