@@ -196,7 +196,7 @@ def test_replicas_no_rank_computes_with_stay_frozen():
         COMMON.replace("--train-iters 1", "--train-iters 6")
         + " --num-attention-heads 8 --group-query-attention --num-query-groups 4"
         " --disable-bias-linear --global-batch-size 4 --weight-decay 0.1"
-        " --tensor-model-parallel-size 2 --het-tp --het-tp-attn-granularity 1"
+        " --tensor-model-parallel-size 2 --het-tp-attn-granularity 1 --het-tp-resize 0,0"
     ).split()
     ranks = run_ranks(train_with_resizes, 2, argv, {2: [("resize", (0.0, 0.5))]}, {2, 6})
     records = ranks[1]["records"]

@@ -19,7 +19,7 @@ def test_even_plan_is_megatrons_partition():
     assert plan.units(1, "attn", 2) == (4, 5)
     assert plan.units(0, "mlp", 3) == (12, 13, 14, 15)
     assert plan.counts(0, "mlp") == (4, 4, 4, 4)
-    with pytest.raises(PlanError, match=r"query groups \(6\) divisible by TP size 4"):
+    with pytest.raises(PlanError, match=r"attention units \(6\) divisible by TP size 4"):
         PartitionPlan.even(4, 1, attn_units=6, mlp_units=16)
 
 
