@@ -373,7 +373,6 @@ def unit_sharded_factory(
     units = tuple(units)
     if run < 1 or num_units % run:
         raise ValueError(f"{key}: a checkpoint run of {run} units does not divide {num_units}")
-    prepend = len(sharded_offsets)
     empty_shape = list(data.shape)
     empty_shape[layout.axis] = 0
     position = {unit: i for i, unit in enumerate(units)}
@@ -398,25 +397,14 @@ def unit_sharded_factory(
         for part in range(layout.parts if units else 0)
     ]
 
-    def piece(key, tensor, fragment, fragments, replica):
-        return ShardedTensor.from_rank_offsets(
-            key,
-            tensor,
-            *sharded_offsets,
-            (layout.axis + prepend, fragment, fragments),
-            replica_id=replica,
-            prepend_axis_num=prepend,
-        )
+    piece = _canonical_piece(sharded_offsets, layout.axis, fragments)
 
     def build(key, tensor, replica_id, flattened_range):
-        if flattened_range is not None:
-            raise NotImplementedError(
-                "het-TP checkpoints do not support flattened (distributed optimizer) shards"
-            )
+        _whole_tensors_only(flattened_range)
         if not units:
             shape = list(tensor.shape)
             shape[layout.axis] = width
-            return [piece(key, tensor.new_zeros(shape), 0, fragments, _non_main(replica_id))]
+            return [piece(key, tensor.new_zeros(shape), 0, _non_main(replica_id))]
         pieces = []
         for part in range(layout.parts):
             if stretch:
@@ -427,7 +415,7 @@ def unit_sharded_factory(
             for i, k in enumerate(runs):
                 fragment = part * (num_units // run) + k
                 view = ordered.narrow(layout.axis, i * width, width)
-                pieces.append(piece(key, view, fragment, fragments, replica_id))
+                pieces.append(piece(key, view, fragment, replica_id))
         return pieces
 
     def merge(pieces):
@@ -451,24 +439,11 @@ def fragment_factory(
     along axis 0 at that fragment of the canonical tensor (of `fragments` such pieces). Head
     units use it for the QKV weight, whose query heads and K/V replicas sit apart locally. A
     rank holding nothing offers a non-main replica of fragment 0 (see unit_sharded_factory)."""
-    prepend = len(sharded_offsets)
     placements = list(placements)
-
-    def piece(key, tensor, fragment, replica):
-        return ShardedTensor.from_rank_offsets(
-            key,
-            tensor,
-            *sharded_offsets,
-            (prepend, fragment, fragments),
-            replica_id=replica,
-            prepend_axis_num=prepend,
-        )
+    piece = _canonical_piece(sharded_offsets, 0, fragments)
 
     def build(key, tensor, replica_id, flattened_range):
-        if flattened_range is not None:
-            raise NotImplementedError(
-                "het-TP checkpoints do not support flattened (distributed optimizer) shards"
-            )
+        _whole_tensors_only(flattened_range)
         if not placements:
             shape = (width, *tensor.shape[1:])
             return [piece(key, tensor.new_zeros(shape), 0, _non_main(replica_id))]
@@ -484,6 +459,32 @@ def fragment_factory(
         return out
 
     return ShardedTensorFactory(key, data, build, merge, replica_id)
+
+
+def _canonical_piece(sharded_offsets, axis: int, fragments: int):
+    """piece(key, tensor, fragment, replica): a ShardedTensor for `tensor` as fragment
+    `fragment` of `fragments` along `axis` of the canonical tensor (after the axes that
+    `sharded_offsets` prepend, e.g. the layer)."""
+    prepend = len(sharded_offsets)
+
+    def piece(key, tensor, fragment, replica):
+        return ShardedTensor.from_rank_offsets(
+            key,
+            tensor,
+            *sharded_offsets,
+            (axis + prepend, fragment, fragments),
+            replica_id=replica,
+            prepend_axis_num=prepend,
+        )
+
+    return piece
+
+
+def _whole_tensors_only(flattened_range) -> None:
+    if flattened_range is not None:
+        raise NotImplementedError(
+            "het-TP checkpoints do not support flattened (distributed optimizer) shards"
+        )
 
 
 def _non_main(replica_id):
