@@ -4,12 +4,12 @@
                                        [--iters 24] [--out results/head_units]
 
 A GQA model with one query group per TP rank (Llama-style: SwiGLU, RoPE, RMSNorm), a persistent
-straggler of --factor on TP rank --rank: scripts/compare.py runs it twice, with whole groups as
-attention units (today's default) and with one query head per unit
-(--het-tp-attn-granularity 1), each against plain vanilla megatron-core, and this prints the
-steady E of migrate and hybrid from both next to each other. With more ranks than cores the
-runs are dilated (compare.py --dilation auto). Reports land in
---out/tp<T>-<F>x-rank<R>/{groups,heads}, the side-by-side table in summary.txt there.
+straggler of --factor on TP rank --rank: one scripts/compare.py invocation runs migrate and
+hybrid with whole groups as attention units (the default) and with one query head per unit
+(migrate-heads, hybrid-heads: --het-tp-attn-granularity 1), interleaved round by round, against
+one plain vanilla baseline; this prints their steady E and step times side by side. With more
+ranks than cores the runs are dilated (compare.py --dilation auto). The report lands in
+--out/tp<T>-<F>x-rank<R>/, the side-by-side table in summary.txt there.
 """
 
 from __future__ import annotations
@@ -53,44 +53,43 @@ def main(argv=None) -> int:
     name = f"persistent-{a.factor:g}x-rank{a.rank}"
     with open(scenario, "w", encoding="utf-8") as f:
         json.dump([{"name": name, "emulate": f"persistent:rank={a.rank},factor={a.factor:g}"}], f)
-    flags = model(a.tp, a.hidden_size)
-    rows = {}
-    for units, extra in (("groups", []), ("heads", ["--het-tp-attn-granularity", "1"])):
-        report = os.path.join(out, units)
-        code = subprocess.call(
-            [
-                sys.executable,
-                COMPARE,
-                "--tp",
-                str(a.tp),
-                "--scenarios",
-                f"none,{scenario}",  # none: the baseline (T_fast, C)
-                "--policies",
-                "migrate,hybrid",
-                "--repeats",
-                str(a.repeats),
-                "--iters",
-                str(a.iters),
-                "--out",
-                report,
-                "--",
-                *flags,
-                *extra,
-            ]
-        )
-        if code:
-            return code
-        with open(os.path.join(report, "report.json"), encoding="utf-8") as f:
-            rows[units] = {(r["scenario"], r["policy"]): r for r in json.load(f)["rows"]}
+    code = subprocess.call(
+        [
+            sys.executable,
+            COMPARE,
+            "--tp",
+            str(a.tp),
+            "--scenarios",
+            f"none,{scenario}",  # none: the baseline (T_fast, C)
+            "--policies",
+            "migrate,hybrid,migrate-heads,hybrid-heads",
+            "--repeats",
+            str(a.repeats),
+            "--iters",
+            str(a.iters),
+            "--out",
+            out,
+            "--",
+            *model(a.tp, a.hidden_size),
+        ]
+    )
+    if code:
+        return code
+    with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
+        rows = {(r["scenario"], r["policy"]): r for r in json.load(f)["rows"]}
     lines = [
         f"head units vs group units: TP={a.tp}, one query group per rank, rank {a.rank} "
-        f"{a.factor:g}x slower (steady E, 1.0 = the bound)",
-        f"{'policy':<8} {'groups E':>9} {'heads E':>8} {'heads/groups':>13}",
+        f"{a.factor:g}x slower; steady E (1.0 = the bound) and step ms, medians of "
+        f"{a.repeats} interleaved rounds",
+        f"{'policy':<8} {'groups E':>9} {'heads E':>8} {'groups ms':>10} {'heads ms':>9} "
+        f"{'heads/groups step':>18}",
     ]
     for policy in ("migrate", "hybrid"):
-        g, h = rows["groups"][(name, policy)]["E"], rows["heads"][(name, policy)]["E"]
-        ratio = f"{h / g:.3f}" if g else "-"
-        lines.append(f"{policy:<8} {g:>9.3f} {h:>8.3f} {ratio:>13}")
+        g, h = rows[(name, policy)], rows[(name, f"{policy}-heads")]
+        lines.append(
+            f"{policy:<8} {g['E']:>9.3f} {h['E']:>8.3f} {g['step_s'] * 1e3:>10.1f} "
+            f"{h['step_s'] * 1e3:>9.1f} {h['step_s'] / g['step_s']:>18.3f}"
+        )
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(out, "summary.txt"), "w", encoding="utf-8") as f:

@@ -58,8 +58,18 @@ from hettp.report import PLAIN, VANILLA, Run, compare, markdown  # noqa: E402
 from hettp.scenarios import resolve  # noqa: E402
 
 POLICIES = tuple(compared_policies())
+# Variants compared side by side with their policy: (its --het-tp-policy, the flags they add).
 # With --pp: migrate with only one kind of move (plain `migrate` moves units and layers).
-PIPELINE_VARIANTS = {"migrate-units": ("migrate", "units"), "migrate-layers": ("migrate", "layers")}
+PIPELINE_VARIANTS = {
+    "migrate-units": ("migrate", ["--het-tp-pipeline-moves", "units"]),
+    "migrate-layers": ("migrate", ["--het-tp-pipeline-moves", "layers"]),
+}
+# Query heads as attention units (a GQA model's groups split over ranks; whole groups without).
+HEAD_VARIANTS = {
+    "migrate-heads": ("migrate", ["--het-tp-attn-granularity", "1"]),
+    "hybrid-heads": ("hybrid", ["--het-tp-attn-granularity", "1"]),
+}
+VARIANTS = {**PIPELINE_VARIANTS, **HEAD_VARIANTS}
 OWN_FLAGS = (
     "--tensor-model-parallel-size",
     "--pipeline-model-parallel-size",
@@ -290,9 +300,10 @@ def parse(argv):
     p.add_argument(
         "--policies",
         default=None,
-        help=f"comma-separated from {', '.join(POLICIES)} (with --pp also "
-        f"{', '.join(PIPELINE_VARIANTS)}: migrate moving only TP units inside stages, or only "
-        "layers between them; migrate does both); plain vanilla always runs, and "
+        help=f"comma-separated from {', '.join(POLICIES)}, {', '.join(HEAD_VARIANTS)} (the "
+        "policy with query heads as attention units, --het-tp-attn-granularity 1) (with --pp "
+        f"also {', '.join(PIPELINE_VARIANTS)}: migrate moving only TP units inside stages, or "
+        "only layers between them; migrate does both); plain vanilla always runs, and "
         "none (timed vanilla) where C or real speeds come from it (default: "
         "resize,migrate,hybrid; with --dp > 1 migrate,rebatch,joint)",
     )
@@ -365,7 +376,7 @@ def parse(argv):
     if 2 * a.interval > a.iters:
         p.error(f"--interval {a.interval} leaves fewer than two reports in --iters {a.iters}")
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
-    known = POLICIES + (tuple(PIPELINE_VARIANTS) if a.pp > 1 else ())
+    known = POLICIES + tuple(HEAD_VARIANTS) + (tuple(PIPELINE_VARIANTS) if a.pp > 1 else ())
     bad = [x for x in policies if x not in known]
     rebatching = [x for x in policies if x in known and POLICY_TABLE[_base(x)].rebatches]
     if rebatching and a.dp == 1:
@@ -420,8 +431,8 @@ def parse(argv):
 
 
 def _base(policy: str) -> str:
-    """The --het-tp-policy of a compared policy (a pipeline variant's is migrate)."""
-    return PIPELINE_VARIANTS[policy][0] if policy in PIPELINE_VARIANTS else policy
+    """The --het-tp-policy of a compared policy (a variant's is the policy it varies)."""
+    return VARIANTS[policy][0] if policy in VARIANTS else policy
 
 
 def _layout(a) -> str:
@@ -495,8 +506,8 @@ def main(argv=None) -> int:
             # plain vanilla: static, no het-TP layers; timed only where its emulation needs it
             het_policy = "static" if policy == PLAIN else _base(policy)
             flags = [*common, "--het-tp-policy", het_policy, "--het-tp-timer", _timer(scenario)]
-            if policy in PIPELINE_VARIANTS:
-                flags += ["--het-tp-pipeline-moves", PIPELINE_VARIANTS[policy][1]]
+            if policy in VARIANTS:
+                flags += VARIANTS[policy][1]
             if scenario.emulate:
                 flags += ["--het-tp-emulate", scenario.emulate]
             path = os.path.join(runs_dir, f"{scenario.name}.{policy}.{repeat}.jsonl")

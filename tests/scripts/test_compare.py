@@ -169,7 +169,7 @@ def test_pipeline_stages_run_and_the_slow_stage_is_measured(tmp_path):
             "--repeats",
             "1",
             "--iters",
-            "6",
+            "8",  # a loaded CI machine once saw no move in 6
             "--interval",
             "2",
             "--out",
@@ -256,3 +256,15 @@ def test_dilation_gives_each_rank_a_device_when_ranks_outnumber_cores():
     assert compare._dilation(None, "auto", 5, 4) == 3.0
     assert compare._dilation(None, "auto", 3, 2) == 3.0
     assert compare._dilation(None, "auto", 4, 4) == 1.0
+
+
+def test_head_unit_variants_run_their_policy_with_head_units():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    a = compare.parse(["--scenarios", "none", "--policies", "migrate,migrate-heads,hybrid-heads"])
+    assert a.policy_list[-3:] == ["migrate", "migrate-heads", "hybrid-heads"]
+    assert [compare._base(p) for p in a.policy_list[-2:]] == ["migrate", "hybrid"]
+    assert compare.VARIANTS["hybrid-heads"][1] == ["--het-tp-attn-granularity", "1"]
