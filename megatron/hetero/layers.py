@@ -134,15 +134,7 @@ class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
             # order as its unresized peers (in the backward it all-gathers the input again
             # before reduce-scattering the input's gradient): the active rows as one weight
             weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-            output = linear_with_grad_accumulation_and_async_allreduce(
-                input_,
-                weight,
-                None,
-                gradient_accumulation_fusion=False,
-                allreduce_dgrad=False,
-                sequence_parallel=True,
-                tp_group=self.tp_group,
-            )
+            output = _column_gemm(self, input_, weight)
             if add[0] is not None:
                 output = output + (add[0] if len(add) == 1 else torch.cat(add))
         else:
