@@ -338,7 +338,10 @@ class Planner:
         stragglers = detection.stragglers
         if detection.changed:
             self._onset = iteration if stragglers else None
-            if stragglers:  # resize at once; migration may follow once it pays
+            if stragglers:  # resize at once, unless the move repays itself within a step
+                move = self._hybrid_move(iteration, model, plan, shares, before)
+                if move is not None:
+                    return move
                 new = balancing_shares(plan, self.unit_work, model, stragglers, self.cap)
                 if new != shares:
                     return self._resize(
@@ -369,11 +372,17 @@ class Planner:
             return self._rebalance(plan, model, before, detection, "hybrid-migrate", shares)
         if not stragglers or self._onset is None:
             return None
+        return self._hybrid_move(iteration, model, plan, shares, before)
+
+    def _hybrid_move(self, iteration, model, plan, shares, before) -> Decision | None:
+        """The migration, where the straggle is predicted to last long enough to repay it: as
+        long again as it has lasted since its onset, one step at the onset itself. Against
+        the straggle without the resize: the resize is a lossy stopgap that the migration
+        replaces, so the move must repay itself on time alone; where it repays within a step,
+        resizing first would only cost accuracy."""
         target = self._target(plan, model)
         if target == plan:
             return None
-        # Against the straggle without the resize: the resize is a lossy stopgap that the
-        # migration replaces, so it must repay the move on time alone.
         unresized = model.step_time(plan_work(plan, self.unit_work))
         after = model.step_time(plan_work(target, self.unit_work))
         cost = self.migration_seconds(plan, target)
@@ -388,12 +397,13 @@ class Planner:
         if gain <= cost:
             return None
         self._onset = None  # handled: the next move waits for the detector to see a change
+        undone = "resize undone" if any(shares) else "no resize needed"
         return Decision(
             "hybrid-migrate",
             target,
             (0.0,) * plan.tp_size,
             f"straggle predicted to last ~{remaining} more steps: saves {gain:.2f} s "
-            f"over the unresized plan for a {cost:.2f} s move; resize undone",
+            f"over the unresized plan for a {cost:.2f} s move; {undone}",
             before,
             after,
             details,

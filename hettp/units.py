@@ -38,13 +38,46 @@ class UnitLayout:
         self, local: torch.Tensor, num_local_units: int, positions: Sequence[int]
     ) -> torch.Tensor:
         """The units at `positions` as one tensor, their payloads joined along the axis: a view
-        of `local` when they are consecutive and the layout has one part."""
+        of `local` when they are consecutive and the layout has one part, else one gather."""
         first = positions[0] if positions else 0
         if self.parts == 1 and list(positions) == list(range(first, first + len(positions))):
             return local.narrow(self.axis, first * self.width, len(positions) * self.width)
-        return torch.cat(
-            [self.payload(local, num_local_units, p) for p in positions], dim=self.axis
+        starts = self._starts(num_local_units, positions).t()  # payload order: unit, then part
+        return local.index_select(self.axis, self._spread(starts, local.device))
+
+    def rebuilt(
+        self,
+        local: torch.Tensor,
+        num_local_units: int,
+        sources: Sequence[int | torch.Tensor],
+    ) -> torch.Tensor:
+        """A new local shard whose units are `sources` in order: an int is the position of a
+        unit kept from `local`, a tensor a received payload. One gather over `local` and the
+        received payloads joined, where a copy per unit would cost a receiver of thousands of
+        MLP units more than the transfer (results/notes.md)."""
+        received = [s for s in sources if not isinstance(s, int)]
+        joined = torch.cat([local, *received], dim=self.axis) if received else local
+        # vectorised: a Python list per unit would also wake the garbage collector, which in
+        # a trainer's process walks millions of objects
+        position = torch.tensor(
+            [s if isinstance(s, int) else -1 for s in sources], dtype=torch.long
         )
+        arrived = position < 0
+        nth = torch.cumsum(arrived, 0) - 1  # a received payload's place among them
+        part = torch.arange(self.parts).unsqueeze(1)
+        kept = (part * num_local_units + position) * self.width
+        brought = local.shape[self.axis] + (nth * self.parts + part) * self.width
+        index = torch.where(arrived, brought, kept)  # (parts, units): the local layout
+        return joined.index_select(self.axis, self._spread(index, local.device)).contiguous()
+
+    def _starts(self, num_local_units: int, positions: Sequence[int]) -> torch.Tensor:
+        """(parts, len(positions)): where each part of the units at `positions` begins."""
+        parts = torch.arange(self.parts).unsqueeze(1) * num_local_units
+        return (parts + torch.as_tensor(list(positions), dtype=torch.long)) * self.width
+
+    def _spread(self, starts: torch.Tensor, device) -> torch.Tensor:
+        """Every index of `width` elements from each start, in the order of `starts`."""
+        return (starts.reshape(-1, 1) + torch.arange(self.width)).reshape(-1).to(device)
 
     def assemble(self, payloads: Sequence[torch.Tensor], template: torch.Tensor) -> torch.Tensor:
         """A local shard from unit payloads in local order; `template` gives the other dims."""
@@ -97,14 +130,5 @@ class UnitLayout:
         self, local: torch.Tensor, num_local_units: int, positions: Sequence[int]
     ) -> torch.Tensor:
         """A copy of `local` whose units are those at `positions` of the current order."""
-        index = torch.tensor(
-            [
-                (part * num_local_units + p) * self.width + i
-                for part in range(self.parts)
-                for p in positions
-                for i in range(self.width)
-            ],
-            dtype=torch.long,
-            device=local.device,
-        )
+        index = self._spread(self._starts(num_local_units, positions), local.device)
         return local.index_select(self.axis, index)

@@ -32,7 +32,6 @@ from .unit_state import (
     OptimizerView,
     carry_into,
     held_params,
-    payload,
     permute,
     run_payload,
     state_keys,
@@ -291,14 +290,14 @@ class HetPartition:
                 permute(mine, old_units, new_units)
                 block.reorder(new_units)
                 continue
-            columns = [
-                payload(mine, len(old_units), kept[unit])
-                if unit in kept
-                else incoming[(index, name, unit)]
-                for unit in new_units
+            # per new unit: its position here if kept, else what it brought
+            sources = [
+                kept[unit] if unit in kept else incoming[(index, name, unit)] for unit in new_units
             ]
             rebuilt = [
-                layout.assemble([col[i] for col in columns], tensor)
+                layout.rebuilt(
+                    tensor, len(old_units), [s if isinstance(s, int) else s[i] for s in sources]
+                )
                 for i, (tensor, layout) in enumerate(mine)
             ]
             per_param = len(state_keys) + 1

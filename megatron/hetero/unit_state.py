@@ -284,7 +284,8 @@ def unit_tensors(block, optimizer, state_keys):
 class ReplicaLayout:
     """The layout of a per-unit list of K/V replicas (unit_tensors): a unit's payload is its
     group's whole replica; a run joins them along rows; assembling keeps the list (partition.py
-    keeps one replica per group); a local reorder leaves replicas as they are."""
+    keeps one replica per group), as does rebuilding; a local reorder leaves replicas as they
+    are."""
 
     axis = 0
 
@@ -296,6 +297,9 @@ class ReplicaLayout:
 
     def assemble(self, payloads, template):
         return list(payloads)
+
+    def rebuilt(self, per_unit, num_local_units, sources):
+        return [per_unit[s] if isinstance(s, int) else s for s in sources]
 
 
 REPLICA = ReplicaLayout()

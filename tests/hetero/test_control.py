@@ -134,15 +134,21 @@ def test_a_steady_cluster_sees_no_decision(steady):
     assert len([r for r in records if r["kind"] == "timing"]) == 8
 
 
-def test_hybrid_resizes_at_once_then_migrates(tmp_path):
+def test_hybrid_migrates_at_the_onset_when_the_move_repays_within_a_step(tmp_path, steady):
+    """The move this model needs costs less than one step of the straggle: hybrid migrates at
+    once instead of resizing first (tests/hettp/test_loop.py has the costly case), so it stays
+    lossless."""
     ranks, records = _run(tmp_path, "hybrid", ["--het-tp-policy", "hybrid", *STRAGGLER])
-    actions = [(r["iteration"], r["action"]) for r in records if r["kind"] == "decision"]
-    assert actions and actions[0] == (21, "hybrid-resize")
-    assert ranks[1]["seen"][actions[0][0]][1][1] > 0  # rank 1 resized from that step
-    assert "hybrid-migrate" in [a for _, a in actions]
-    migrated = next(i for i, a in actions if a == "hybrid-migrate")
-    assert ranks[1]["seen"][migrated][1] == (0.0, 0.0)  # the move undid the resize
+    decisions = [r for r in records if r["kind"] == "decision"]
+    first = decisions[0]
+    assert (first["iteration"], first["action"]) == (21, "hybrid-migrate"), decisions
+    assert first["details"]["remaining_steps"] == 1 and "no resize needed" in first["reason"]
+    assert first["details"]["migration_s"] < first["details"]["gain_s"]
+    assert all(r["action"] == "hybrid-migrate" for r in decisions), decisions
+    assert all(ranks[1]["seen"][i][1] == (0.0, 0.0) for i in ranks[1]["seen"])  # never resized
     assert ranks[0]["seen"] == ranks[1]["seen"]
+    for i, loss in ranks[0]["losses"].items():
+        assert loss == pytest.approx(steady[0][0]["losses"][i], rel=1e-5), i
 
 
 def test_noisy_neighbour_pins_itself_and_the_given_process(tmp_path):

@@ -74,12 +74,32 @@ def test_migrate_moves_work_off_a_persistent_straggler_and_back():
     assert plan_work(plan, UNIT_WORK) == plan_work(even, UNIT_WORK)  # back once it ended
 
 
-def test_hybrid_resizes_then_migrates_when_the_move_pays():
+def test_hybrid_migrates_at_once_where_the_move_repays_within_a_step():
     decisions, plan, shares = _drive(
         _loop("hybrid"), PartitionPlan.even(2, 2, 4, 64), [[1, 1]] + [[1, 3]] * 8
     )
+    assert [d.action for d in decisions] == ["hybrid-migrate"]  # no lossy resize first
+    first = decisions[0]
+    assert first.details["remaining_steps"] == 1
+    assert first.details["migration_s"] < first.details["gain_s"]
+    assert "no resize needed" in first.reason and not any(shares)
+    work = plan_work(plan, UNIT_WORK)
+    assert 2.5 < work[0] / work[1] < 3.5  # balanced for a 3x rank 1
+
+
+def test_hybrid_resizes_first_where_the_move_repays_only_later():
+    # the same straggle, a move costing more than a step saves: it waits until the straggle
+    # has lasted long enough to repay it, and the resize bridges the wait
+    costly = MigrationCost(unit_bytes={"attn": 4096, "mlp": 1024}, rebuild_factor=40.0)
+    decisions, plan, shares = _drive(
+        _loop("hybrid", cost=costly), PartitionPlan.even(2, 2, 4, 64), [[1, 1]] + [[1, 3]] * 8
+    )
     assert [d.action for d in decisions] == ["hybrid-resize", "hybrid-migrate"]
     assert decisions[0].shares[1] > 0 and not any(shares)
+    moved = decisions[1]
+    assert moved.details["remaining_steps"] > 1 and "resize undone" in moved.reason
+    assert moved.details["migration_s"] < moved.details["gain_s"]
+    assert moved.details["migration_s"] > moved.details["gain_s"] / moved.details["remaining_steps"]
 
 
 def test_a_steady_noisy_group_never_decides():

@@ -124,6 +124,32 @@ def test_unit_layout_roundtrip_with_parts():
     assert layout.global_fragment(unit=5, part=1, num_units=8) == (13, 16)
 
 
+
+@pytest.mark.parametrize("axis,parts", [(0, 1), (0, 2), (1, 1), (1, 2)])
+def test_unit_layout_gathers_agree_with_per_unit_payloads(axis, parts):
+    """run, permuted and rebuilt gather in one index_select what payload and assemble build
+    unit by unit: the same tensors, for kept units in any order mixed with received ones."""
+    layout = UnitLayout(axis=axis, width=3, parts=parts)
+    local = torch.randn(4 * 3 * parts, 5) if axis == 0 else torch.randn(5, 4 * 3 * parts)
+    payloads = [layout.payload(local, 4, p) for p in range(4)]
+    for positions in ([1, 2], [3, 0, 2], [2], []):
+        expected = (
+            torch.cat([payloads[p] for p in positions], dim=axis)
+            if positions
+            else layout.run(local, 4, [])
+        )
+        assert torch.equal(layout.run(local, 4, positions), expected)
+    order = [2, 0, 3, 1]
+    assert torch.equal(
+        layout.permuted(local, 4, order), layout.assemble([payloads[p] for p in order], local)
+    )
+    received = [torch.randn_like(payloads[0]) for _ in range(2)]
+    sources = [3, received[0], 0, received[1]]
+    expected = layout.assemble([payloads[3], received[0], payloads[0], received[1]], local)
+    assert torch.equal(layout.rebuilt(local, 4, sources), expected)
+    assert torch.equal(layout.rebuilt(local, 4, [1]), payloads[1])
+    assert layout.rebuilt(local, 4, []).shape == layout.assemble([], local).shape
+
 def test_schedule_moves_each_changed_unit_once_directly():
     old = _plan([2, 2], [3, 3])
     new = _plan([4, 0], [1, 5])
