@@ -124,7 +124,6 @@ def test_unit_layout_roundtrip_with_parts():
     assert layout.global_fragment(unit=5, part=1, num_units=8) == (13, 16)
 
 
-
 @pytest.mark.parametrize("axis,parts", [(0, 1), (0, 2), (1, 1), (1, 2)])
 def test_unit_layout_gathers_agree_with_per_unit_payloads(axis, parts):
     """run, permuted and rebuilt gather in one index_select what payload and assemble build
@@ -149,6 +148,7 @@ def test_unit_layout_gathers_agree_with_per_unit_payloads(axis, parts):
     assert torch.equal(layout.rebuilt(local, 4, sources), expected)
     assert torch.equal(layout.rebuilt(local, 4, [1]), payloads[1])
     assert layout.rebuilt(local, 4, []).shape == layout.assemble([], local).shape
+
 
 def test_schedule_moves_each_changed_unit_once_directly():
     old = _plan([2, 2], [3, 3])
