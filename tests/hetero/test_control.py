@@ -144,11 +144,16 @@ def test_hybrid_migrates_at_the_onset_when_the_move_repays_within_a_step(tmp_pat
     assert (first["iteration"], first["action"]) == (21, "hybrid-migrate"), decisions
     assert first["details"]["remaining_steps"] == 1 and "no resize needed" in first["reason"]
     assert first["details"]["migration_s"] < first["details"]["gain_s"]
-    assert all(r["action"] == "hybrid-migrate" for r in decisions), decisions
-    assert all(ranks[1]["seen"][i][1] == (0.0, 0.0) for i in ranks[1]["seen"])  # never resized
-    assert ranks[0]["seen"] == ranks[1]["seen"]
+    assert not [r for r in decisions if "ranks [0]" in r["reason"]], decisions
+    seen = ranks[1]["seen"]
+    assert ranks[0]["seen"] == seen
+    # no resize from the onset on: lossless until the loop next decides (on a loaded machine
+    # it may read a false end and a new onset later, where the move it learned is dearer)
+    after = decisions[1]["iteration"] if len(decisions) > 1 else max(seen) + 1
+    assert all(seen[i][1] == (0.0, 0.0) for i in seen if i < after)
     for i, loss in ranks[0]["losses"].items():
-        assert loss == pytest.approx(steady[0][0]["losses"][i], rel=1e-5), i
+        if i <= after:
+            assert loss == pytest.approx(steady[0][0]["losses"][i], rel=1e-5), i
 
 
 def test_noisy_neighbour_pins_itself_and_the_given_process(tmp_path):
@@ -233,6 +238,9 @@ def test_global_emulation_slows_the_one_process_it_names(tmp_path):
         ["--het-tp-policy", "migrate", "--het-tp-emulate", "persistent:global=0,factor=3,start=10"],
     )
     decisions = [r for r in records if r["kind"] == "decision"]
-    assert decisions and all("ranks [0]" in r["reason"] for r in decisions), decisions
+    # acted on for rank 0, never for rank 1 (a loaded CI machine once read rank 0 as recovered
+    # for a few steps after the move, and the loop moved back and again: what it measured)
+    assert decisions and "ranks [0]" in decisions[0]["reason"], decisions
+    assert not [r for r in decisions if "ranks [1]" in r["reason"]], decisions
     timing = {r["iteration"]: r["slowdown"] for r in records if r["kind"] == "timing"}
     assert timing[min(i for i in timing if i >= decisions[0]["iteration"])][0] > 1.5
