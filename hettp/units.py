@@ -68,7 +68,7 @@ class UnitLayout:
         kept = (part * num_local_units + position) * self.width
         brought = local.shape[self.axis] + (nth * self.parts + part) * self.width
         index = torch.where(arrived, brought, kept)  # (parts, units): the local layout
-        return joined.index_select(self.axis, self._spread(index, local.device)).contiguous()
+        return joined.index_select(self.axis, self._spread(index, local.device))
 
     def _starts(self, num_local_units: int, positions: Sequence[int]) -> torch.Tensor:
         """(parts, len(positions)): where each part of the units at `positions` begins."""
