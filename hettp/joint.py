@@ -34,6 +34,8 @@ JOINT_V = 1.0
 ACCURACY_WEIGHT = 2.0
 # An option other than doing nothing must gain this share of the predicted step (noise).
 JOINT_MIN_GAIN = 0.05
+# Plans balanced for one replica are weighed for this many of the slowest distinct paces.
+REPLICA_TARGETS = 8
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,8 @@ def options(
 ) -> list[Option]:
     """Every option worth weighing from `state`: nothing, rebatch, a migration to the plan
     balanced for the slowest replica at each TP position and to the plan balanced for each
-    replica alone (each with its best counts), a resize of the positions' stragglers to their
-    peers and an undoing of the resize in force."""
+    of the REPLICA_TARGETS slowest replicas alone (each with its best counts), a resize of
+    the positions' stragglers to their peers and an undoing of the resize in force."""
     plan, shares, counts = state.plan, state.shares, state.counts
     work = plan_work(plan, unit_work, shares)
     out = [Option("none", plan, shares, counts, state.step_seconds(work, counts))]
@@ -121,7 +123,19 @@ def options(
     slowest = tuple(max(col) for col in zip(*(p.factors for p in state.paces)))
     targets = [("migrate", slowest)]
     if len(state.paces) > 1:
-        targets += [(f"migrate:replica{r}", p.factors) for r, p in enumerate(state.paces)]
+        # one target per distinct pace, of the slowest replicas only: at scale hundreds of
+        # replicas would each want a plan, and one for a replica that does not bound the step
+        # gains little when the rest must be rebatched around it
+        distinct = {slowest}
+        paces = sorted(
+            enumerate(state.paces), key=lambda rp: -rp[1].per_microbatch(work, state.slope)
+        )
+        for r, p in paces:
+            if len(distinct) > REPLICA_TARGETS:
+                break
+            if p.factors not in distinct:
+                distinct.add(p.factors)
+                targets.append((f"migrate:replica{r}", p.factors))
     seen = [plan]
     if migration_seconds is not None:
         total = sum(plan_work(plan, unit_work))

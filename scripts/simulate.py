@@ -4,7 +4,8 @@ trace, with the project's own detector and planner deciding on simulated timing 
 
     python scripts/simulate.py [--gpus 4096] [--tp 8] [--pp 8] [--model llama-70b]
                                [--trace production] [--steps 1000] [--seed 0]
-                               [--policies none,resize,migrate,hybrid,rebatch] [--json]
+                               [--policies none,resize,migrate,hybrid,rebatch,joint]
+                               [--het-migration-budget 0.05] [--json]
     python scripts/simulate.py --calibrate results/compare/report.json [--json]
     python scripts/simulate.py --sites A:1024:1.0,B:1024:0.6 [--inter-site-gbps 100]
                                [--inter-site-ms 5] [--global-microbatches 256] [--json]
@@ -32,9 +33,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from hettp.config import DEFAULT_MIGRATION_BUDGET  # noqa: E402
 from hettp.scenarios import ScenarioError, resolve  # noqa: E402
 from hettp.sim.calibrate import replay  # noqa: E402
-from hettp.sim.engine import POLICIES, Layout, SimError, flop_costs, simulate, summary  # noqa: E402
+from hettp.sim.engine import (  # noqa: E402
+    POLICIES,
+    Layout,
+    SimError,
+    applicable,
+    flop_costs,
+    refusal,
+    simulate,
+    summary,
+)
 from hettp.sim.geo import Site, plan_sites  # noqa: E402
 from hettp.sim.network import Fabric, Link  # noqa: E402
 from hettp.sim.traces import from_scenario, production  # noqa: E402
@@ -57,7 +68,19 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", default="production", help="production, or a compare.py scenario")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0, help="seed of the production trace")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument(
+        "--policies",
+        help=f"comma-separated from {', '.join(POLICIES)} (default: every one the layout can "
+        "run: rebatch and joint need data-parallel replicas, joint runs without stages, as "
+        "--het-tp-policy joint)",
+    )
+    p.add_argument(
+        "--het-migration-budget",
+        type=float,
+        default=DEFAULT_MIGRATION_BUDGET,
+        help="the joint policy's budget: at most this share of training time spent moving "
+        "state (as the trainer's flag)",
+    )
     p.add_argument("--het-tp-interval", type=int, default=10, help="steps per report")
     p.add_argument("--gpu-tflops", type=float, default=400.0, help="sustained TFLOP/s per GPU")
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -98,11 +121,23 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--steps must be >= 2 (the first step is left out), got {args.steps}")
     if args.gpus % (args.tp * args.pp):
         p.error(f"--gpus {args.gpus} is not a multiple of --tp x --pp = {args.tp * args.pp}")
-    unknown = set(args.policies.split(",")) - set(POLICIES)
-    if unknown:
-        p.error(
-            f"--policies: unknown {', '.join(sorted(unknown))}; choose from {', '.join(POLICIES)}"
-        )
+    layout = Layout(args.tp, args.pp, args.gpus // (args.tp * args.pp))
+    if args.policies is None:
+        args.policy_list = list(applicable(layout))
+    else:
+        args.policy_list = args.policies.split(",")
+        unknown = set(args.policy_list) - set(POLICIES)
+        if unknown:
+            p.error(
+                f"--policies: unknown {', '.join(sorted(unknown))}; "
+                f"choose from {', '.join(POLICIES)}"
+            )
+        for policy in args.policy_list:
+            refused = refusal(policy, layout)
+            if refused and not (args.calibrate or args.sites):
+                p.error(f"--policies: {refused}")
+    if not 0.0 <= args.het_migration_budget <= 1.0:
+        p.error(f"--het-migration-budget must be within [0, 1], got {args.het_migration_budget}")
     if args.gpu_tflops <= 0:
         p.error(f"--gpu-tflops must be positive, got {args.gpu_tflops}")
     return args
@@ -204,11 +239,12 @@ def run(args) -> dict:
         layout,
         costs,
         trace,
-        args.policies.split(","),
+        args.policy_list,
         args.steps,
         fabric=Fabric(gpus_per_node=args.gpus_per_node),
         microbatches=args.microbatches,
         interval=args.het_tp_interval,
+        budget=args.het_migration_budget,
     )
     per_policy = {p: summary(r) for p, r in results.items()}
     return {
@@ -221,6 +257,7 @@ def run(args) -> dict:
         "trace": trace.name,
         "slow_gpus": len(trace.touched),
         "steps": args.steps,
+        "migration_budget": args.het_migration_budget,
         "E": {p: s["E"] for p, s in per_policy.items()},
         "planner_seconds": max(s["planner_seconds"] for s in per_policy.values()),
         "policies": per_policy,

@@ -7,8 +7,11 @@ What a step takes (per data-parallel replica, then the slowest replica):
   output layer on the last stage, stretched by the GPU's slowdown) plus its layers' TP
   all-reduces (four per layer: two forward, two backward), forward one third, backward two;
 - the pipeline: 1F1B over the stages with the hand-offs between them (hettp.sim.pipeline);
+- the optimizer step (per parameter, stretched by the slowdown): between two data-parallel
+  reduces a replica runs its optimizer step and its pipeline, so the slowest replica's sum
+  paces the job;
 - then the data-parallel gradient all-reduce of each stage (its largest rank's parameters) and
-  the optimizer step (per parameter, stretched by the slowdown), and `rest` (calibration).
+  `rest` (calibration).
 
 Replicas at one TP position and stage share a unit plan (their gradients are all-reduced), so
 one control loop per stage plans for all of them on the slowest replica's report, as
@@ -18,7 +21,10 @@ what makes 4096 GPUs fast). Decisions are taken at a step's end and shape the st
 it; a migration stalls the step it ends by its predicted seconds (hettp.transfer.MigrationCost,
 as the planner weighs it); a resize is free and its accuracy cost is not simulated. Speeds hold
 between a trace's changes (no timing noise), so a report's median is its last step, and the
-rebatch policy decides on the paces at each report interval's end.
+rebatch policy decides on the paces at each report interval's end. The joint policy (seed 002:
+hettp.joint, pipeline stages excluded as in the runtime) weighs rebatching, TP moves and
+resizes on the replicas' exact paces at each report, its moves stalling the step as a
+migration's do, within --het-migration-budget.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..config import DEFAULT_MIGRATION_BUDGET
 from ..detect import StragglerDetector
+from ..joint import JointController, JointState, ReplicaPace, options
 from ..loop import WARMUP_STEPS, ControlLoop, TimingReport
 from ..plan import BLOCKS, PartitionPlan
 from ..planner import Planner, plan_work
@@ -43,7 +51,10 @@ from .pipeline import one_f_one_b
 from .traces import Trace
 from .workload import ModelSpec, WorkloadError
 
-POLICIES = ("none", "resize", "migrate", "hybrid", "rebatch")
+POLICIES = ("none", "resize", "migrate", "hybrid", "rebatch", "joint")
+# Decided on the replicas' paces at each report (global rank 0's decision in the runtime), not
+# by a control loop per stage.
+DATA_POLICIES = ("rebatch", "joint")
 
 
 @dataclass(frozen=True)
@@ -135,11 +146,11 @@ class Simulation:
         device: bool = True,
         layers: Sequence[int] | None = None,
         counts: Sequence[int] | None = None,
+        budget: float = DEFAULT_MIGRATION_BUDGET,
     ):
-        if policy not in POLICIES:
-            raise SimError(f"policy '{policy}': the simulator runs {', '.join(POLICIES)}")
-        if policy == "rebatch" and layout.dp < 2:
-            raise SimError("policy 'rebatch' needs data-parallel replicas (dp > 1)")
+        refused = refusal(policy, layout)
+        if refused:
+            raise SimError(refused)
         if trace.gpus != layout.world:
             raise SimError(f"trace has {trace.gpus} GPUs, the layout {layout.world}")
         if layers is None and model.num_layers % layout.pp:
@@ -151,6 +162,7 @@ class Simulation:
         self.model, self.layout, self.costs, self.trace = model, layout, costs, trace
         self.fabric = fabric or Fabric()
         self.policy, self.device = policy, device
+        self.max_resize = max_resize
         self.interval = interval
         per_stage = model.num_layers // layout.pp
         self.layers = list(layers) if layers is not None else [per_stage] * layout.pp
@@ -170,7 +182,7 @@ class Simulation:
         self.unit_bytes = {b: n * model.state_bytes for b, n in self.unit_work.items()}
         self.factors = [1.0] * layout.world
         self._links()
-        spec = get_policy(policy) if policy != "rebatch" else None
+        spec = get_policy(policy) if policy not in DATA_POLICIES else None
         touched_stages = {self._where(g)[2] for g in trace.touched}
         self.loops: dict[int, ControlLoop] = {}
         self.migration_cost: dict[int, MigrationCost] = {}
@@ -197,6 +209,14 @@ class Simulation:
             spec is not None and spec.migrates and not spec.resizes and layout.pp > 1
         )
         self.onset = StragglerDetector(layout.tp, **(detector or {})).onset
+        self.joint = None
+        if policy == "joint":
+            try:
+                self.joint = JointController(budget)
+            except ValueError as err:
+                raise SimError(f"--het-migration-budget: {err}") from err
+            self.joint_cost = MigrationCost(self._transfer_costs(0), dict(self.unit_bytes))
+        self._trained = self._moved = 0.0  # since the last report: seconds stepping, moving
         self._cache: dict = {}
 
     def _transfer_costs(self, s: int) -> CostModel:
@@ -357,18 +377,26 @@ class Simulation:
         return factor if self.device else 1.0
 
     def _step_time(self) -> float:
-        L = self.layout
-        pipes = max(self._replica_time(d, self.counts[d]) for d in range(L.dp))
-        opt = (
+        """Between two data-parallel reduces a replica runs its optimizer step, then its
+        micro-batches: the slowest replica's sum paces the job (a slow replica's optimizer
+        step overlaps a fast one's longer pipeline)."""
+        return (
             max(
-                self._slow(self.factors[L.rank(t, d, s)]) * self.params[s][t]
-                for s in range(L.pp)
-                for d in range(L.dp)
-                for t in range(L.tp)
+                self._replica_time(d, self.counts[d]) + self._optimizer_time(d)
+                for d in range(self.layout.dp)
             )
-            * self.costs.optimizer_per_param
-        ) + self.costs.optimizer * max(self.factors)
-        return pipes + self.dp_seconds + opt + self.costs.rest
+            + self.dp_seconds
+            + self.costs.rest
+        )
+
+    def _optimizer_time(self, d: int) -> float:
+        L = self.layout
+        factors = [self.factors[L.rank(t, d, s)] for s in range(L.pp) for t in range(L.tp)]
+        return max(
+            self._slow(self.factors[L.rank(t, d, s)]) * self.params[s][t]
+            for s in range(L.pp)
+            for t in range(L.tp)
+        ) * self.costs.optimizer_per_param + self.costs.optimizer * max(factors)
 
     # ---- the run ------------------------------------------------------------------------------
 
@@ -388,6 +416,7 @@ class Simulation:
             if step in changes:
                 self._cache.clear()
             t = self.step_time()
+            self._trained += t
             if "pooled" not in self._cache:
                 self._cache["pooled"] = L.world / sum(1.0 / f for f in self.factors)
             ideal = (fast - compute) + compute * self._cache["pooled"]
@@ -402,6 +431,7 @@ class Simulation:
             result.step_s.append(t + stall)
             result.ideal_s.append(ideal)
             result.moved_seconds += stall
+            self._moved += stall
         return result
 
     def _uniform_time(self, compute: float) -> float:
@@ -467,6 +497,12 @@ class Simulation:
             )
         if changed:
             self._refresh()
+        if self.joint is not None and step > WARMUP_STEPS and step % self.interval == 0:
+            began = time.perf_counter()
+            moved, decided = self._joint_step(step)
+            wall += time.perf_counter() - began
+            stall = max(stall, moved)
+            decisions.extend(decided)
         if self.policy == "rebatch" and step > WARMUP_STEPS and step % self.interval == 0:
             began = time.perf_counter()
             paces = self._replica_paces()
@@ -486,6 +522,56 @@ class Simulation:
                 stall = max(stall, split.move_seconds)
                 decisions.append({"step": step, "action": "layers", "layers": list(split.counts)})
         return stall, wall, decisions
+
+    def _joint_step(self, step: int) -> tuple[float, list[dict]]:
+        """The joint policy at a report (as megatron/hetero/runtime.py's, on exact paces):
+        account the interval's moving and training, weigh hettp.joint's options, apply the
+        choice. Returns (seconds moving, decisions)."""
+        joint = self.joint
+        joint.account(self._moved, self._trained + self._moved)
+        self._trained = self._moved = 0.0
+        state = self._joint_state()
+        slow = frozenset(
+            (d, t)
+            for d, pace in enumerate(state.paces)
+            for t, f in enumerate(pace.factors)
+            if f >= self.onset
+        )
+        horizon = joint.hold(step, slow, self.interval)
+        found = options(state, self.unit_work, self.max_resize, self.joint_cost.seconds)
+        option = joint.choose(found, horizon).option
+        if option.action == "none":
+            return 0.0, []
+        moved = option.move_seconds if option.plan != self.plans[0] else 0.0
+        self.plans[0], self.shares[0] = option.plan, tuple(option.shares)
+        self.counts = tuple(option.counts)
+        self._refresh()
+        decision = {"step": step, "action": option.action, "counts": list(self.counts)}
+        return moved, [{**decision, "seconds": round(moved, 4)}]
+
+    def _joint_state(self) -> JointState:
+        """hettp.joint's inputs from the machine (one stage: joint runs without stages):
+        per replica the TP ranks' slowdowns against the fastest GPU and, per micro-batch, what
+        no unit carries (the output layer and the TP all-reduces); the seconds per unit of
+        work; the optimizer step."""
+        L, costs = self.layout, self.costs
+        fastest = min(self.factors)
+        comm = self.layers[0] * max(self.tp_comm[d, 0] for d in range(L.dp))
+        paces = []
+        for d in range(L.dp):
+            factors = tuple(self.factors[L.rank(t, d, 0)] / fastest for t in range(L.tp))
+            extra = max(self._slow(f) for f in factors) * costs.stage_extra[0] * fastest
+            paces.append(ReplicaPace(extra + comm, factors))
+        slope = sum(self.seconds[0]) / sum(self.work[0]) * fastest
+        fixed = costs.optimizer + costs.optimizer_per_param * max(self.params[0])
+        return JointState(
+            self.plans[0],
+            tuple(self.shares[0]),
+            tuple(self.counts),
+            tuple(paces),
+            slope,
+            fixed * fastest,
+        )
 
     def _replica_paces(self) -> list[float]:
         """Each replica's seconds per micro-batch: its slowest stage's slowest rank's."""
@@ -535,6 +621,25 @@ class Simulation:
             loop.applied()
         self._refresh()
         return split
+
+
+def refusal(policy: str, layout: Layout) -> str | None:
+    """Why `policy` cannot run on `layout` (None where it can): the runtime's own limits."""
+    if policy not in POLICIES:
+        return f"policy '{policy}': the simulator runs {', '.join(POLICIES)}"
+    if policy in DATA_POLICIES and layout.dp < 2:
+        return f"policy '{policy}' needs data-parallel replicas (dp > 1)"
+    if policy == "joint" and layout.pp > 1:
+        return (
+            "policy 'joint' is not built for pipeline stages (as --het-tp-policy joint): "
+            "simulate it with pp 1"
+        )
+    return None
+
+
+def applicable(layout: Layout) -> tuple[str, ...]:
+    """The policies `layout` can run, in POLICIES order."""
+    return tuple(p for p in POLICIES if refusal(p, layout) is None)
 
 
 def simulate(

@@ -50,6 +50,36 @@ def test_a_short_horizon_does_not_repay_a_move_and_a_long_one_does():
     assert ctl.choose(found, horizon=1000).option.action.startswith("migrate")
 
 
+def test_replicas_of_one_pace_are_planned_for_once(monkeypatch):
+    # eight replicas of three paces: the shared plan for the slowest per position (the even
+    # plan here) and one plan per distinct replica pace; at scale hundreds of replicas share
+    # a few paces, and a plan per replica would cost seconds a report
+    import hettp.joint as joint
+
+    planned = []
+
+    def counting(plan, work):
+        planned.append(work)
+        return joint_plan(plan, work)
+
+    joint_plan = joint.proportional_plan
+    monkeypatch.setattr(joint, "proportional_plan", counting)
+    paces = [(1.0, 1.0)] * 4 + [(2.0, 1.0)] * 2 + [(1.0, 2.0)] * 2
+    found = options(_state(paces, counts=(2,) * 8), UNIT_WORK, 0.5, _cost)
+    assert len(planned) == 4  # slowest (2, 2), replica 0's (1, 1), 4's (2, 1), 6's (1, 2)
+    targets = {o.action.split("+")[0] for o in found if o.action.startswith("migrate")}
+    assert targets == {"migrate:replica4", "migrate:replica6"}
+    # twenty replicas of twenty paces: plans for the REPLICA_TARGETS slowest only (replica
+    # 19's pace is the slowest per position, the shared plan's target)
+    planned.clear()
+    paces = [(1.0 + r / 10, 1.0) for r in range(20)]
+    found = options(_state(paces, counts=(2,) * 20), UNIT_WORK, 0.5, _cost)
+    assert len(planned) == 1 + joint.REPLICA_TARGETS
+    names = {o.action.split("+")[0] for o in found if o.action.startswith("migrate:")}
+    # (neighbouring paces can round to one plan here, weighed once)
+    assert names and names <= {f"migrate:replica{r}" for r in range(11, 19)}
+
+
 def test_a_resize_in_force_is_undone_when_the_straggle_ends():
     resized = _state([(1.0, 1.0), (1.0, 1.0)], shares=(0.3, 0.0))
     choice = JointController(budget=0.1).choose(options(resized, UNIT_WORK, 0.5, None), horizon=10)

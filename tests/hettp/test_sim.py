@@ -127,12 +127,70 @@ def test_stages_without_a_slow_gpu_run_no_loop_and_rebatch_moves_micro_batches()
     assert rebatch.mean_step < none.mean_step
 
 
+@pytest.mark.parametrize(
+    "slow, best",
+    [
+        ({(1, 1): 3.0}, "rebatch"),  # one slow replica: fewer micro-batches for it
+        ({(1, 0): 3.0, (1, 1): 3.0}, "migrate"),  # TP rank 1 slow in both: move units
+        ({(0, 0): 3.0, (1, 1): 3.0}, None),  # crossed: neither alone helps, both together do
+    ],
+)
+def test_joint_does_at_least_as_well_as_rebatch_and_migrate_and_better_where_crossed(slow, best):
+    layout = Layout(2, 1, 2)
+    model = dataclasses.replace(GPT_13B, num_layers=4, mlp_unit=64)
+    trace = persistent(layout.world, {layout.rank(t, d, 0): f for (t, d), f in slow.items()})
+    results = simulate(
+        model,
+        layout,
+        _costs(model, layout),
+        trace,
+        ["none", "rebatch", "migrate", "joint"],
+        100,
+        microbatches=4,
+        interval=5,
+    )
+    joint, others = results["joint"], [results[p].E for p in ("none", "rebatch", "migrate")]
+    assert joint.decisions and joint.decisions[0]["step"] == 5  # the first report
+    if best is not None:
+        assert results[best].E > results["none"].E + 0.1 and joint.E >= max(others) - 0.005
+    else:
+        assert max(others) == pytest.approx(results["none"].E, abs=1e-9)
+        assert joint.decisions[0]["action"].endswith("+rebatch")
+        assert joint.E > max(others) + 0.04
+    # moving stays within the migration budget's share of the run (plus its last move)
+    moves = [d["seconds"] for d in joint.decisions]
+    assert joint.moved_seconds <= 0.05 * sum(joint.step_s) + max(moves)
+
+
+def test_joint_under_no_budget_never_moves_units():
+    layout = Layout(2, 1, 2)
+    model = dataclasses.replace(GPT_13B, num_layers=4, mlp_unit=64)
+    trace = persistent(layout.world, {layout.rank(1, 0, 0): 3.0, layout.rank(1, 1, 0): 3.0})
+    joint = Simulation(
+        model, layout, _costs(model, layout), trace, "joint", microbatches=4, interval=5, budget=0
+    ).run(60)
+    assert joint.moved_seconds == 0.0
+    assert not any(d["action"].startswith("migrate") for d in joint.decisions)
+
+
 def test_bad_setups_are_refused_by_name():
     model = SMALL
     with pytest.raises(SimError, match="rebatch"):
         Simulation(model, Layout(2), _costs(model, Layout(2)), persistent(2, {}), "rebatch")
-    with pytest.raises(SimError, match="policy 'joint'"):
+    with pytest.raises(SimError, match="policy 'joint' needs data-parallel replicas"):
         Simulation(model, Layout(2), _costs(model, Layout(2)), persistent(2, {}), "joint")
+    staged = Layout(2, 2, 2)
+    with pytest.raises(SimError, match="policy 'joint' is not built for pipeline stages"):
+        Simulation(model, staged, _costs(model, staged), persistent(8, {}), "joint")
+    with pytest.raises(SimError, match="--het-migration-budget"):
+        Simulation(
+            model,
+            Layout(2, 1, 2),
+            _costs(model, Layout(2, 1, 2)),
+            persistent(4, {}),
+            "joint",
+            budget=1.5,
+        )
     with pytest.raises(SimError, match="4 GPUs, the layout 2"):
         Simulation(model, Layout(2), _costs(model, Layout(2)), persistent(4, {}), "none")
     with pytest.raises(SimError, match="divide by TP 3"):
@@ -160,7 +218,14 @@ def test_cli_prints_one_json_line_per_policy_and_refuses_bad_flags():
     bad = _cli("--gpus", "100", "--tp", "8", "--pp", "8")
     assert bad.returncode == 2 and "--gpus 100" in bad.stderr
     bad = _cli("--policies", "migrate,joint")
-    assert bad.returncode == 2 and "joint" in bad.stderr
+    assert bad.returncode == 2 and "'joint' is not built for pipeline stages" in bad.stderr
+    bad = _cli("--pp", "1", "--het-migration-budget", "2")
+    assert bad.returncode == 2 and "--het-migration-budget must be within [0, 1]" in bad.stderr
+    flat = _cli("--gpus", "64", "--tp", "8", "--pp", "1", "--model", "gpt-13b", "--json")
+    assert flat.returncode == 0, flat.stderr
+    flat = json.loads(flat.stdout)  # without stages joint runs too, under the default budget
+    assert set(flat["E"]) == {"none", "resize", "migrate", "hybrid", "rebatch", "joint"}
+    assert flat["migration_budget"] == 0.05
     scenario = _cli(
         "--gpus",
         "4",
@@ -236,17 +301,20 @@ def test_cli_plans_sites():
     assert bad.returncode == 2 and "NAME:GPUS:SPEED" in bad.stderr
 
 
-def test_the_committed_comparison_replays_within_ten_percent_where_stragglers_are_emulated():
-    """scripts/simulate.py --calibrate on results/compare: the vanilla rows gave the replay its
-    inputs (T_fast, the speeds) and are marked so; the policies' rows are predictions."""
+def test_the_committed_comparison_replays_within_ten_percent():
+    """scripts/simulate.py --calibrate on results/compare (issue 22's bar: every predicted row
+    within 10%): the vanilla rows gave the replay its inputs (T_fast, the speeds) and are
+    marked so; the policies' rows, real contention's included, are predictions."""
     from hettp.sim.calibrate import replay
 
     rows = replay(os.path.join(ROOT, "results", "compare", "report.json"))
     assert {(r.scenario, r.policy) for r in rows if r.fitted} == {
+        ("none", "vanilla"),
         ("none", "none"),
-        ("persistent-2x", "none"),
-        ("transient", "none"),
+        ("persistent-2x", "vanilla"),
+        ("transient", "vanilla"),
+        ("noisy", "vanilla"),
         ("noisy", "none"),
     }
-    emulated = [r for r in rows if not r.fitted and r.scenario != "noisy"]
-    assert len(emulated) == 9 and max(r.rel_error for r in emulated) < 0.11
+    predicted = [r for r in rows if not r.fitted]
+    assert len(predicted) == 12 and max(r.rel_error for r in predicted) <= 0.10
