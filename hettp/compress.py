@@ -88,3 +88,16 @@ class ErrorFeedbackReducer:
     def reset(self) -> None:
         """Forget the residues (the buffers they belong to were rebuilt)."""
         self.errors.clear()
+
+    def state_dict(self) -> dict:
+        """The residues a checkpoint keeps, so that a resumed run sends what this one would."""
+        return {"kind": self.kind, "errors": {k: e.clone() for k, e in self.errors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Residues of the same compression; a buffer whose size changed starts over (zeros),
+        as after a rebuild."""
+        if state["kind"] != self.kind:
+            raise ValueError(
+                f"compression residues of '{state['kind']}' cannot seed '{self.kind}' reductions"
+            )
+        self.errors = {k: e.clone() for k, e in state["errors"].items()}

@@ -105,6 +105,35 @@ def _per_tp_rank(key: str, value) -> ShardedObject:
     )
 
 
+def _residues(model) -> ShardedObject | None:
+    """--het-dp-compress's error-feedback residues: one object per rank (they differ between
+    data-parallel replicas too); None without compression."""
+    reducer = getattr(model, "reducer", None)
+    if reducer is None:
+        return None
+    ps = parallel_state
+    return ShardedObject(
+        "het_dp_residues",
+        reducer.state_dict(),
+        (
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_data_parallel_world_size(),
+        ),
+        (
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_data_parallel_rank(),
+        ),
+        replica_id=0,
+    )
+
+
+def _compression(model) -> str:
+    reducer = getattr(model, "reducer", None)
+    return reducer.kind if reducer is not None else "none"
+
+
 def runtime_state(runtime) -> ShardedObject:
     """The het-TP runtime's per-TP-rank state as a checkpoint holds it (to save, or to request
     at load)."""
@@ -159,6 +188,11 @@ def save_checkpoint(
     state["args"]["tensor_model_parallel_size"] = args.tensor_model_parallel_size
     state["args"]["pipeline_model_parallel_size"] = args.pipeline_model_parallel_size
     state["args"]["het_tp_state"] = runtime is not None
+    state["args"]["data_parallel_size"] = parallel_state.get_data_parallel_world_size()
+    state["args"]["het_dp_compress"] = _compression(model)
+    residues = _residues(model)
+    if residues is not None:
+        state["het_dp_residues"] = residues
 
     final = checkpoint_dir(root, iteration)
     staging = staging or final + ".tmp"
@@ -246,6 +280,15 @@ def load_checkpoint(
     with_runtime = runtime is not None and with_rng and saved.get("het_tp_state", False)
     if with_runtime:
         state["het_tp_state"] = runtime_state(runtime)
+    # compression residues are per rank: same TP, PP and DP sizes and the same compression
+    with_residues = (
+        with_rng
+        and _compression(model) != "none"
+        and saved.get("het_dp_compress") == _compression(model)
+        and saved.get("data_parallel_size") == parallel_state.get_data_parallel_world_size()
+    )
+    if with_residues:
+        state["het_dp_residues"] = _residues(model)
     loaded = dist_checkpointing.load(state, path)
     model.module.load_state_dict(loaded["model"])
     loading.load_state_dict(loaded["optimizer"])
@@ -259,4 +302,6 @@ def load_checkpoint(
         _set_rng_state(loaded["rng_state"])
     if with_runtime:
         runtime.load_state_dict(loaded["het_tp_state"])
+    if with_residues:
+        model.reducer.load_state_dict(loaded["het_dp_residues"])
     return loaded["iteration"], loaded["consumed_train_samples"]

@@ -44,6 +44,20 @@ def test_error_feedback_delays_gradients_and_loses_none(kind):
     assert drift.abs().max() < 1e-4 * sum(exact).abs().max()
 
 
+def test_residues_round_trip_a_state_dict_of_their_own_kind_only():
+    from hettp.compress import ErrorFeedbackReducer
+
+    saved = ErrorFeedbackReducer("int8")
+    saved.errors[(0, 1)] = torch.tensor([0.5, -0.25])
+    state = saved.state_dict()
+    saved.errors[(0, 1)].zero_()  # the state is a copy
+    loaded = ErrorFeedbackReducer("int8")
+    loaded.load_state_dict(state)
+    assert torch.equal(loaded.errors[(0, 1)], torch.tensor([0.5, -0.25]))
+    with pytest.raises(ValueError, match="residues of 'int8' cannot seed 'bf16'"):
+        ErrorFeedbackReducer("bf16").load_state_dict(state)
+
+
 def test_a_rebuilt_wrapper_keeps_compressing():
     """A migration or layer move rebuilds DDP (partition._rebuild: `rebuilt()`); the new
     wrapper must reduce as the old one did, residues started over."""
@@ -71,11 +85,20 @@ TRAIN = MHA.replace("--train-iters 1", "--train-iters 8").split() + [
 ]
 
 
-def test_training_with_compressed_gradients_tracks_the_exact_reduction():
+def test_training_with_compressed_gradients_tracks_the_exact_reduction_and_resumes(tmp_path):
     exact = run_ranks(train, 2, TRAIN)[0]["losses"]
-    int8 = run_ranks(train, 2, TRAIN + ["--het-dp-compress", "int8"])
+    ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "4"]
+    int8 = run_ranks(train, 2, TRAIN + ["--het-dp-compress", "int8"] + ckpt)
     losses = int8[0]["losses"]
     assert losses == int8[1]["losses"]
     assert losses != exact  # the reduction did change
     for i in exact:
         assert losses[i] == pytest.approx(exact[i], rel=2e-3), i
+    # the checkpoint keeps each rank's residues: resumed from iteration 4 (Megatron's tracker
+    # file names the checkpoint to load), the run sends what this one sent
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("4")
+    resumed = run_ranks(
+        train, 2, TRAIN + ["--het-dp-compress", "int8", "--load", str(tmp_path / "ckpt")]
+    )[0]["losses"]
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert [resumed[i] for i in range(5, 9)] == [losses[i] for i in range(5, 9)]
