@@ -76,7 +76,7 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def worker(rank, world, port, opts, out_path, distributed_optimizer=False):
+def worker(rank, world, port, opts, out_path, distributed_optimizer=False, freeze=True):
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -97,7 +97,13 @@ def worker(rank, world, port, opts, out_path, distributed_optimizer=False):
     from megatron.hetero.arguments import parse_args
     from megatron.hetero.data import build_datasets, build_loader, tokenizer_from_args
     from megatron.hetero.runtime import HetTPRuntime
-    from megatron.hetero.training import initialize, setup_model_and_optimizer, shutdown, train_step
+    from megatron.hetero.training import (
+        freeze_imported_objects,
+        initialize,
+        setup_model_and_optimizer,
+        shutdown,
+        train_step,
+    )
 
     ffn = 2048
     argv = (
@@ -110,6 +116,8 @@ def worker(rank, world, port, opts, out_path, distributed_optimizer=False):
     if distributed_optimizer:
         argv.append("--use-distributed-optimizer")
     args = parse_args(argv)
+    if freeze:  # as pretrain() does
+        freeze_imported_objects()
     runtime = HetTPRuntime.from_args(args)
     initialize(args)
     tokenizer = tokenizer_from_args(args)
@@ -194,18 +202,49 @@ def worker(rank, world, port, opts, out_path, distributed_optimizer=False):
     shutdown()
 
 
-def _spawn(opts, out, distributed_optimizer=False):
+def _spawn(opts, out, distributed_optimizer=False, freeze=True):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = opts.tp * opts.dp
     mp.start_processes(
         worker,
-        args=(world, port, opts, out, distributed_optimizer),
+        args=(world, port, opts, out, distributed_optimizer, freeze),
         nprocs=world,
         start_method="spawn",
     )
     return json.load(open(out))
+
+
+def _compare_gc(opts) -> None:
+    """The trainer's processes with and without the imports' objects frozen out of the garbage
+    collector's full collections (training.freeze_imported_objects), side by side."""
+    stem, ext = os.path.splitext(opts.out)
+    walked = _spawn(opts, f"{stem}_gc_walked{ext}", freeze=False)
+    frozen = _spawn(opts, f"{stem}_gc_frozen{ext}")
+    print(
+        f"migration with the imports' objects in and out of the collector's full collections: "
+        f"hidden 512, ffn 2048, 4 layers, Adam, TP={opts.tp} x DP={opts.dp} on CPU (gloo), MLP "
+        f"units of {opts.granularity} neurons; medians of {opts.repeats} rounds"
+    )
+    print(
+        f"{'plan change':40s} {'units':>5s} {'MB':>6s} {'total walked':>12s} "
+        f"{'total frozen':>12s} {'ratio':>6s} {'max walked':>10s} {'max frozen':>10s} {'ratio':>6s}"
+    )
+    for name, row in walked["rows"].items():
+        other = frozen["rows"][name]
+        a, b = (statistics.median(r["total"]) * 1e3 for r in (row, other))
+        ma, mb = (max(r["total"]) * 1e3 for r in (row, other))
+        print(
+            f"{name:40s} {row['units']:5d} {row['bytes'] / 1e6:6.1f} {a:12.1f} {b:12.1f} "
+            f"{b / a:6.2f} {ma:10.1f} {mb:10.1f} {mb / ma:6.2f}"
+        )
+    print(
+        "ms, the slowest rank's; total = transfer, commit and the rebuild of the DDP wrapper "
+        "and optimizer; median and max over the rounds (a collection lands in some rounds "
+        "only); ratio = frozen / walked."
+    )
+    print(f"results: {stem}_gc_walked{ext}, {stem}_gc_frozen{ext}")
 
 
 def _compare(opts) -> None:
@@ -252,6 +291,12 @@ def main(argv=None):
         action="store_true",
         help="run twice, without and with --use-distributed-optimizer, and compare",
     )
+    p.add_argument(
+        "--vs-gc-freeze",
+        action="store_true",
+        help="run twice, with the imports' objects left in the garbage collector's full "
+        "collections (as the trainer before 2026-12-03) and frozen out of them, and compare",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--granularity", type=int, default=16, help="ffn neurons per MLP unit")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "migration.json"))
@@ -261,6 +306,9 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
     if opts.vs_distributed_optimizer:
         _compare(opts)
+        return
+    if opts.vs_gc_freeze:
+        _compare_gc(opts)
         return
     data = _spawn(opts, opts.out)
     print(

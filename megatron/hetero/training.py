@@ -332,12 +332,25 @@ def _default_metrics_file(args) -> str:
     return os.path.join("logs", f"metrics-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
 
 
+def freeze_imported_objects() -> None:
+    """Take what the imports created (torch's and megatron-core's modules, functions and
+    classes: most of the objects the process will ever hold, none of them garbage) out of the
+    garbage collector's full collections. Each full collection walked them all, about 0.25 s
+    on a CPU VM, wherever a rank's allocations crossed the threshold: mid-step on one rank (a
+    straggle of its own making), and in the first migrations, whose allocations cross it
+    (results/notes.md). What is built from here on stays collectable: a wrapper a migration
+    replaces, with its reference cycles, is freed as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def pretrain(args, on_step_end=None) -> TrainResult:
     """Megatron-LM's pretrain(): initialize, build, optionally resume, train, evaluate, save.
 
     `on_step_end(iteration, state, runtime)`, when given, runs on every rank at every step
     boundary, after het-TP's own decisions were applied there.
     """
+    freeze_imported_objects()
     runtime = HetTPRuntime.from_args(args)
     initialize(args)
     # Claim --save before anything is built or written there (metrics default to it too).

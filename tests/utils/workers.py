@@ -311,10 +311,17 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
             }
         )
 
+    import gc
+
     from megatron.hetero.partition import het_blocks
 
     result, stdout = _pretrain(argv, hook)
-    return {"losses": result.losses, "events": events, "stdout": stdout}
+    return {
+        "losses": result.losses,
+        "events": events,
+        "stdout": stdout,
+        "frozen_objects": gc.get_freeze_count(),
+    }
 
 
 def _alive_after_gc(refs) -> int:
