@@ -391,12 +391,10 @@ class Simulation:
 
     def _optimizer_time(self, d: int) -> float:
         L = self.layout
-        factors = [self.factors[L.rank(t, d, s)] for s in range(L.pp) for t in range(L.tp)]
-        return max(
-            self._slow(self.factors[L.rank(t, d, s)]) * self.params[s][t]
-            for s in range(L.pp)
-            for t in range(L.tp)
-        ) * self.costs.optimizer_per_param + self.costs.optimizer * max(factors)
+        ranks = [(s, t, self.factors[L.rank(t, d, s)]) for s in range(L.pp) for t in range(L.tp)]
+        per_param = max(self._slow(f) * self.params[s][t] for s, t, f in ranks)
+        slowest = max(f for _, _, f in ranks)
+        return per_param * self.costs.optimizer_per_param + self.costs.optimizer * slowest
 
     # ---- the run ------------------------------------------------------------------------------
 

@@ -335,11 +335,11 @@ def _default_metrics_file(args) -> str:
 def freeze_imported_objects() -> None:
     """Take what the imports created (torch's and megatron-core's modules, functions and
     classes: most of the objects the process will ever hold, none of them garbage) out of the
-    garbage collector's full collections. Each full collection walked them all, about 0.25 s
-    on a CPU VM, wherever a rank's allocations crossed the threshold: mid-step on one rank (a
-    straggle of its own making), and in the first migrations, whose allocations cross it
-    (results/notes.md). What is built from here on stays collectable: a wrapper a migration
-    replaces, with its reference cycles, is freed as before."""
+    garbage collector's full collections. Each full collection walked them all, wherever a
+    rank's allocations crossed the threshold: mid-step on one rank (a straggle of its own
+    making), and in the first migrations, whose allocations cross it (results/notes.md). What
+    is built from here on stays collectable: a wrapper a migration replaces, with its
+    reference cycles, is freed as before."""
     gc.collect()
     gc.freeze()
 
