@@ -339,8 +339,8 @@ def freeze_imported_objects() -> None:
     rank's allocations crossed the threshold: mid-step on one rank (a straggle of its own
     making), and in the first migrations, whose allocations cross it (results/notes.md). What
     is built from here on stays collectable: a wrapper a migration replaces, with its
-    reference cycles, is freed as before."""
-    gc.collect()
+    reference cycles, is freed as before. No collection first: it would cost the very walk
+    this avoids, once per rank, for the few cycles the imports leave."""
     gc.freeze()
 
 
