@@ -19,6 +19,7 @@ import statistics
 from collections.abc import Sequence
 
 Factors = tuple[float | None, ...]
+REFINE_STEPS = 32  # steps after the anchor window that may sharpen its base
 
 
 def relative(factors: Factors) -> Factors:
@@ -43,6 +44,9 @@ class SlowdownAnchor:
         self._base: Factors | None = None  # the anchor window's median compute per rank
         self._pending: list[tuple[float, ...]] = []  # steps since the change, until anchored
         self._modelled: list[Factors] = []  # the cost model's slowdowns of those steps
+        self._level: tuple[float, ...] = ()  # the anchor window's base
+        self._same_level: list[list[float]] = []  # per rank, the steps the base is made of
+        self._refined = 0  # steps since the window that were considered for the base
 
     @property
     def active(self) -> bool:
@@ -57,14 +61,14 @@ class SlowdownAnchor:
         """Back to no anchor (the ranks' works are equal again: their ratios need no model, and
         errors carried from anchor to anchor end here)."""
         self._before, self._base, self._pending = None, None, []
-        self._modelled = []
+        self._modelled, self._same_level = [], []
 
     def rebase(self, slowdown: Sequence[float | None]) -> None:
         """The split changed after a step whose slowdowns were `slowdown`."""
         if len(slowdown) != self.tp_size:
             raise ValueError(f"{len(slowdown)} slowdowns for a TP group of {self.tp_size}")
         self._before, self._base, self._pending = tuple(slowdown), None, []
-        self._modelled = []
+        self._modelled, self._same_level = [], []
 
     def step(self, compute: Sequence[float], modelled: Factors | None = None) -> list[Factors]:
         """One step's compute per rank (and where a fitted cost model exists, the slowdowns
@@ -73,13 +77,18 @@ class SlowdownAnchor:
         if not self.active:
             raise RuntimeError("no change of the split to anchor to: use the cost model")
         if self.anchored:
+            self._refine(compute)
             return [self.factors(compute)]
         self._pending.append(tuple(compute))
         if modelled is not None:
             self._modelled.append(relative(modelled))
         if len(self._pending) < self.window:
             return []
-        self._base = tuple(self._anchor(r) for r in range(self.tp_size))
+        self._base = self._level = tuple(self._anchor(r) for r in range(self.tp_size))
+        self._same_level = [
+            [self._pending[i][r] for i in self._same(r)] for r in range(self.tp_size)
+        ]
+        self._refined = 0
         if len(self._modelled) == len(self._pending):
             self._overrule()
         steps, self._pending, self._modelled = self._pending, [], []
@@ -91,16 +100,41 @@ class SlowdownAnchor:
         began or ended at the change itself: take the model's slowdown there. A model that is
         merely off (1.4x for a rank with few units, seen on this VM) changes nothing."""
         before = list(self._before)
+        ends, onsets = {}, {}
         for r, b in enumerate(before):
             seen = [self._modelled[i][r] for i in self._same(r) if self._modelled[i][r]]
             if b is None or not seen:
                 continue
             model = statistics.median(seen)
-            if (b >= self.slow and model <= self.normal) or (
-                b <= self.normal and model >= self.slow
-            ):
+            if b >= self.slow and model <= self.normal:
+                ends[r] = model
+            elif b <= self.normal and model >= self.slow:
+                onsets[r] = model
+        # One rank's end and another's onset at the same change is the model mistaking which
+        # rank is slow (its per-call part misread at a small share reads that rank fast, and
+        # every other against it slow): continuity stands.
+        if not (ends and onsets):
+            for r, model in {**ends, **onsets}.items():
                 before[r] = model
         self._before = tuple(before)
+
+    def _refine(self, compute: Sequence[float]) -> None:
+        """The window's few steps fix every later reading, and under per-step noise their
+        median is several per cent off: the first REFINE_STEPS steps after it sharpen the base.
+        Later steps leave it be, so that a slow drift still reads as one. A step beyond the
+        square of `band` from the window's level is a new level or a hiccup and is left out;
+        a narrower cut would trim the noise on one side of a window that is off, and keep the
+        base off (a new level that a decision acts on re-anchors anyway)."""
+        if self._refined >= REFINE_STEPS:
+            return
+        self._refined += 1
+        base, band = list(self._base), self.band**2
+        for r, c in enumerate(compute):
+            level = self._level[r]
+            if level > 0 and c > 0 and max(level, c) < band * min(level, c):
+                self._same_level[r].append(c)
+                base[r] = statistics.median(self._same_level[r])
+        self._base = tuple(base)
 
     def _same(self, rank: int) -> list[int]:
         """The anchor window's steps within `band` of its first, for `rank`."""
@@ -128,6 +162,9 @@ class SlowdownAnchor:
             "base": None if self._base is None else list(self._base),
             "pending": [list(step) for step in self._pending],
             "modelled": [list(row) for row in self._modelled],
+            "level": list(self._level),
+            "same_level": [list(steps) for steps in self._same_level],
+            "refined": self._refined,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -135,3 +172,7 @@ class SlowdownAnchor:
         self._base = None if state["base"] is None else tuple(state["base"])
         self._pending = [tuple(step) for step in state["pending"]]
         self._modelled = [tuple(row) for row in state.get("modelled", ())]
+        # absent from older checkpoints: the base as it was, not refined further
+        self._level = tuple(state.get("level", self._base or ()))
+        self._same_level = [list(steps) for steps in state.get("same_level", ())]
+        self._refined = state.get("refined", REFINE_STEPS)

@@ -108,12 +108,22 @@ class ComputeFit:
         fixed: Sequence[float] | None = None,
     ) -> list[float | None]:
         """Per rank, measured compute over an unslowed rank's at the same work (None for a
-        rank without work, unless a fixed part gives it compute to compare)."""
+        rank without work, unless a fixed part gives it compute to compare).
+
+        A rank without work is read on the fitted per-call part alone: where that is off
+        (noisy reports fitted it 4x too large), the rank reads fast by the same factor and,
+        as the fastest, makes every working rank look that much slower, so that units chase
+        back and forth between them. It reads no faster than the fastest working rank."""
         line = self.line(works, computes, fixed)
-        return [
+        out = [
             c / (line.fixed + line.per_unit * w) if w > 0 or line.fixed > 0 else None
             for w, c in zip(works, computes)
         ]
+        working = [f for f, w in zip(out, works) if w > 0 and f is not None]
+        if working:
+            floor = min(working)
+            out = [f if w > 0 or f is None else max(f, floor) for f, w in zip(out, works)]
+        return out
 
     def add(
         self,

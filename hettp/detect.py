@@ -83,6 +83,26 @@ class StragglerDetector:
         """The state after the last update, as a detection that changes nothing."""
         return Detection(self._slowdown, self.stragglers, False, frozenset(), frozenset())
 
+    def level(self) -> tuple[float, ...]:
+        """Each rank's slowdown at the level its latest step is at: the median of its window's
+        steps within `onset` of the latest. The smoothed slowdown decides whether a straggle
+        began (one noisy step must not); this says how slow it is. At an onset the window
+        still holds the steps before it, so its median is half way ([1.0, 1.7, 2.3] reads 1.7
+        for a rank that is now 2.3x), and a plan or anchor taken from it is too."""
+        latest = []
+        for history in self._history:
+            if not history:
+                latest.append(None)
+                continue
+            last = history[-1]
+            same = [v for v in history if max(v, last) < self.onset * min(v, last)]
+            latest.append(statistics.median(same))
+        known = [v for v in latest if v is not None]
+        if not known:
+            return self._slowdown
+        fastest = min(known)
+        return tuple(1.0 if v is None else v / fastest for v in latest)
+
     def update(self, per_unit_seconds: Sequence[float | None]) -> Detection:
         """One step: seconds per unit of work per rank (None: the rank ran no units)."""
         if len(per_unit_seconds) != self.tp_size:

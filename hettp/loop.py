@@ -54,6 +54,37 @@ class TimingReport:
         return cls._combine(steps, steps[-1].iteration, statistics.median)
 
     @classmethod
+    def latest_level(cls, steps: Sequence[TimingReport], band: float) -> TimingReport:
+        """Several steps of one split as the report of the level the last is at: per rank,
+        the median of the steps whose compute is within `band` of the last step's. Where a
+        straggle began or ended among them, the median of all would plan half way."""
+        if not steps:
+            raise ValueError("a report needs at least one step")
+        last = steps[-1]
+        picked = [
+            [s for s in steps if max(s.compute[r], c) < band * min(s.compute[r], c)]
+            for r, c in enumerate(last.compute)
+        ]
+
+        def per_rank(name):
+            if any(getattr(s, name) is None for s in steps):
+                return None
+            return tuple(
+                statistics.median(getattr(s, name)[r] for s in picked[r])
+                for r in range(len(picked))
+            )
+
+        slowest = max(range(len(picked)), key=lambda r: last.compute[r])
+        return cls(
+            last.iteration,
+            per_rank("compute"),
+            last.work,
+            statistics.median(s.step for s in picked[slowest]),
+            per_rank("fixed"),
+            per_rank("busy"),
+        )
+
+    @classmethod
     def slowest_replica(cls, reports: Sequence[TimingReport]) -> TimingReport:
         """Data-parallel replicas at one TP position all-reduce their gradients, so they share
         one plan; the slowest of them sets everyone's pace, so that is the one to plan for."""
@@ -169,8 +200,10 @@ class ControlLoop:
         closes = len(self._steps) >= self.interval
         if not closes and not (detection is not None and detection.changed):
             return None
-        steps = self._steps if closes else self._steps[-self.detector.window :]
-        return Due(TimingReport.median(steps), detection, closes)
+        if closes:
+            return Due(TimingReport.median(self._steps), detection, True)
+        recent = self._steps[-self.detector.window :]
+        return Due(TimingReport.latest_level(recent, self.detector.onset), detection, False)
 
     def close(self, due: Due, verdict: Verdict) -> None:
         """After `observe` and the deciding rank's decision: learn from an interval's report."""
@@ -304,7 +337,7 @@ class ControlLoop:
     def applied(self) -> None:
         """A decision changed the work split: anchor the slowdowns there, and re-base the
         detector's reference."""
-        self.anchor.rebase(self.detector.current().slowdown)
+        self.anchor.rebase(self.detector.level())
         self.detector.rebase()
         self._steps = []  # a report's steps share one split
 
@@ -317,7 +350,7 @@ class ControlLoop:
             raise ValueError(f"work scale must be positive, got {factor}")
         self.fit.rescale(factor)
         if self.anchor.active:
-            self.anchor.rebase(self.detector.current().slowdown)
+            self.anchor.rebase(self.detector.level())
         self.detector.rebase()
         self._steps = []  # a report's steps share one batch
 

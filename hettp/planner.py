@@ -312,7 +312,7 @@ class Planner:
         stragglers = detection.stragglers
         new = balancing_shares(plan, self.unit_work, model, stragglers, self.cap)
         why = (
-            f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
+            f"ranks {sorted(stragglers)} at {_factors(model, stragglers)}"
             if stragglers
             else "no straggler left"
         )
@@ -350,8 +350,7 @@ class Planner:
                         model,
                         before,
                         "hybrid-resize",
-                        f"ranks {sorted(stragglers)} at "
-                        f"{_factors(detection, stragglers)}; resize now",
+                        f"ranks {sorted(stragglers)} at {_factors(model, stragglers)}; resize now",
                     )
             else:  # the straggle ended: back to the plan that fits the speeds now
                 decision = self._migrate(
@@ -434,7 +433,7 @@ class Planner:
             return None
         stragglers = detection.stragglers
         why = why or (
-            f"ranks {sorted(stragglers)} at {_factors(detection, stragglers)}"
+            f"ranks {sorted(stragglers)} at {_factors(model, stragglers)}"
             if stragglers
             else "no straggler left"
         )
@@ -475,5 +474,6 @@ def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:
     return model.balanced_work(sum(plan_work(plan, unit_work)))
 
 
-def _factors(detection: Detection, ranks) -> str:
-    return ", ".join(f"{detection.slowdown[r]:.2f}x" for r in sorted(ranks))
+def _factors(model: StepModel, ranks) -> str:
+    """The slowdowns planned for (the report's level, not the detector's smoothed one)."""
+    return ", ".join(f"{model.factors[r]:.2f}x" for r in sorted(ranks))

@@ -173,6 +173,24 @@ def test_median_report_of_steps():
         TimingReport.median([])
 
 
+def test_a_report_at_a_change_is_at_the_level_the_last_step_is_at():
+    """At an onset the window holds a normal step, a half-slowed one and a slow one: the
+    median is half way, the level of the last step is not. The detector says the same."""
+    steps = [
+        TimingReport(7, (1.0, 1.0), (4.0, 4.0), 1.2, (0.1, 0.1)),
+        TimingReport(8, (1.0, 1.8), (4.0, 4.0), 2.0, (0.1, 0.1)),
+        TimingReport(9, (1.02, 2.2), (4.0, 4.0), 2.4, (0.1, 0.12)),
+    ]
+    assert TimingReport.median(steps).compute == (1.0, 1.8)
+    level = TimingReport.latest_level(steps, band=1.3)
+    assert level == TimingReport(9, (1.0, 2.0), (4.0, 4.0), 2.2, (0.1, 0.11))
+    detector = StragglerDetector(2)
+    for step in steps:
+        seen = detector.update(step.compute)
+    assert seen.slowdown == pytest.approx((1.0, 1.8)) and seen.onsets == {1}
+    assert detector.level() == pytest.approx((1.0, 2.0))
+
+
 def test_migration_cost_uses_the_exact_unit_bytes():
     old = PartitionPlan.even(2, 2, 4, 64)
     new = old.rebalanced([3, 1], [40, 24])
