@@ -432,6 +432,18 @@ class Simulation:
             self._moved += stall
         return result
 
+    def steady_step(self, step: int = 1) -> float:
+        """The step time at `step`'s GPU speeds with nothing decided: what a layout costs as
+        built. The cross-cluster planner prices each grid by it, without the uniform steps
+        `run` simulates for T_ideal."""
+        saved = list(self.factors)
+        self.factors = [self.trace.factor(g, step) for g in range(self.layout.world)]
+        self._refresh()
+        value = self.step_time()
+        self.factors = saved
+        self._refresh()
+        return value
+
     def _uniform_time(self, compute: float) -> float:
         saved = (self.factors, self.costs)
         self.factors = [1.0] * self.layout.world

@@ -180,7 +180,7 @@ def price(
         )
     except (SimError, WorkloadError):
         return None
-    step = sim.run(2).step_s[-1]
+    step = sim.steady_step()
     crossing, cross_bytes = [], 0.0
     act = model.activation()
     boundaries = [

@@ -125,6 +125,12 @@ def test_stages_without_a_slow_gpu_run_no_loop_and_rebatch_moves_micro_batches()
     assert counts and counts[-1][0] > counts[-1][1]  # the fast replica takes more
     none = simulate(model, layout, _costs(model, layout), trace, ["none"], 30)["none"]
     assert rebatch.mean_step < none.mean_step
+    # what the cross-cluster planner prices a grid by: a step at the trace's speeds, undecided
+    built = Simulation(model, layout, _costs(model, layout), trace, "none")
+    assert built.steady_step() == pytest.approx(none.step_s[-1], rel=1e-12)
+    even = Simulation(model, layout, _costs(model, layout), persistent(layout.world, {}), "none")
+    assert built.steady_step() > 1.5 * even.steady_step()
+    assert built.run(2).step_s[-1] == pytest.approx(none.step_s[-1], rel=1e-12)  # left as built
 
 
 @pytest.mark.parametrize(
