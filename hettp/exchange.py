@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .plan import PartitionPlan
-from .transfer import TransferSchedule, UnitMove, minimum_bytes
+from .transfer import KV_REPLICA, TransferSchedule, UnitMove, minimum_bytes
 from .wire import (
     MESSAGE_BYTES,
     BundleLayout,
@@ -80,7 +80,8 @@ class Migration:
 
     def minimum_bytes(self) -> int:
         """What the count change alone requires: the floor for "bytes vs minimum"."""
-        sizes = {m.block: m.nbytes for m in self.schedule.moves}
+        sizes = {m.block: m.nbytes - m.replica_nbytes for m in self.schedule.moves}
+        sizes[KV_REPLICA] = max((m.replica_nbytes for m in self.schedule.moves), default=0)
         return minimum_bytes(self.before, self.after, lambda block: sizes.get(block, 0))
 
 

@@ -3,7 +3,8 @@ collective primitive moves them cheapest under an alpha-beta cost model.
 
 Pure: no process group. A unit whose owner does not change stays put; every other unit moves
 once, straight from its old owner to its new one, so the bytes moved are the minimum the plan
-change requires.
+change requires. With query heads as units, a group's K/V replica travels once to each rank
+that comes to hold the group, with the first of its heads that moves there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from .plan import BLOCKS, PartitionPlan
 
 PRIMITIVES = ("p2p", "all_to_all", "scatter", "broadcast")
 
+# The unit_nbytes key of one query group's K/V replica (weights, masters, moments): what a head
+# unit brings to a rank that held none of its group's heads.
+KV_REPLICA = "kv"
+
 
 @dataclass(frozen=True, order=True)
 class UnitMove:
@@ -26,7 +31,12 @@ class UnitMove:
     unit: int
     src: int
     dst: int
-    nbytes: int = field(compare=False)
+    nbytes: int = field(compare=False)  # the unit's, plus replica_nbytes
+    replica_nbytes: int = field(default=0, compare=False)  # > 0: it brings its group's K/V
+
+    @property
+    def brings_replica(self) -> bool:
+        return self.replica_nbytes > 0
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,10 @@ class TransferSchedule:
 def plan_transfer(
     old: PartitionPlan, new: PartitionPlan, unit_nbytes: Callable[[str], int]
 ) -> TransferSchedule:
-    """Moves that take `old` to `new`; unit_nbytes(block) is one unit's payload size."""
+    """Moves that take `old` to `new`; unit_nbytes(block) is one unit's payload size. With head
+    units (`new.heads`), unit_nbytes(KV_REPLICA) is a group's K/V replica: the first head of a
+    group that moves to a rank holding none of the group's heads brings it (canonical order,
+    so every rank agrees which); the others travel without."""
     if (old.tp_size, old.num_layers, old.attn_units, old.mlp_units, old.mlp_unit_size) != (
         new.tp_size,
         new.num_layers,
@@ -71,26 +84,51 @@ def plan_transfer(
         raise ValueError(
             f"plans describe different models or TP sizes: {old.summary()} vs {new.summary()}"
         )
+    heads = new.heads
+    replica = unit_nbytes(KV_REPLICA) if heads is not None else 0
     moves = []
     for layer in range(old.num_layers):
         for block in BLOCKS:
             before, after = old.owner_map(layer, block), new.owner_map(layer, block)
             size = unit_nbytes(block)
+            held = _holders(old, layer) if heads is not None and block == "attn" else None
             for unit in sorted(before):
-                if before[unit] != after[unit]:
-                    moves.append(UnitMove(layer, block, unit, before[unit], after[unit], size))
+                src, dst = before[unit], after[unit]
+                if src == dst:
+                    continue
+                extra = 0
+                if held is not None:
+                    group = heads.group_of(unit)
+                    if dst not in held.setdefault(group, set()):
+                        held[group].add(dst)  # on its way: the group's next heads go without
+                        extra = replica
+                moves.append(UnitMove(layer, block, unit, src, dst, size + extra, extra))
     return TransferSchedule(old.tp_size, tuple(sorted(moves)))
+
+
+def _holders(plan: PartitionPlan, layer: int) -> dict[int, set[int]]:
+    held = plan.heads.holders(plan.layers[layer]["attn"])
+    return {group: set(ranks) for group, ranks in held.items()}
 
 
 def minimum_bytes(old: PartitionPlan, new: PartitionPlan, unit_nbytes: Callable[[str], int]) -> int:
     """The fewest bytes any transfer from `old`'s counts to `new`'s can move: per layer and
-    block, each rank that gains k units must receive k of them."""
-    return sum(
+    block, each rank that gains k units must receive k of them; with head units, each rank
+    that comes to hold a group must receive its K/V once."""
+    units = sum(
         max(0, b - a) * unit_nbytes(block)
         for layer in range(old.num_layers)
         for block in BLOCKS
         for a, b in zip(old.counts(layer, block), new.counts(layer, block))
     )
+    if new.heads is None:
+        return units
+    replicas = 0
+    for layer in range(old.num_layers):
+        before = _holders(old, layer)
+        for group, ranks in new.heads.holders(new.layers[layer]["attn"]).items():
+            replicas += len(set(ranks) - before.get(group, set()))
+    return units + replicas * unit_nbytes(KV_REPLICA)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """How the units one rank sends another are laid out in bytes.
 
 A bundle (the moves of one source-destination pair, canonical order) is cut into runs: the
-consecutive moves of one layer's block. A run travels as one segment per tensor of a unit: the
-run's units concatenated along the tensor's unit axis, so a sender whose units sit next to each
-other sends a view of its shard (one strided copy, or none) instead of one slice per unit.
-Segments are padded to 8 bytes and grouped into messages: a large segment is a message of its
-own, small neighbours share one. The layout follows from the moves and specs alone, so every
-rank computes the same one; the last 8 bytes of a bundle are the wrapping sum of its 8-byte
-words.
+consecutive moves of one layer's block that carry the same tensors. A run travels as one
+segment per tensor of a unit: the run's units concatenated along the tensor's unit axis, so a
+sender whose units sit next to each other sends a view of its shard (one strided copy, or
+none) instead of one slice per unit. Segments are padded to 8 bytes and grouped into messages:
+a large segment is a message of its own, small neighbours share one. The layout follows from
+the moves and specs alone, so every rank computes the same one; the last 8 bytes of a bundle
+are the wrapping sum of its 8-byte words.
 """
 
 from __future__ import annotations
@@ -54,10 +54,15 @@ def payload_nbytes(specs: Sequence[TensorSpec]) -> int:
 
 
 def runs(moves: Sequence[UnitMove]) -> list[tuple[UnitMove, ...]]:
-    """Maximal stretches of consecutive moves of one (layer, block)."""
+    """Maximal stretches of consecutive moves of one (layer, block) whose units carry the same
+    tensors (head units: all bringing their group's K/V replica, or none)."""
+
+    def kind(move):
+        return move.layer, move.block, move.brings_replica
+
     out: list[list[UnitMove]] = []
     for move in moves:
-        if out and (out[-1][-1].layer, out[-1][-1].block) == (move.layer, move.block):
+        if out and kind(out[-1][-1]) == kind(move):
             out[-1].append(move)
         else:
             out.append([move])

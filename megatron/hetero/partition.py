@@ -22,7 +22,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 
 from hettp.exchange import Migration, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan, PlanError
-from hettp.transfer import CostModel, plan_transfer
+from hettp.transfer import KV_REPLICA, CostModel, plan_transfer
 
 from . import cpu_compat
 from .ddp import HetDDP, gathered_params
@@ -33,6 +33,7 @@ from .unit_state import (
     carry_into,
     held_params,
     permute,
+    replica_specs,
     run_payload,
     state_keys,
     unit_specs,
@@ -98,10 +99,14 @@ class HetPartition:
 
     def unit_bytes(self, model, optimizer) -> dict[str, int]:
         """What moving one unit of each block carries now: its weights, and the fp32 masters
-        and optimizer moments the optimizer holds for them."""
+        and optimizer moments the optimizer holds for them; with head units also (key
+        hettp.transfer.KV_REPLICA) what a group's K/V replica carries to a rank new to it."""
         blocks = het_blocks(model)
         keys = state_keys(OptimizerView(optimizer), blocks)
-        return {name: sum(s.nbytes for s in unit_specs(blocks[(0, name)], keys)) for name in BLOCKS}
+        out = {name: sum(s.nbytes for s in unit_specs(blocks[(0, name)], keys)) for name in BLOCKS}
+        if self.plan.heads is not None:
+            out[KV_REPLICA] = sum(s.nbytes for s in replica_specs(blocks[(0, "attn")], keys))
+        return out
 
     def align_checkpoints(self, module, whole: PartitionPlan) -> None:
         """With pipeline stages, after every change of owners: size the checkpoint pieces by
@@ -244,9 +249,15 @@ class HetPartition:
         optimizer state)}, {K/V replica new to this rank: (master, optimizer state)})."""
         blocks = het_blocks(module)
         keys = state_keys(optimizer, blocks)
-        specs = {b: unit_specs(blocks[(0, b)], keys) for b in BLOCKS}
-        schedule = plan_transfer(self.plan, plan, lambda b: sum(s.nbytes for s in specs[b]))
+        own = {b: unit_specs(blocks[(0, b)], keys) for b in BLOCKS}
+        replica = replica_specs(blocks[(0, "attn")], keys)
+        sizes = {b: sum(s.nbytes for s in own[b]) for b in BLOCKS}
+        sizes[KV_REPLICA] = sum(s.nbytes for s in replica)
+        schedule = plan_transfer(self.plan, plan, sizes.__getitem__)
         primitive, predictions = self.cost_model.choose(schedule)
+        # what a move sends: its unit's tensors, and its group's K/V where it brings them
+        specs = {(b, False): own[b] for b in BLOCKS}
+        specs[("attn", True)] = own["attn"] + replica
 
         pieces = {key: unit_tensors(b, optimizer, keys) for key, b in blocks.items()}
         positions = {key: {u: i for i, u in enumerate(b.units)} for key, b in blocks.items()}
@@ -254,7 +265,8 @@ class HetPartition:
         def run_of_moves(moves):
             key = (moves[0].layer, moves[0].block)
             where = positions[key]
-            return run_payload(pieces[key], len(where), [where[m.unit] for m in moves])
+            sent = pieces[key] if moves[0].brings_replica else pieces[key][: len(own[key[1]])]
+            return run_payload(sent, len(where), [where[m.unit] for m in moves])
 
         with cpu_compat.suspended():  # pure torch from here; the CPU device mode only slows it
             result = run_transfer(
@@ -262,23 +274,27 @@ class HetPartition:
                 self.group,
                 primitive,
                 run_of_moves,
-                lambda move: specs[move.block],
+                lambda move: specs[(move.block, move.brings_replica)],
                 device=comm_device(),
                 step=step,
                 fault=fault,
                 agree_over=agree_over,
             )
-            replaced, created = self._commit(blocks, pieces, positions, plan, keys, result)
+            replaced, created = self._commit(
+                blocks, pieces, positions, plan, keys, result, {b: len(own[b]) for b in BLOCKS}
+            )
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
         self._size_checkpoint_runs(blocks)
         self._mark_replicas(blocks)
         return migration, (replaced, created)
 
-    def _commit(self, blocks, pieces, positions, plan, state_keys, result):
-        """Install the new shards; local only, so it cannot leave ranks disagreeing. Returns
-        {old param: (new param, moved state)} and, for K/V replicas new to this rank,
-        {new param: (fp32 master or None, optimizer state)}."""
+    def _commit(self, blocks, pieces, positions, plan, state_keys, result, own):
+        """Install the new shards; local only, so it cannot leave ranks disagreeing. `own`:
+        per block, how many of a unit's tensors are its own (the rest, with head units, are its
+        group's K/V, which only the move bringing them carries). Returns {old param: (new
+        param, moved state)} and, for K/V replicas new to this rank, {new param: (fp32 master
+        or None, optimizer state)}."""
         incoming = {(m.layer, m.block, m.unit): tensors for m, tensors in result.received.items()}
         replaced, created = {}, {}
         for (index, name), block in blocks.items():
@@ -294,9 +310,12 @@ class HetPartition:
             sources = [
                 kept[unit] if unit in kept else incoming[(index, name, unit)] for unit in new_units
             ]
+            # a head that travelled without its group's K/V gives None for them
             rebuilt = [
                 layout.rebuilt(
-                    tensor, len(old_units), [s if isinstance(s, int) else s[i] for s in sources]
+                    tensor,
+                    len(old_units),
+                    [s if isinstance(s, int) else s[i] if i < len(s) else None for s in sources],
                 )
                 for i, (tensor, layout) in enumerate(mine)
             ]
@@ -328,23 +347,28 @@ class HetPartition:
 
 def _new_replicas(block, new_units, per_unit, state_keys):
     """The K/V replicas a head-unit block holds under `new_units`: its own Parameter where it
-    held the group already, else the payload of the first new unit of the group (weights, and
-    the master and moments: every replica's are equal). `per_unit`: the assembled ReplicaLayout
-    entries of unit_tensors, per tensor a list over the new units. Returns ({} with group units)
-    {name: {group: Parameter or tensor}} and {(name, group): (master, state)} of the new ones."""
+    held the group already, else what the one head of the group that brought them carried
+    (weights, and the master and moments: every replica's are equal). `per_unit`: the assembled
+    ReplicaLayout entries of unit_tensors, per tensor a list over the new units (None for a
+    head that came without them). Returns ({} with group units) {name: {group: Parameter or
+    tensor}} and {(name, group): (master, state)} of the new ones."""
     if not block.replica_tensors():
         return {}, {}
     heads, per_tensor = block.heads, len(state_keys) + 1
-    first = {}
+    brought = {}  # group -> the position of the head that brought its K/V
     for position, unit in enumerate(new_units):
-        first.setdefault(heads.group_of(unit), position)
+        if per_unit[0][position] is not None:
+            brought.setdefault(heads.group_of(unit), position)
     replicas, new_state = {}, {}
     for t, (name, held, _) in enumerate(block.replica_tensors()):
         out = replicas.setdefault(name, {})
-        for group, position in first.items():
+        for group in heads.groups_of(new_units):
+            position = brought.get(group)
             if group in held:
                 out[group] = held[group]
                 continue
+            if position is None:  # hettp.transfer.plan_transfer sends it with one of its heads
+                raise RuntimeError(f"no moved head brought query group {group}'s K/V")
             columns = [per_unit[t * per_tensor + j][position].clone() for j in range(per_tensor)]
             out[group] = columns[0]
             state = dict(zip(state_keys, columns[1:]))

@@ -734,11 +734,14 @@ class HetTPRuntime:
         """Predicted seconds of moving one layer between neighbour stages: each TP rank sends
         its share of the layer's units (weights, masters, moments) point to point, and every
         rank rebuilds DDP and the optimizer (the same on every rank: shapes only)."""
-        from hettp.transfer import REBUILD_FACTOR
+        from hettp.transfer import KV_REPLICA, REBUILD_FACTOR
 
         plan = self.partition.plan
         per_unit = self.partition.unit_bytes(self.state.model, self.state.optimizer)
         layer_bytes = plan.attn_units * per_unit["attn"] + plan.mlp_units * per_unit["mlp"]
+        if plan.heads is not None:  # and every rank its K/V replicas (as in the first layer)
+            held = plan.heads.holders(plan.layers[0]["attn"])
+            layer_bytes += sum(len(ranks) for ranks in held.values()) * per_unit[KV_REPLICA]
         p2p = self.partition.cost_model.p2p
         return REBUILD_FACTOR * (p2p.call + p2p.alpha + layer_bytes / plan.tp_size / p2p.beta)
 

@@ -331,13 +331,20 @@ def permute(pieces, old_units, new_units):
 
 def unit_specs(block, state_keys) -> list[TensorSpec]:
     """Shape and dtype of what one unit of `block` sends: per parameter its slice, then one
-    fp32 slice per `state_keys` entry; with head units then its group's K/V replica and their
-    state (the order of payload(unit_tensors(...)))."""
+    fp32 slice per `state_keys` entry (the order of payload(unit_tensors(...)), which with head
+    units continues with replica_specs)."""
     specs = []
     for _, _, param, layout in block.unit_tensors():
         shape = layout.payload_shape(param.shape)
         specs.append(TensorSpec(shape, param.dtype, layout.axis))
         specs.extend(TensorSpec(shape, torch.float32, layout.axis) for _ in state_keys)
+    return specs
+
+
+def replica_specs(block, state_keys) -> list[TensorSpec]:
+    """With head units, what a head that brings its group's K/V replica sends besides its own
+    unit_specs: each replica tensor, then its `state_keys` entries. Empty with group units."""
+    specs = []
     dtype = next(iter(block.unit_tensors()))[2].dtype
     for _, _, shape in block.replica_tensors():
         specs.append(TensorSpec(tuple(shape), dtype, 0))

@@ -93,9 +93,15 @@ TRAINING = {
         "--het-tp-attn-granularity 1",
         "attn=3,5",
         {3: "attn=3,5", 6: "attn=7,1", 8: "attn=4,4"},
-        # a moved head carries its query rows, output columns and its group's K and V (each
-        # head_dim 8 x hidden 64), plus Adam's two moments, fp32, in both layers
-        2 * (8 * 64 + 64 * 8 + 16 * 64) * 4 * 3,
+        # a moved head carries its query rows and output columns (head_dim 8 x hidden 64);
+        # the first head of a group that moves to a rank holding none of it also carries the
+        # group's K and V; with Adam's two moments, fp32, in both layers. At 3: head 3 brings
+        # group 0's K/V to rank 1; at 6: heads 3-6 go to rank 0, which holds group 0 already,
+        # so only head 4 brings group 1's
+        (
+            2 * (8 * 64 + 64 * 8 + 16 * 64) * 4 * 3,
+            2 * (4 * (8 * 64 + 64 * 8) + 16 * 64) * 4 * 3,
+        ),
     ),
     "tp4-sp": (
         GQA4,
@@ -104,8 +110,13 @@ TRAINING = {
         "--het-tp-attn-granularity 2",
         "attn=1,3,2,2",
         {3: "attn=1,3,2,2", 6: "attn=3,0,4,1", 8: "attn=2,2,2,2"},
-        # unit 1 (2 heads of 4 rows) moves 0 -> 1 with rows, biases and its group's K/V
-        2 * (8 * 64 + 8 + 64 * 8 + 8 * 64 + 8) * 4 * 3,
+        # at 3: unit 1 (2 heads of 4 rows) moves 0 -> 1 with rows, biases and its group's K/V;
+        # at 6: units 1, 2, 3 and 6 move, and K/V go with unit 2 (to rank 0), 3 (to rank 2)
+        # and 6 (to rank 2), not with unit 1 (rank 0 holds group 0)
+        (
+            2 * (8 * 64 + 8 + 64 * 8 + 8 * 64 + 8) * 4 * 3,
+            2 * (4 * (8 * 64 + 8 + 64 * 8) + 3 * (8 * 64 + 8)) * 4 * 3,
+        ),
     ),
 }
 
@@ -116,7 +127,7 @@ def test_split_plans_and_migrations_train_as_vanilla(case):
     gradient norm would change every clipped step): vanilla megatron-core, a plan splitting
     groups from the start, and the even plan migrated three times, creating and dropping
     K/V replicas."""
-    model, world, parallel, flags, split, plans, first_bytes = TRAINING[case]
+    model, world, parallel, flags, split, plans, moved_bytes = TRAINING[case]
     argv = (
         model.replace("--train-iters 1", "--train-iters 10")
         + f" --global-batch-size 8 --eval-iters 0 --log-interval 5 {parallel}"
@@ -131,7 +142,7 @@ def test_split_plans_and_migrations_train_as_vanilla(case):
             assert abs(got - want) <= 1e-6 * abs(want), f"{case} step {step}: {got} vs {want}"
     events = migrated[0]["events"]
     assert [e["iteration"] for e in events] == [3, 6, 8]
-    assert events[0]["bytes"] == first_bytes
+    assert (events[0]["bytes"], events[1]["bytes"]) == moved_bytes
 
 
 CKPT = (

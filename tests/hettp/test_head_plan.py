@@ -124,3 +124,49 @@ def test_resize_shares_leave_the_replicas_out():
     assert model.rank_time(0, kept + (1 - share) * movable) == pytest.approx(
         plan_work(plan, work)[1], rel=1e-3
     )
+
+
+def test_a_groups_kv_travels_once_to_each_rank_new_to_it():
+    from hettp.transfer import KV_REPLICA, minimum_bytes, plan_transfer
+    from hettp.wire import runs
+
+    heads = HeadUnits(heads_per_unit=1, heads_per_group=4, groups=2)  # 8 heads, 4 per group
+    sizes = {"attn": 10, "mlp": 1, KV_REPLICA: 1000}.get
+
+    def plan(attn):
+        return PartitionPlan.from_counts(2, 2, 8, 4, attn, [2, 2], heads=heads)
+
+    even = plan([4, 4])  # rank 0 holds group 0, rank 1 group 1
+    # rank 0 takes heads 4-6 of group 1 (new to it): head 4 brings the K/V, 5 and 6 go without
+    schedule = plan_transfer(even, plan([7, 1]), sizes)
+    brings = {(m.layer, m.unit): m.brings_replica for m in schedule.moves}
+    assert brings == {(layer, u): u == 4 for layer in (0, 1) for u in (4, 5, 6)}
+    assert schedule.total_bytes == 2 * (3 * 10 + 1000)
+    assert minimum_bytes(even, plan([7, 1]), sizes) == schedule.total_bytes
+    # a run sends one kind of unit: the carrier alone, then the heads without K/V
+    assert [[m.unit for m in r] for r in runs(schedule.moves)] == [[4], [5, 6], [4], [5, 6]]
+    # moving back, rank 1 already holds group 1: nothing but the heads travels
+    back = plan_transfer(plan([7, 1]), even, sizes)
+    assert not any(m.brings_replica for m in back.moves) and back.total_bytes == 2 * 3 * 10
+    assert minimum_bytes(plan([7, 1]), even, sizes) == back.total_bytes
+    # without head units there is no K/V to carry and the key is never asked for
+    groups = PartitionPlan.from_counts(2, 1, 2, 4, [1, 1], [2, 2])
+    assert (
+        plan_transfer(
+            groups,
+            PartitionPlan.from_counts(2, 1, 2, 4, [2, 0], [2, 2]),
+            {"attn": 10, "mlp": 1}.get,
+        ).total_bytes
+        == 10
+    )
+
+
+def test_a_rank_that_keeps_a_group_receives_its_heads_without_kv():
+    from hettp.transfer import KV_REPLICA, plan_transfer
+
+    heads = HeadUnits(heads_per_unit=1, heads_per_group=2, groups=2)  # 4 heads, 2 per group
+    owners = {"attn": ((0, 2), (1, 3)), "mlp": ((0,), (1,))}  # each rank holds both groups
+    old = PartitionPlan(2, 4, 2, 1, (owners,), heads)
+    swapped = PartitionPlan(2, 4, 2, 1, ({"attn": ((1, 3), (0, 2)), "mlp": owners["mlp"]},), heads)
+    schedule = plan_transfer(old, swapped, {"attn": 10, "mlp": 1, KV_REPLICA: 1000}.get)
+    assert len(schedule.moves) == 4 and schedule.total_bytes == 40
