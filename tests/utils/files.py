@@ -2,36 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+import io
 import json
 import os
-import subprocess
-import sys
 
 from tests.utils.paths import ROOT
 
 
 def make_corpus(folder, documents: int = 4) -> str:
-    """A byte-level indexed dataset of a few short documents; returns its prefix."""
+    """A byte-level indexed dataset of a few short documents; returns its prefix. Written by
+    scripts/preprocess_data.py's own main(), in this process (a fresh interpreter would spend
+    seconds importing torch and megatron-core for a file of a few bytes)."""
     src = os.path.join(folder, "in.jsonl")
     with open(src, "w") as f:
         for i in range(documents):
             f.write(json.dumps({"text": f"document {i} " * 5}) + "\n")
     prefix = os.path.join(folder, "c")
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "scripts", "preprocess_data.py"),
-            "--input",
-            src,
-            "--output-prefix",
-            prefix,
-            "--append-eod",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        _preprocess().main(["--input", src, "--output-prefix", prefix, "--append-eod"])
     return prefix + "_text_document"
+
+
+@functools.cache
+def _preprocess():
+    spec = importlib.util.spec_from_file_location(
+        "preprocess_data", os.path.join(ROOT, "scripts", "preprocess_data.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def damage(path: str, how: str, offset: int | None = None) -> None:
