@@ -14,17 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from corpus_runs import ROOT, CorpusRun, byte_gpt_flags, ensure_corpus, train
 
-from hettp.compress import wire_bytes  # noqa: E402
-from hettp.metrics import read_metrics  # noqa: E402
+from hettp.compress import wire_bytes
 
-CORPUS = os.path.join(ROOT, "data", "stdlib_text_document")
 RUNS = {
     "exact": [],
     "exact, another seed": ["--seed", "4321"],
@@ -34,58 +29,13 @@ RUNS = {
 
 
 def model_flags(iters: int) -> list[str]:
-    return (
-        "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 128 "
-        "--max-position-embeddings 128 --micro-batch-size 8 --global-batch-size 16 "
-        "--lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 30 "
-        "--weight-decay 0.1 --hidden-dropout 0 --attention-dropout 0 "
-        "--tokenizer-type ByteLevelTokenizer --split 98,2,0 --log-interval 100 "
-        f"--eval-iters 20 --train-iters {iters} --eval-interval {iters // 4} "
-        f"--data-path {CORPUS}"
-    ).split()
+    return byte_gpt_flags(iters, micro_batch=8)
 
 
-def train(name: str, extra: list[str], iters: int, out_dir: str) -> dict:
-    metrics = os.path.join(out_dir, name.replace(",", "").replace(" ", "_") + ".jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29563",
-        os.path.join(ROOT, "pretrain_gpt.py"),
-        *model_flags(iters),
-        *extra,
-        "--metrics-file",
-        metrics,
-    ]
-    start = time.perf_counter()
-    proc = subprocess.run(
-        cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, cwd=ROOT
-    )
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise SystemExit(f"run '{name}' failed with exit code {proc.returncode}")
-    records = list(read_metrics(metrics))
-    run = next(r for r in records if r["kind"] == "run")
-    evals = {r["iteration"]: r["lm_loss"] for r in records if r["kind"] == "eval"}
-    losses = [r["lm_loss"] for r in records if r["kind"] == "train"]
-    tail = losses[-max(1, len(losses) // 10) :]
-    kind = extra[1] if extra and extra[0] == "--het-dp-compress" else "none"
-    params = run["parameters_rank0"]
-    return {
-        "name": name,
-        "flags": extra,
-        "evals": evals,
-        "final_eval": evals[max(evals)],
-        "train_tail": sum(tail) / len(tail),
-        "bytes_per_step": wire_bytes(params, kind),
-        "seconds": time.perf_counter() - start,
-    }
+def summary(run: CorpusRun) -> dict:
+    kind = run.flags[1] if run.flags[:1] == ["--het-dp-compress"] else "none"
+    params = run.first("run")["parameters_rank0"]
+    return {**run.summary(), "bytes_per_step": wire_bytes(params, kind)}
 
 
 def main(argv=None):
@@ -93,25 +43,13 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=400)
     p.add_argument("--out", default=os.path.join(ROOT, "results", "compression"))
     a = p.parse_args(argv)
-    if not os.path.exists(CORPUS + ".bin"):
-        subprocess.run(
-            [
-                sys.executable,
-                os.path.join(ROOT, "scripts", "preprocess_data.py"),
-                "--stdlib",
-                "--output-prefix",
-                os.path.join(ROOT, "data", "stdlib"),
-                "--max-bytes",
-                "8000000",
-            ],
-            check=True,
-        )
+    ensure_corpus()
     work = os.path.join(ROOT, "logs", "bench_compression")
     os.makedirs(work, exist_ok=True)
     began = time.perf_counter()
     results = []
     for name, extra in RUNS.items():
-        results.append(train(name, extra, a.iters, work))
+        results.append(summary(train(name, model_flags(a.iters), extra, work, 29563)))
         print(f"  {name}: final eval loss {results[-1]['final_eval']:.4f}", flush=True)
     base = results[0]
     evals_at = sorted(base["evals"])

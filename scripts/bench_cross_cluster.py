@@ -72,27 +72,32 @@ def cpu_model(flags: list[str]) -> ModelSpec:
 
 
 def _flags(model: list[str], layout: GeoLayout, iters: int) -> list[str]:
+    """Megatron's flags for a planned layout (micro-batches even over its replicas)."""
+    if len(set(layout.counts)) > 1:
+        raise ValueError(f"uneven micro-batches {layout.counts}: needs --het-dp (not timed here)")
+    return _grid_flags(model, layout.tp, layout.pp, layout.layers, iters)
+
+
+def _grid_flags(model: list[str], tp: int, pp: int, layers, iters: int) -> list[str]:
     flags = model + [
         "--tensor-model-parallel-size",
-        str(layout.tp),
+        str(tp),
         "--pipeline-model-parallel-size",
-        str(layout.pp),
+        str(pp),
         "--train-iters",
         str(iters),
         "--log-interval",
         str(iters),
     ]
-    if len(set(layout.layers[1:-1])) > 1:
-        raise ValueError(f"layers {layout.layers}: Megatron's flags set the first and last only")
-    if layout.pp > 1 and len(set(layout.layers)) > 1:
+    if len(set(layers[1:-1])) > 1:
+        raise ValueError(f"layers {layers}: Megatron's flags set the first and last only")
+    if pp > 1 and len(set(layers)) > 1:
         flags += [
             "--decoder-first-pipeline-num-layers",
-            str(layout.layers[0]),
+            str(layers[0]),
             "--decoder-last-pipeline-num-layers",
-            str(layout.layers[-1]),
+            str(layers[-1]),
         ]
-    if len(set(layout.counts)) > 1:
-        raise ValueError(f"uneven micro-batches {layout.counts}: needs --het-dp (not timed here)")
     return flags
 
 
@@ -112,10 +117,13 @@ class Compute:
 def measure_compute(netlab, model: ModelSpec, flags: list[str], iters: int, work: str) -> Compute:
     """One single-rank run of the model at the job's micro-batches a step."""
     mbs = model_microbatches(flags)
-    one = GeoLayout(1, 1, 1, (model.num_layers,), (mbs,), (1,), (), 0.0, 0.0)
     with netlab.TwoSites(None) as sites:
         job = netlab.launch(
-            sites, (1, 0), _flags(flags, one, iters), os.path.join(work, "one"), 600
+            sites,
+            (1, 0),
+            _grid_flags(flags, 1, 1, (model.num_layers,), iters),
+            os.path.join(work, "one"),
+            600,
         )
     step = netlab.steady(netlab.step_seconds(job.metrics))
     unit = flop_costs(model, Layout(1), 1.0)

@@ -16,29 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from hettp.metrics import read_metrics  # noqa: E402
-
-CORPUS = os.path.join(ROOT, "data", "stdlib_text_document")
+from corpus_runs import ROOT, CorpusRun, byte_gpt_flags, ensure_corpus, train
 
 
 def model_flags(iters: int) -> list[str]:
-    return (
-        "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 "
-        "--num-attention-heads 8 --seq-length 128 --max-position-embeddings 128 "
-        "--micro-batch-size 16 --global-batch-size 16 --lr 5e-3 --min-lr 5e-4 "
-        "--lr-decay-style cosine --lr-warmup-iters 30 --weight-decay 0.1 "
-        "--hidden-dropout 0 --attention-dropout 0 --tokenizer-type ByteLevelTokenizer "
-        f"--split 98,2,0 --log-interval 100 --eval-iters 20 --train-iters {iters} "
-        f"--eval-interval {iters // 4} --data-path {CORPUS}"
-    ).split()
+    return byte_gpt_flags(iters, micro_batch=16, tp=2)
 
 
 def runs() -> dict:
@@ -56,46 +40,12 @@ def runs() -> dict:
     return out
 
 
-def train(name, extra, iters, out_dir) -> dict:
-    metrics = os.path.join(
-        out_dir, re.sub(r"[^A-Za-z0-9]+", "_", name.replace("%", "pct")) + ".jsonl"
-    )
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29561",
-        os.path.join(ROOT, "pretrain_gpt.py"),
-        *model_flags(iters),
-        *extra,
-        "--metrics-file",
-        metrics,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise SystemExit(f"run '{name}' failed with exit code {proc.returncode}")
-    records = list(read_metrics(metrics))
-    evals = {r["iteration"]: r["lm_loss"] for r in records if r["kind"] == "eval"}
-    train_losses = [r["lm_loss"] for r in records if r["kind"] == "train"]
-    resize = next((r for r in records if r["kind"] == "resize"), None)
-    tail = train_losses[-max(1, len(train_losses) // 10) :]
+def summary(run: CorpusRun) -> dict:
+    resize = run.first("resize")
     return {
-        "name": name,
-        "flags": extra,
-        "evals": evals,
-        "final_eval": evals[max(evals)],
-        "train_tail": sum(tail) / len(tail),
+        **run.summary(),
         "asked": resize["shares"][1] if resize else 0.0,
         "realized": resize["realized"][1] if resize else 0.0,
-        "seconds": time.perf_counter() - start,
     }
 
 
@@ -105,19 +55,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "results", "resize_accuracy"))
     p.add_argument("--only", default=None, help="comma-separated run names (default: all)")
     a = p.parse_args(argv)
-    if not os.path.exists(CORPUS + ".bin"):
-        subprocess.run(
-            [
-                sys.executable,
-                os.path.join(ROOT, "scripts", "preprocess_data.py"),
-                "--stdlib",
-                "--output-prefix",
-                os.path.join(ROOT, "data", "stdlib"),
-                "--max-bytes",
-                "8000000",
-            ],
-            check=True,
-        )
+    ensure_corpus()
     work = os.path.join(ROOT, "logs", "bench_resize_accuracy")
     os.makedirs(work, exist_ok=True)
     chosen = runs()
@@ -126,7 +64,7 @@ def main(argv=None):
     total = time.perf_counter()
     results = []
     for name, extra in chosen.items():
-        results.append(train(name, extra, a.iters, work))
+        results.append(summary(train(name, model_flags(a.iters), extra, work, 29561)))
         r = results[-1]
         print(f"  {name}: final eval loss {r['final_eval']:.4f} ({r['seconds']:.0f} s)", flush=True)
 
