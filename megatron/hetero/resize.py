@@ -214,13 +214,17 @@ class Resizer:
         """After backward, before optimizer.step(): impute or score gradients, keep weights."""
         blocks = het_blocks(state.model)
         if self.impute is not None:
+            idle = self._idle_groups(blocks)
             with torch.no_grad():
-                for block in blocks.values():
+                for (index, _), block in blocks.items():
                     n, active = len(block.units), block.active
                     if active < n:
                         for _, _, param, layout in block.unit_tensors():
                             for view in layout.suffix(_grad(param), n, active):
                                 view.fill_(self.impute)
+                        # Every holder fills the same constant: the replicas stay equal.
+                        for param in _replicas_of(block, idle.get(index, ())):
+                            _grad(param).fill_(self.impute)
         if self._observing and SCORERS[self.scorer].needs_delta:
             self._before = {
                 p: p.detach().clone() for b in blocks.values() for _, _, p, _ in b.unit_tensors()
@@ -296,7 +300,7 @@ class Resizer:
 
     def _idle_groups(self, blocks) -> dict:
         """{layer: groups none of whose heads any rank computes} (head units): their K/V
-        replicas get no gradient anywhere and are frozen like skipped units."""
+        replicas get no gradient anywhere and are frozen (or imputed) like skipped units."""
         plan, out = self.partition.plan, {}
         skipped = skipped_units(plan, self.shares)
         for (index, name), block in blocks.items():

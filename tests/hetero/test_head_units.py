@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hettp.plan import PartitionPlan
+from hettp.policy import ZERO_IMPUTED_GRAD
 from hettp.resize import skipped_units
 from tests.utils import (
     COMMON,
@@ -224,3 +225,38 @@ def test_replicas_no_rank_computes_with_stay_frozen():
             same = all(torch.equal(a, b) for a, b in zip(kv2, kv6))
             assert same == (unit // 2 == idle[0]), (layer, unit)
         assert live in {u // 2 for u in at2["units"][:2]}
+
+
+def test_replicas_no_rank_computes_with_get_the_imputed_gradient_under_zero():
+    """The same resize under `--het-tp-policy zero` (the paper's baseline: skipped units get a
+    tiny constant gradient and are updated): the idle group's K/V gets that gradient too, as its
+    skipped heads do. Without clipping, four imputed Adam steps take each exp_avg element from
+    m to beta1^4 m + (1 - beta1^4) c."""
+    argv = (
+        COMMON.replace("--train-iters 1", "--train-iters 6")
+        + " --num-attention-heads 8 --group-query-attention --num-query-groups 4"
+        " --disable-bias-linear --global-batch-size 4 --clip-grad 0"
+        " --tensor-model-parallel-size 2 --het-tp-attn-granularity 1 --het-tp-resize 0,0"
+        " --het-tp-policy zero"
+    ).split()
+    ranks = run_ranks(train_with_resizes, 2, argv, {2: [("resize", (0.0, 0.5))]}, {2, 6})
+    records = ranks[1]["records"]
+    keys = records[2]["state_keys"]
+    assert keys == ["exp_avg", "exp_avg_sq"]
+    decay = 0.9**4
+    imputed = (1 - decay) * ZERO_IMPUTED_GRAD
+    for layer in range(2):
+        at2, at6 = records[2]["blocks"][(layer, "attn")], records[6]["blocks"][(layer, "attn")]
+        skipped = at2["units"][2:]
+        assert {u // 2 for u in skipped} == {skipped[0] // 2}  # one whole group idle
+        for unit in skipped:
+            # [query rows, their moments, projection columns, theirs, the group's K/V, theirs]
+            values2, values6 = at2["values"][unit], at6["values"][unit]
+            assert len(values2) == 3 * (1 + len(keys))
+            for tensor in range(3):
+                at = tensor * (1 + len(keys)) + 1  # exp_avg
+                residual = values6[at].double() - decay * values2[at].double()
+                # fp32 Adam rounds each exp_avg to ~1e-7 of its size, four steps running
+                slack = 0.05 * imputed + 1e-6 * values2[at].double().abs()
+                off = (residual - imputed).abs() > slack
+                assert not off.any(), (layer, unit, tensor, residual[off][:4].tolist())
