@@ -7,9 +7,18 @@ before 2026-12-02) or as pieces of the plan's aligned runs of units (now), side 
 
 TP=2 on 2 CPU ranks (gloo), Adam state, MLP units of one neuron (--het-tp-granularity 1), the
 plan attn=5,3 mlp=5/8 : 3/8 of the neurons; times are rank 0's, medians of --repeats saves and
-loads into a fresh folder. torch checks every pair of a tensor's pieces for overlap when it
-saves and loads, so the piece count matters (a piece per unit grows with the square of the
-ffn size: this small model keeps the old way's run to about a minute).
+loads into a fresh folder. Every piece of a tensor costs its own planning, validation, write
+and read, so the piece count matters (this small model keeps the old way's run, a piece per
+unit, to about a minute).
+
+    python scripts/bench_het_checkpoint.py --head-units [--num-attention-heads 64 \
+        --num-query-groups 8 --num-layers 2,8]
+
+Query heads as units (--het-tp-attn-granularity 1) under a plan that splits a group: a head
+and a K/V are pieces of their own (dist-checkpointing wants one piece shape per key, and a
+split group has no coarser one), so a Llama-70B-like attention (64 heads, 8 groups) has ~80
+pieces per layer per tensor. Vanilla against head units at each layer count, with the pieces
+the checkpoint holds (its metadata's chunks), to show how the cost grows with them.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 MODES = ("vanilla", "het, a piece per unit", "het, aligned runs")
+HEAD_MODES = ("vanilla", "het, query heads as units")
 
 
 def _rank(opts, mode: str) -> dict:
@@ -44,10 +54,20 @@ def _rank(opts, mode: str) -> dict:
     ffn = 4 * opts.hidden_size
     flags = (
         f"--num-layers {opts.num_layers} --hidden-size {opts.hidden_size} "
-        "--num-attention-heads 8 --seq-length 64 --micro-batch-size 1 --train-iters 2 "
-        "--lr 1e-4 --mock-data --vocab-size 255 --tensor-model-parallel-size 2"
+        f"--num-attention-heads {opts.num_attention_heads} --seq-length 64 --micro-batch-size 1 "
+        "--train-iters 2 --lr 1e-4 --mock-data --vocab-size 255 --tensor-model-parallel-size 2"
     )
-    if mode != "vanilla":
+    if opts.num_query_groups:
+        flags += f" --group-query-attention --num-query-groups {opts.num_query_groups}"
+    if mode == "het, query heads as units":
+        heads = opts.num_attention_heads
+        per_group = heads // (opts.num_query_groups or heads)
+        first = heads // 2 + per_group // 2 or 1  # half a group past the even split
+        flags += (
+            f" --het-tp --het-tp-attn-granularity 1 --het-tp-plan "
+            f"attn={first},{heads - first};mlp={ffn // 2},{ffn // 2}"
+        )
+    elif mode != "vanilla":
         flags += f" --het-tp --het-tp-plan attn=5,3;mlp={ffn * 5 // 8},{ffn * 3 // 8}"
     args = parse_args(flags.split(), world_size=2)
     initialize(args)
@@ -61,48 +81,75 @@ def _rank(opts, mode: str) -> dict:
     train_step(args, state, iter(build_loader(train_ds, 0, args, 0, 1)))  # Adam state exists
     times = {"save": [], "load": []}
     for repeat in range(opts.repeats):
-        root = os.path.join(opts.folder, f"{MODES.index(mode)}-{repeat}")  # every rank's
+        root = os.path.join(opts.folder, f"{(MODES + HEAD_MODES).index(mode)}-{repeat}")
         t0 = time.perf_counter()
         checkpointing.save_checkpoint(
             root, 1, 1, state.model, state.optimizer, state.scheduler, args
         )
         times["save"].append(time.perf_counter() - t0)
+        pieces = _pieces(checkpointing.checkpoint_dir(root, 1))
         t0 = time.perf_counter()
         checkpointing.load_checkpoint(root, state.model, state.optimizer, state.scheduler, args)
         times["load"].append(time.perf_counter() - t0)
     blocks = het_blocks(state.model) if mode != "vanilla" else {}
     runs = sorted({b.linear_fc1.checkpoint_run for (_, n), b in blocks.items() if n == "mlp"})
     shutdown()
-    return {"times": times, "mlp_run": runs}
+    return {"times": times, "mlp_run": runs, "pieces": pieces}
+
+
+def _pieces(folder: str) -> int:
+    """The tensor pieces a checkpoint holds: its torch metadata's chunks over every key."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(folder).read_metadata()
+    return sum(
+        len(m.chunks)
+        for m in metadata.state_dict_metadata.values()
+        if isinstance(m, TensorStorageMetadata)
+    )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-layers", default="2", help="layer counts, comma-separated")
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=None)
+    p.add_argument("--head-units", action="store_true", help="vanilla against head units")
     p.add_argument("--repeats", type=int, default=3)
     opts = p.parse_args(argv)
     from tests.utils import run_ranks
 
-    rows = {}
-    with tempfile.TemporaryDirectory() as folder:
-        opts.folder = folder
-        for mode in MODES:
-            rows[mode] = run_ranks(_rank, 2, opts, mode)[0]
+    modes = HEAD_MODES if opts.head_units else MODES
+    layer_counts = [int(n) for n in opts.num_layers.split(",")]
+    groups = opts.num_query_groups or opts.num_attention_heads
     print(
         f"het-TP checkpoints: hidden {opts.hidden_size}, ffn {4 * opts.hidden_size}, "
-        f"{opts.num_layers} layers, TP=2 (2 CPU ranks), Adam, MLP units of 1 neuron, plan "
-        f"5:3; rank 0, medians of {opts.repeats}"
-    )
-    base = {k: statistics.median(rows["vanilla"]["times"][k]) for k in ("save", "load")}
-    print(f"{'':24s} {'save s':>7s} {'x vanilla':>9s} {'load s':>7s} {'x vanilla':>9s}  MLP run")
-    for mode, row in rows.items():
-        save, load = (statistics.median(row["times"][k]) for k in ("save", "load"))
-        run = ",".join(map(str, row["mlp_run"])) or "-"
-        print(
-            f"{mode:24s} {save:7.3f} {save / base['save']:9.2f} {load:7.3f} "
-            f"{load / base['load']:9.2f}  {run}"
+        f"{opts.num_attention_heads} heads in {groups} groups, TP=2 (2 CPU ranks), Adam, "
+        + (
+            "query heads as units, a plan splitting a group"
+            if opts.head_units
+            else "MLP units of 1 neuron, plan 5:3"
         )
+        + f"; rank 0, medians of {opts.repeats}; pieces: the checkpoint's chunks, all keys"
+    )
+    print(
+        f"{'layers':>6s} {'':26s} {'pieces':>7s} {'save s':>7s} {'x vanilla':>9s} "
+        f"{'load s':>7s} {'x vanilla':>9s}  MLP run"
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        for layers in layer_counts:
+            opts.num_layers, opts.folder = layers, os.path.join(folder, str(layers))
+            rows = {mode: run_ranks(_rank, 2, opts, mode)[0] for mode in modes}
+            base = {k: statistics.median(rows["vanilla"]["times"][k]) for k in ("save", "load")}
+            for mode, row in rows.items():
+                save, load = (statistics.median(row["times"][k]) for k in ("save", "load"))
+                run = ",".join(map(str, row["mlp_run"])) or "-"
+                print(
+                    f"{layers:6d} {mode:26s} {row['pieces']:7d} {save:7.3f} "
+                    f"{save / base['save']:9.2f} {load:7.3f} {load / base['load']:9.2f}  {run}"
+                )
 
 
 if __name__ == "__main__":

@@ -355,8 +355,8 @@ def unit_sharded_factory(
 
     A function of (key, tensor) only, so megatron-core applies it to optimizer states too.
     Every piece of a key has one shape, as dist-checkpointing requires within a save; the
-    plan's aligned run (the same on every rank) keeps the pieces few, since torch checks every
-    pair of a tensor's pieces for overlap when it saves and loads. The pieces hold the units in
+    plan's aligned run (the same on every rank) keeps the pieces few, since every piece is
+    planned, validated, written and read on its own at save and load. The pieces hold the units in
     id order whatever the local order (a resized rank keeps its units in priority order). A
     rank without units of the block offers a non-main replica of run 0 instead (never written,
     loaded and dropped), because dist-checkpointing expects every rank to hold something for
