@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from . import rebatch
 from .plan import PartitionPlan
-from .planner import StepModel, balancing_shares, plan_work, proportional_plan
+from .planner import StepModel, balanced_target, balancing_shares, plan_work
 
 # Weight of the drift-plus-penalty's penalty (seconds) against the queue (seconds): 1 trades
 # one second of training against one second of backlog.
@@ -138,10 +138,8 @@ def options(
                 targets.append((f"migrate:replica{r}", p.factors))
     seen = [plan]
     if migration_seconds is not None:
-        total = sum(plan_work(plan, unit_work))
         for name, factors in targets:
-            model = StepModel(0.0, tuple(factors), state.slope)
-            target = proportional_plan(plan, model.balanced_work(total))
+            target = balanced_target(plan, StepModel(0.0, tuple(factors), state.slope), unit_work)
             if target in seen:
                 continue
             seen.append(target)

@@ -409,21 +409,7 @@ class Planner:
         )
 
     def _target(self, plan, model) -> PartitionPlan:
-        """The plan the model balances: unit counts proportional to the ranks' speeds. With head
-        units, the plan keeping attention in whole query groups (no K/V replicas; the MLP evens
-        out the work) where the model predicts it no slower for any attention cost in
-        ATTENTION_COST_RANGE: a proportional split is right whatever attention costs, a
-        compensating MLP only where its cost is right."""
-        speeds = _speeds(model, plan, self.unit_work)
-        target = proportional_plan(plan, speeds)
-        if plan.heads is None:
-            return target
-        whole = grouped_plan(plan, speeds, self.unit_work)
-        for scale in ATTENTION_COST_RANGE:
-            work = {**self.unit_work, "attn": self.unit_work["attn"] * scale}
-            if model.step_time(plan_work(whole, work)) > model.step_time(plan_work(target, work)):
-                return target
-        return whole
+        return balanced_target(plan, model, self.unit_work)
 
     def _migrate(self, plan, model, before, detection, action, shares, why=None, min_gain=None):
         target = self._target(plan, model)
@@ -467,6 +453,27 @@ class Planner:
         "zero": _zero,
         "joint": _joint,
     }
+
+
+def balanced_target(
+    plan: PartitionPlan, model: StepModel, unit_work: Mapping[str, float]
+) -> PartitionPlan:
+    """The plan `model` balances: unit counts proportional to the ranks' speeds. With head
+    units, the plan keeping attention in whole query groups (no K/V replicas; the MLP evens
+    out the work) where the model predicts it no slower for any attention cost in
+    ATTENTION_COST_RANGE: a proportional split is right whatever attention costs, a
+    compensating MLP only where its cost is right. The planner and the joint controller
+    (hettp/joint.py) both migrate to it."""
+    speeds = _speeds(model, plan, unit_work)
+    target = proportional_plan(plan, speeds)
+    if plan.heads is None:
+        return target
+    whole = grouped_plan(plan, speeds, unit_work)
+    for scale in ATTENTION_COST_RANGE:
+        work = {**unit_work, "attn": unit_work["attn"] * scale}
+        if model.step_time(plan_work(whole, work)) > model.step_time(plan_work(target, work)):
+            return target
+    return whole
 
 
 def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:

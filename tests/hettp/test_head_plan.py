@@ -112,6 +112,24 @@ def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
     assert target == proportional_plan(tiny, slower.balanced_work(sum(plan_work(tiny, work))))
 
 
+def test_the_joint_controller_migrates_to_the_planners_target():
+    """Joint (TP x DP) weighs a migration to the same plan the planner would take: with head
+    units, whole groups where the MLP can even out the work, not the proportional split."""
+    from hettp.joint import JointState, ReplicaPace, options
+
+    heads = HeadUnits(1, 4, 2)
+    work = {"attn": 2.0, "mlp": 1.0, "kv": 2.0}
+    even = _plan((4, 4), heads=heads)
+    slow = StepModel(rest=0.0, factors=(1.3, 1.0), slope=1.0)
+    state = JointState(even, (0.0, 0.0), (2,), (ReplicaPace(0.0, (1.3, 1.0)),), 1.0, 0.0)
+    found = {o.action: o for o in options(state, work, 0.5, lambda old, new: 0.1)}
+    target = Planner("migrate", work)._target(even, slow)
+    assert found["migrate"].plan == target
+    assert all(heads.replicated(layer["attn"]) == () for layer in target.layers)
+    split = proportional_plan(even, slow.balanced_work(sum(plan_work(even, work))))
+    assert split.counts(0, "attn") != (4, 4)  # what joint took before: a split group
+
+
 def test_resize_shares_leave_the_replicas_out():
     """A rank skipping heads still computes its groups' K/V: the share is cut from the rest."""
     heads = HeadUnits(1, 4, 2)

@@ -58,12 +58,12 @@ def test_replicas_of_one_pace_are_planned_for_once(monkeypatch):
 
     planned = []
 
-    def counting(plan, work):
-        planned.append(work)
-        return joint_plan(plan, work)
+    def counting(plan, model, work):
+        planned.append(model)
+        return joint_plan(plan, model, work)
 
-    joint_plan = joint.proportional_plan
-    monkeypatch.setattr(joint, "proportional_plan", counting)
+    joint_plan = joint.balanced_target
+    monkeypatch.setattr(joint, "balanced_target", counting)
     paces = [(1.0, 1.0)] * 4 + [(2.0, 1.0)] * 2 + [(1.0, 2.0)] * 2
     found = options(_state(paces, counts=(2,) * 8), UNIT_WORK, 0.5, _cost)
     assert len(planned) == 4  # slowest (2, 2), replica 0's (1, 1), 4's (2, 1), 6's (1, 2)
