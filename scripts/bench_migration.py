@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import sys
 import time
 
 import torch.multiprocessing as mp
+from gloo_ranks import ROOT, free_port, join
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("pack", "exchange", "verify")  # hettp.exchange.STAGES; the parent imports no torch
 
 
@@ -77,22 +75,10 @@ def _peak_rss() -> int:
 
 
 def worker(rank, world, port, opts, out_path, distributed_optimizer=False, freeze=True):
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    join(rank, world, port)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    sys.path.insert(0, ROOT)
     from hettp.exchange import measure_costs
     from megatron.hetero.arguments import parse_args
     from megatron.hetero.data import build_datasets, build_loader, tokenizer_from_args
@@ -203,9 +189,7 @@ def worker(rank, world, port, opts, out_path, distributed_optimizer=False, freez
 
 
 def _spawn(opts, out, distributed_optimizer=False, freeze=True):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     world = opts.tp * opts.dp
     mp.start_processes(
         worker,

@@ -23,14 +23,13 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch.multiprocessing as mp
+from gloo_ranks import ROOT, free_port, join
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("plain", "het untimed", "het timed")
 MODEL = (
     "--num-layers 2 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048 "
@@ -40,22 +39,10 @@ MODEL = (
 
 
 def worker(rank, world, port, opts, out_path):
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    join(rank, world, port)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    sys.path.insert(0, ROOT)
     from megatron.hetero.arguments import parse_args
     from megatron.hetero.data import build_datasets, build_loader, tokenizer_from_args
     from megatron.hetero.runtime import HetTPRuntime
@@ -95,7 +82,7 @@ def worker(rank, world, port, opts, out_path):
             return
         if (variant == "het timed") != hooked[0]:  # hooks on only for the timed variant
             if hooked[0]:
-                timer.remove()
+                timer.unhook()
             else:
                 timer.rehook(runtime.state.model)
             hooked[0] = not hooked[0]
@@ -207,15 +194,9 @@ def hook_cost(blocks: int = 24, calls: int = 300) -> float:
     for _ in range(blocks):
         timer.rehook(model)
         hooked = run()
-        timer.remove()
+        timer.unhook()
         diffs.append(hooked - run())
     return statistics.median(diffs)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ratios(rows: dict, kind: str, over: str, under: str) -> float:
@@ -278,7 +259,7 @@ def main(argv=None):
     raw = opts.out + ".json"
     os.makedirs(os.path.dirname(raw) or ".", exist_ok=True)
     began = time.perf_counter()
-    mp.spawn(worker, args=(opts.tp, _free_port(), opts, raw), nprocs=opts.tp, join=True)
+    mp.spawn(worker, args=(opts.tp, free_port(), opts, raw), nprocs=opts.tp, join=True)
     with open(raw) as f:
         result = json.load(f)
     result["hook_seconds"] = hook_cost()

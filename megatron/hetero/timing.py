@@ -216,10 +216,14 @@ class ComputeTimer:
 
     def rehook(self, model) -> None:
         """Time the layers `model` holds now (layers moved between pipeline stages)."""
+        self.unhook()
+        self._hook(model)
+
+    def unhook(self) -> None:
+        """Stop timing the layers (until `rehook`); collectives stay wrapped, unlike remove()."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._hook(model)
 
     def _hook(self, model) -> None:
         for layer in unwrap_model(model).decoder.layers:
@@ -272,8 +276,7 @@ class ComputeTimer:
         self.after_collective()
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        self.unhook()
         _unregister(self)
 
     @property

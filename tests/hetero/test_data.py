@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import sys
 
 import numpy as np
 import pytest
 
 from megatron.hetero.data import PretrainingSampler, build_tokenizer
-from tests.utils import BASE, ROOT, damage, make_corpus
+from tests.utils import BASE, damage, load_script, make_corpus
 
 
 def test_dp_ranks_split_each_global_batch_like_megatron():
@@ -32,16 +30,7 @@ def test_sampler_resumes_at_consumed_samples():
         PretrainingSampler(40, 40, 2, 0, 2)
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "preprocess_data", os.path.join(ROOT, "scripts", "preprocess_data.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-preprocess_data = _load_script()
+preprocess_data = load_script("preprocess_data")
 
 
 def _preprocess(capsys, *args):

@@ -7,6 +7,7 @@ import importlib
 import types
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron.hetero import timing
@@ -287,3 +288,31 @@ def test_a_rank_with_a_core_of_its_own_spins_its_delays():
     assert time.perf_counter() - start >= 0.02
     assert timer.read_busy() == pytest.approx(0.02, abs=0.005)  # the delay, not the spinning
     timer.remove()
+
+
+def test_unhook_stops_timing_the_layers_and_keeps_collectives_wrapped():
+    """What a benchmark of the timer's own cost toggles: hooks off (nothing is timed) while
+    the wall clock's collective patch stays; rehook times the layers again."""
+    layer = torch.nn.Module()
+    layer.self_attention, layer.mlp = torch.nn.Module(), torch.nn.Module()
+    layer.self_attention.linear_qkv = torch.nn.Linear(4, 4)
+    model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[layer]))
+    original = dist.all_reduce
+    timer = ComputeTimer(model, "wall")
+    try:
+        x = torch.randn(2, 4, requires_grad=True)
+
+        def timed() -> float:
+            timer.reset()
+            layer.self_attention.linear_qkv(x).sum().backward()
+            return timer.read()
+
+        assert timed() > 0.0
+        timer.unhook()
+        assert timed() == 0.0
+        assert dist.all_reduce is not original  # still wrapped for the wall clock
+        timer.rehook(model)
+        assert timed() > 0.0
+    finally:
+        timer.remove()
+    assert dist.all_reduce is original

@@ -3,24 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import types
 
-from tests.utils import ROOT
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "bench_timer_cost", os.path.join(ROOT, "scripts", "bench_timer_cost.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.utils import load_script
 
 
 def test_hook_cost_is_the_timer_hooks_alone():
-    bench = _load()
+    bench = load_script("bench_timer_cost")
     seconds = bench.hook_cost(blocks=6, calls=160)
     # Four identity marks a hooked call (two in forward, two in backward): microseconds, not
     # nothing (the marks are autograd nodes) and not milliseconds.
@@ -28,7 +17,7 @@ def test_hook_cost_is_the_timer_hooks_alone():
 
 
 def test_table_ratios_are_per_round_medians():
-    bench = _load()
+    bench = load_script("bench_timer_cost")
     rows = {
         "plain": {"wall": [1.0, 2.0, 1.0], "cpu": [1.0, 1.0, 1.0]},
         "het untimed": {"wall": [1.1, 2.2, 1.1], "cpu": [1.0, 1.0, 1.0]},

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from hettp.metrics import read_metrics
-from tests.utils import ROOT
+from tests.utils import ROOT, load_script
 
 SCRIPT = os.path.join(ROOT, "scripts", "compare.py")
 
@@ -251,11 +251,7 @@ def test_a_failing_run_is_named_with_its_log(tmp_path):
 
 
 def test_dilation_gives_each_rank_a_device_when_ranks_outnumber_cores():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = load_script("compare")
     cores = len(os.sched_getaffinity(0))
     assert compare.parse(["--tp", str(cores), "--scenarios", "none"]).dilation == 1.0
     # twice the ranks of cores: each GEMM takes up to 2x its CPU time; 1.5x that covers it
@@ -268,11 +264,7 @@ def test_dilation_gives_each_rank_a_device_when_ranks_outnumber_cores():
 
 
 def test_head_unit_variants_run_their_policy_with_head_units():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = load_script("compare")
     a = compare.parse(["--scenarios", "none", "--policies", "migrate,migrate-heads,hybrid-heads"])
     assert a.policy_list[-3:] == ["migrate", "migrate-heads", "hybrid-heads"]
     assert [compare._base(p) for p in a.policy_list[-2:]] == ["migrate", "hybrid"]

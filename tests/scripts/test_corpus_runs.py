@@ -3,26 +3,11 @@ metrics file (pure; the benchmarks themselves train for minutes and are not run 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
-from tests.utils import ROOT
+from tests.utils import load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "corpus_runs", os.path.join(ROOT, "scripts", "corpus_runs.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["corpus_runs"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-corpus_runs = _load()
+corpus_runs = load_script("corpus_runs")
 
 
 def _records(evals: dict, losses: list) -> list[dict]:

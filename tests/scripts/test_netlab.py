@@ -12,20 +12,9 @@ import sys
 
 import pytest
 
-from tests.utils import ROOT
+from tests.utils import ROOT, load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "netlab", os.path.join(ROOT, "scripts", "netlab.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["netlab"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-netlab = _load()
+netlab = load_script("netlab")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from tests.utils.jobs import Job, run_job
 from tests.utils.models import BASE, COMMON, GQA, MHA, close
 from tests.utils.paths import ROOT
 from tests.utils.ranks import PRELOAD, run_ranks
+from tests.utils.scripts import load_script
 from tests.utils.upstream import PATCH, fresh_megatron_lm
 from tests.utils.workers import (
     compat_paths,
@@ -38,6 +39,7 @@ __all__ = [
     "close",
     "compat_paths",
     "damage",
+    "load_script",
     "exchange_primitives",
     "fresh_megatron_lm",
     "het_numerics",

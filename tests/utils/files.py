@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import io
 import json
 import os
 
-from tests.utils.paths import ROOT
+from tests.utils.scripts import load_script
 
 
 def make_corpus(folder, documents: int = 4) -> str:
@@ -22,18 +20,10 @@ def make_corpus(folder, documents: int = 4) -> str:
             f.write(json.dumps({"text": f"document {i} " * 5}) + "\n")
     prefix = os.path.join(folder, "c")
     with contextlib.redirect_stdout(io.StringIO()):
-        _preprocess().main(["--input", src, "--output-prefix", prefix, "--append-eod"])
+        load_script("preprocess_data").main(
+            ["--input", src, "--output-prefix", prefix, "--append-eod"]
+        )
     return prefix + "_text_document"
-
-
-@functools.cache
-def _preprocess():
-    spec = importlib.util.spec_from_file_location(
-        "preprocess_data", os.path.join(ROOT, "scripts", "preprocess_data.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def damage(path: str, how: str, offset: int | None = None) -> None:
