@@ -101,10 +101,14 @@ def proportional_plan(
 ) -> PartitionPlan:
     """Unit counts proportional to `speeds`, moving the fewest units from `plan`.
 
-    Where a block's target share is fractional, layers round differently so that the counts
-    summed over layers track the target (e.g. 4 query groups at speeds 2:1 give 3/1 and 2/2
-    in turn). MLP counts are rounded in chunks of `mlp_chunk(plan, align)` units; a layer
-    already within one chunk of its target keeps its counts, aligned or not."""
+    Every block ends in a TP collective, so each block of each layer waits for its slowest
+    rank: a block's spare units (its target rounded down leaves them) go one by one to the
+    rank that would finish it first, which makes each block as short as whole units allow
+    (e.g. 4 query groups at speeds 2:1 give 3/1 in every layer: 1.5 units of time, where 3/1
+    and 2/2 in turn would track the 2.67/1.33 target over layers at 1.75 a layer). Among
+    equally fast choices, the rank furthest behind its target over the layers so far.
+    MLP counts are rounded in chunks of `mlp_chunk(plan, align)` units; a layer already
+    within one chunk of its target keeps its counts, aligned or not."""
     total = sum(speeds)
     if total <= 0 or any(s < 0 for s in speeds):
         raise ValueError(f"speeds must be non-negative with a positive sum, got {list(speeds)}")
@@ -120,9 +124,12 @@ def proportional_plan(
                 assigned = [a + c for a, c in zip(assigned, current)]  # below the resolution
                 continue
             counts = [math.floor(t) for t in target]  # each layer within one chunk of target
-            behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
-            order = sorted(range(plan.tp_size), key=lambda r: (-behind[r], r))
-            for rank in order[: n - sum(counts)]:  # who is furthest behind gets the spare ones
+            for _ in range(n - sum(counts)):  # the spare ones: whoever would finish first
+                behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
+                rank = min(
+                    range(plan.tp_size),
+                    key=lambda r: (_finish(counts[r] + 1, speeds[r], total), -behind[r], r),
+                )
                 counts[rank] += 1
             assigned = [a + c for a, c in zip(assigned, counts)]
             changes.setdefault(index, {})[block] = [c * chunk for c in counts]
@@ -474,6 +481,12 @@ def balanced_target(
         if model.step_time(plan_work(whole, work)) > model.step_time(plan_work(target, work)):
             return target
     return whole
+
+
+def _finish(units: int, speed: float, total: float) -> float:
+    """When a rank of `speed` (of `total`) finishes `units`, rounded so that ranks of one
+    speed tie exactly."""
+    return math.inf if speed <= 0 else round(units * total / speed, 9)
 
 
 def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:

@@ -116,7 +116,7 @@ def test_a_steady_noisy_group_never_decides():
 def test_state_dict_resumes_the_same_decisions():
     """A loop restored from a checkpointed state decides what the uninterrupted one does."""
     even = PartitionPlan.even(2, 2, 4, 64)
-    rows = [[1, 1]] * 2 + [[1, 2.5]] * 4 + [[1, 1]] * 4
+    rows = [[1, 1]] * 2 + [[1, 3.5]] * 4 + [[1, 1]] * 4
     straight = _loop("hybrid")
     want, _, _ = _drive(straight, even, rows)
     first = _loop("hybrid")

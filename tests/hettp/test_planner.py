@@ -153,17 +153,38 @@ def test_proportional_plan_within_one_unit_per_layer_and_fewest_moves(speeds):
     for block in ("attn", "mlp"):
         n = even.num_units(block)
         target = [n * s / sum(speeds) for s in speeds]
-        totals = [0] * tp
         for layer in range(plan.num_layers):
             counts = plan.counts(layer, block)
             assert all(abs(c - t) < 1 for c, t in zip(counts, target)), (layer, counts, target)
-            totals = [a + c for a, c in zip(totals, counts)]
+            # each block (it ends in a TP collective) as short as whole units allow
+            assert _block_time(counts, speeds) == pytest.approx(_shortest(n, speeds))
             # fewest moves: a rank keeps min(old, new) of its own units
             for rank in range(tp):
                 kept = set(plan.units(layer, block, rank)) & set(even.units(layer, block, rank))
                 assert len(kept) == min(len(even.units(layer, block, rank)), counts[rank])
-        # over the layers, the fractional target is tracked to within one unit
-        assert all(abs(t - plan.num_layers * x) <= 1 for t, x in zip(totals, target))
+
+
+def _block_time(counts, speeds) -> float:
+    return max(c / s for c, s in zip(counts, speeds) if c)
+
+
+def _shortest(n: int, speeds) -> float:
+    """The shortest a block of n whole units can take: the least time T at which the ranks
+    finish n units between them (sum of floor(T * speed) >= n); T is one of the k / speed."""
+    candidates = sorted({k / s for s in speeds for k in range(1, n + 1)})
+    return next(t for t in candidates if sum(math.floor(t * s + 1e-9) for s in speeds) >= n)
+
+
+def test_each_layer_rounds_a_block_to_its_shortest_rather_than_tracking_the_target():
+    # 4 query groups at speeds 2:1: 3/1 takes 1.5 units of time in every layer; 3/1 and 2/2 in
+    # turn would track the 2.67/1.33 target over the layers at 1.75 a layer on average
+    plan = proportional_plan(PartitionPlan.even(2, 4, 4, 64), (2, 1))
+    assert [plan.counts(layer, "attn") for layer in range(4)] == [(3, 1)] * 4
+    # ranks of one speed: the spare unit goes to the one furthest behind, in turn
+    plan = proportional_plan(PartitionPlan.even(3, 3, 6, 96), (2, 1, 1))
+    assert [plan.counts(layer, "attn") for layer in range(3)] == [(3, 2, 1), (3, 1, 2)] + [
+        (3, 2, 1)
+    ]
 
 
 @pytest.mark.parametrize("speeds", [(1, 0.5), (1, 1, 1, 0.5), (1, 0.125, 1, 0.25)])
@@ -190,15 +211,15 @@ def test_chunked_plans_track_the_target_and_move_the_fewest_units(speeds):
     even = PartitionPlan.even(4, 5, 8, 2048)
     plan = proportional_plan(even, speeds)
     target = [2048 * s / sum(speeds) for s in speeds]
-    totals = [0] * 4
     for layer in range(plan.num_layers):
         counts = plan.counts(layer, "mlp")
         assert all(abs(c - t) < 8 for c, t in zip(counts, target)), (counts, target)
-        totals = [a + c for a, c in zip(totals, counts)]
+        # in chunks of 8 units, as short as whole chunks allow
+        chunks = [c // 8 for c in counts]
+        assert _block_time(chunks, speeds) == pytest.approx(_shortest(256, speeds))
         for rank in range(4):
             kept = set(plan.units(layer, "mlp", rank)) & set(even.units(layer, "mlp", rank))
             assert len(kept) == min(512, counts[rank])
-    assert all(abs(t - 5 * x) <= 8 for t, x in zip(totals, target))
 
 
 def test_a_plan_within_one_chunk_of_its_target_is_kept():
