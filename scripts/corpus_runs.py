@@ -14,6 +14,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from gloo_ranks import pretrain_command  # noqa: E402
+
 from hettp.metrics import read_metrics  # noqa: E402
 
 CORPUS = os.path.join(ROOT, "data", "stdlib_text_document")
@@ -96,20 +98,7 @@ def train(name: str, model: list[str], flags: list[str], out_dir: str, port: int
     metrics = os.path.join(out_dir, metrics_name(name))
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(port),
-        os.path.join(ROOT, "pretrain_gpt.py"),
-        *model,
-        *flags,
-        "--metrics-file",
-        metrics,
-    ]
+    cmd = pretrain_command([*model, *flags, "--metrics-file", metrics], port=port)
     start = time.perf_counter()
     proc = subprocess.run(
         cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, cwd=ROOT

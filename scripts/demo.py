@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import sys
 
+from gloo_ranks import pretrain_command
+
 from hettp.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,22 +88,10 @@ def train(name, extra, iters, out, model=MODEL):
     metrics = os.path.join(out, name.split(",")[0].replace(" ", "-").replace("=", "") + ".jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        os.path.join(ROOT, "pretrain_gpt.py"),
-        *model,
-        *extra,
-        "--train-iters",
-        str(iters),
-        "--eval-interval",
-        str(iters),
-        "--metrics-file",
-        metrics,
-    ]
+    cmd = pretrain_command(
+        [*model, *extra, "--train-iters", str(iters), "--eval-interval", str(iters)]
+        + ["--metrics-file", metrics]
+    )
     print(f"\n=== {name}\n+ pretrain_gpt.py {' '.join(model + extra)}", flush=True)
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
     return [r["lm_loss"] for r in read_metrics(metrics, "train")], metrics

@@ -1,5 +1,6 @@
-"""What the benchmarks that spawn their own CPU ranks share: a free port, and each rank's
-torch.distributed environment (gloo over localhost, one thread a rank, warnings off)."""
+"""What the scripts that start their own CPU ranks share: a free port, each spawned rank's
+torch.distributed environment (gloo over localhost, one thread a rank, warnings off), and the
+torchrun command of pretrain_gpt.py."""
 
 from __future__ import annotations
 
@@ -35,3 +36,19 @@ def join(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
+
+
+def pretrain_command(args: list[str], nproc: int = 2, port: int | None = None) -> list[str]:
+    """torchrun of pretrain_gpt.py with `args` on `nproc` local ranks (torchrun's default port
+    unless `port`); run it with OMP_NUM_THREADS=1, as ranks share the cores."""
+    master = ["--master_port", str(port)] if port is not None else []
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        *master,
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *args,
+    ]
