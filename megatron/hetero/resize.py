@@ -214,7 +214,8 @@ class Resizer:
         """After backward, before optimizer.step(): impute or score gradients, keep weights."""
         blocks = het_blocks(state.model)
         if self.impute is not None:
-            idle = self._idle_groups(blocks)
+            resized = any(b.active < len(b.units) for b in blocks.values())
+            idle = self._idle_groups(blocks) if resized else {}
             with torch.no_grad():
                 for (index, _), block in blocks.items():
                     n, active = len(block.units), block.active
