@@ -139,14 +139,16 @@ class StragglerDetector:
             ):
                 ends.add(rank)
         self.stragglers = (self.stragglers | onsets) - ends
-        # A straggler whose slowdown moved a lot (2x -> 4x) and settled there needs a new plan;
-        # one falling back into the hysteresis band waits for its end instead.
+        # A straggler whose slowdown moved a lot (2x -> 4x) and settled there needs a new plan.
+        # So does one that shed most of it and settled inside the hysteresis band (3x -> 1.25x:
+        # a rank still warming up after a straggle, on a shared machine): waiting for it to
+        # read `end` would keep the 3x plan for as long as that takes.
         if self._rebased and all(len(h) in (0, h.maxlen) for h in self._history):
             self._rebased = False
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
             self._planned_own = {r: smoothed[r] for r in self.stragglers}
         drifted = not self._rebased and any(
-            slowdown[r] >= self.onset
+            (slowdown[r] >= self.onset or self._sped_up(r, smoothed[r]))
             and self._steady(r)
             and abs(math.log(slowdown[r] / self._planned_for.get(r, slowdown[r])))
             > math.log1p(self.replan)
