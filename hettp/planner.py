@@ -108,7 +108,10 @@ def proportional_plan(
     and 2/2 in turn would track the 2.67/1.33 target over layers at 1.75 a layer). Among
     equally fast choices, the rank furthest behind its target over the layers so far.
     MLP counts are rounded in chunks of `mlp_chunk(plan, align)` units; a layer already
-    within one chunk of its target keeps its counts, aligned or not."""
+    within one chunk of its target keeps its counts, aligned or not. Where a layer has at
+    least 4 chunks a rank, every rank keeps one, even a rank too slow to be given any: a
+    rank with no units reads no speed, so neither its recovery nor its next slowdown could
+    be seen (its per-call costs are paid either way, so the chunk costs it little)."""
     total = sum(speeds)
     if total <= 0 or any(s < 0 for s in speeds):
         raise ValueError(f"speeds must be non-negative with a positive sum, got {list(speeds)}")
@@ -120,10 +123,21 @@ def proportional_plan(
         assigned = [0.0] * plan.tp_size
         for index in range(plan.num_layers):
             current = [c / chunk for c in plan.counts(index, block)]
-            if chunk > 1 and all(abs(c - t) < 1 for c, t in zip(current, target)):
+            floor = 1 if block == "mlp" and n >= 4 * plan.tp_size else 0
+            if (
+                chunk > 1
+                and all(abs(c - t) < 1 for c, t in zip(current, target))
+                and min(current) >= floor
+            ):
                 assigned = [a + c for a, c in zip(assigned, current)]  # below the resolution
                 continue
-            counts = [math.floor(t) for t in target]  # each layer within one chunk of target
+            counts = [max(floor, math.floor(t)) for t in target]  # within one chunk of target
+            while sum(counts) > n:  # the floors' chunks: from whoever would finish last
+                rank = max(
+                    (r for r in range(plan.tp_size) if counts[r] > floor),
+                    key=lambda r: (_finish(counts[r], speeds[r], total), r),
+                )
+                counts[rank] -= 1
             for _ in range(n - sum(counts)):  # the spare ones: whoever would finish first
                 behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
                 rank = min(

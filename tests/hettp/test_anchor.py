@@ -81,19 +81,21 @@ def _even(plan):
     )
 
 
-def _run_steps(policy, speeds, fixed=0.04, per_unit=1e-3, noise=0.03, seed=0):
+def _run_steps(
+    policy, speeds, fixed=0.04, per_unit=1e-3, noise=0.03, seed=0, cost=None, interval=5
+):
     """A TP=2 group step by step, as the Megatron controller drives the loop (reports every 5
     steps), whose compute has a per-call part that does not shrink with units: factor x
-    (fixed + per_unit x work). Returns the decisions as (step, action, reason)."""
+    (fixed + per_unit x work), or factor x `cost(work)`. Returns the decisions as (step,
+    action, reason)."""
     plan, shares = PartitionPlan.even(2, 2, 4, 64), (0.0, 0.0)
-    loop = ControlLoop(Planner(policy, UNIT_WORK), StragglerDetector(2), interval=5)
+    loop = ControlLoop(Planner(policy, UNIT_WORK), StragglerDetector(2), interval=interval)
     rng = random.Random(seed)
+    cost = cost or (lambda w: fixed + per_unit * w)
     decisions = []
     for step, row in enumerate(speeds, 1):
         work = plan_work(plan, UNIT_WORK, shares)
-        compute = tuple(
-            f * (fixed + per_unit * w) * (1 + rng.uniform(-noise, noise)) for f, w in zip(row, work)
-        )
+        compute = tuple(f * cost(w) * (1 + rng.uniform(-noise, noise)) for f, w in zip(row, work))
         verdict = loop.run_step(
             TimingReport(step, compute, work, 0.02 + max(compute)), plan, shares
         )
@@ -124,7 +126,7 @@ def test_onset_and_end_are_acted_on_at_the_second_step_whatever_the_per_call_cos
 @pytest.mark.parametrize("fixed", [0.06, 0.1])
 def test_a_straggle_ending_right_at_a_move_is_still_seen_to_end(fixed):
     """The rebalance at the report of step 18 takes effect at step 19, the first normal one
-    (a per-call part this large needs the rebalance; at 0.1 it leaves rank 1 no work):
+    (a per-call part this large needs the rebalance; at 0.1 it leaves rank 1 one MLP chunk a layer):
     continuity alone would carry rank 1's 3x onwards, and the plan would stay put for good;
     the fitted model overrules it once the anchor window is full."""
     speeds = [(1, 1)] * 6 + [(1, 3)] * 12 + [(1, 1)] * 12  # slow in steps 7-18
@@ -136,3 +138,20 @@ def test_a_straggle_ending_right_at_a_move_is_still_seen_to_end(fixed):
 def test_a_steady_noisy_cluster_never_moves():
     decisions, _ = _run_steps("migrate", [(1, 1)] * 200, noise=0.1, seed=4)
     assert decisions == []
+
+
+@pytest.mark.parametrize("policy", ["migrate", "hybrid"])
+def test_a_rank_left_few_units_stays_observable_and_the_plan_does_not_flap(policy):
+    """Compute concave in work, as CPU GEMMs are (0.1 x (w / w0) ** 0.6): the fitted line's
+    large intercept once made the planner leave the 3.3x rank no units; with no units it read
+    no speed, counted as 1.0x, and the plan went back to even, then to nothing again, every
+    report (8 moves in 40 steps). Now it keeps an MLP chunk a layer: two moves for the onset,
+    none while it lasts, and its end (first normal step 40) acted on at the next step."""
+    w0 = plan_work(PartitionPlan.even(2, 2, 4, 64), UNIT_WORK)[0]
+    speeds = [(1, 1)] * 7 + [(1, 3.3)] * 32 + [(1, 1)] * 12  # slow in steps 8-39
+    decisions, plan = _run_steps(
+        policy, speeds, noise=0.03, cost=lambda w: 0.1 * (w / w0) ** 0.6, interval=4
+    )
+    assert [d[0] for d in decisions] == [9, 17, 41], decisions
+    assert all(action.endswith("migrate") for _, action, _ in decisions), decisions
+    assert decisions[-1][2] == "no straggler left" and _even(plan)
