@@ -28,6 +28,9 @@ MIN_PAIRS = 4  # slopes a fitted line needs
 class Line:
     fixed: float  # seconds an unslowed rank computes whatever its units
     per_unit: float  # and per unit of work on top
+    # Of `fixed`, the seconds in the region timed apart (the optimizer step's per-tensor
+    # work): it runs after the last block, so no split of the blocks' units shortens it.
+    apart: float = 0.0
 
 
 _UNSET = object()
@@ -77,13 +80,24 @@ class ComputeFit:
             fixed = _zeros(fixed, len(works))
             ratios = [(c - x) / w for w, c, x in zip(works, computes, fixed) if w > 0 and c > x]
             base = min(fixed) if fixed else 0.0
-            return Line(base, min(ratios) if ratios else 1.0)
+            return Line(base, min(ratios) if ratios else 1.0, base)
         line = self._theil_sen()
         if line is None:
             base = statistics.median(x for _, _, x in self._points)
-            line = Line(base, statistics.median((c - base) / w for w, c, _ in self._points))
+            line = Line(base, statistics.median((c - base) / w for w, c, _ in self._points), base)
+        else:
+            line = Line(line.fixed, line.per_unit, min(line.fixed, self._apart()))
         self._line = line
         return line
+
+    def _apart(self) -> float:
+        """What an unslowed rank spends in the region timed apart whatever its units: the
+        intercept of that region's seconds against work where they span a line (Adam's
+        per-parameter work moves with the units), else their median."""
+        timed = theil_sen([(w, x) for w, _, x in self._points])
+        if timed is not None:
+            return timed.fixed
+        return statistics.median(x for _, _, x in self._points)
 
     @property
     def fitted(self) -> bool:
@@ -100,6 +114,9 @@ class ComputeFit:
 
     def fixed_seconds(self, works=(), computes=(), fixed=None) -> float:
         return self.line(works, computes, fixed).fixed
+
+    def apart_seconds(self, works=(), computes=(), fixed=None) -> float:
+        return self.line(works, computes, fixed).apart
 
     def factors(
         self,

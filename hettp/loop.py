@@ -127,11 +127,13 @@ def step_model(
     stragglers,
     per_unit: float,
     fixed: float = 0.0,
+    apart: float = 0.0,
 ) -> StepModel:
     """The planner's model of a step from a report: measured factors for stragglers, 1 for the
     rest (their spread is noise; planning on it would shuffle units for nothing), each rank's
-    compute as `fixed` + `per_unit` x work times its factor, and the time outside the slowest
-    rank's compute as the part no partition changes."""
+    compute as `fixed` + `per_unit` x work times its factor, of which `apart` runs after the
+    blocks (hettp.costfit.Line), and the time outside the slowest rank's compute as the part
+    no partition changes."""
     known = [f for f in factors if f is not None]
     fastest = min(known) if known else 1.0
     slowest = max(known) if known else 1.0
@@ -142,7 +144,8 @@ def step_model(
             for r, f in enumerate(factors)
         ),
         per_unit * fastest,
-        fixed * fastest,
+        max(0.0, fixed - apart) * fastest,
+        min(apart, fixed) * fastest,
     )
 
 
@@ -292,6 +295,7 @@ class ControlLoop:
                 detection.stragglers,
                 self.fit.per_unit(report.work, report.compute, report.fixed),
                 self.fit.fixed_seconds(report.work, report.compute, report.fixed),
+                self.fit.apart_seconds(report.work, report.compute, report.fixed),
             )
             if self.migration_cost is not None and unit_bytes is not None:
                 self.migration_cost.unit_bytes = dict(unit_bytes)

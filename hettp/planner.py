@@ -29,20 +29,27 @@ from .resize import check_shares, skipped_count
 
 @dataclass(frozen=True)
 class StepModel:
-    """A step takes `rest + max_r factor_r * (fixed + slope * work_r)`: `slope * work` is an
-    unslowed rank's time in the work its units carry, `fixed` its timed compute that no split
-    changes (the optimizer step), `factor_r` the rank's slowdown."""
+    """A step takes `rest + max_r factor_r * (fixed + slope * work_r) + max_r factor_r *
+    apart`: `slope * work` is an unslowed rank's time in the work its units carry, `fixed`
+    its per-call costs in the blocks that no split changes, `apart` what it computes after
+    the blocks whatever its units (the optimizer's per-tensor work), `factor_r` the rank's
+    slowdown. Every block ends in a TP collective, so the ranks wait for each other before
+    the optimizer: a slow rank's optimizer time is not made up for by giving it fewer units
+    in the blocks, and only the blocks' part is balanced."""
 
     rest: float
     factors: tuple[float, ...]
     slope: float
     fixed: float = 0.0
+    apart: float = 0.0
 
     def rank_time(self, rank: int, work: float) -> float:
+        """The rank's time in the blocks."""
         return self.factors[rank] * (self.fixed + self.slope * work)
 
     def step_time(self, work: Sequence[float]) -> float:
-        return self.rest + max(self.rank_time(r, w) for r, w in enumerate(work))
+        blocks = max(self.rank_time(r, w) for r, w in enumerate(work))
+        return self.rest + blocks + max(self.factors) * self.apart
 
     def balanced_work(self, total: float) -> list[float]:
         """Per-rank work that makes every rank finish together; a rank too slow to finish its

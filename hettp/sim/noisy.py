@@ -1,8 +1,10 @@
 """One TP=2 group's control loop on the per-step timings a busy machine gives, step by step as
 the Megatron controller drives it: rank 0 turns slow part-way through a step, every rank's
 compute carries independent per-step noise, and a per-call part the timed optimizer step
-covers only half of. What the loop decides and how close its split holds to the best one, in
-milliseconds; tests/hettp/test_noisy_timings.py and scripts/bench_noisy_loop.py run it."""
+covers only half of. Time is block-synchronous: each block waits for its slowest rank, and
+the optimizer step after them for its. What the loop decides and how close its split holds
+to the best one, in milliseconds; tests/hettp/test_noisy_timings.py and
+scripts/bench_noisy_loop.py run it."""
 
 from __future__ import annotations
 
@@ -68,29 +70,41 @@ def straggle(
     total = sum(plan_work(plan, UNIT_WORK))
     per_unit = SHARDED / (total / 2)
 
-    def compute(rank: int, work: float, slow: float) -> float:
+    def blocks(rank: int, work: float, slow: float) -> float:
+        """The rank's compute in the blocks: half the per-call part, and its units."""
         f = slow if rank == 0 else 1.0
-        return PER_CALL * (1.0 if sharded_only else f) + per_unit * work * f
+        return PER_CALL / 2 * (1.0 if sharded_only else f) + per_unit * work * f
+
+    def apart(rank: int, slow: float) -> float:
+        """After the blocks: the timed optimizer step, the per-call part's other half."""
+        return PER_CALL / 2 * (slow if rank == 0 and not sharded_only else 1.0)
+
+    def step_time(work, slow: float) -> float:
+        """Each block waits for its slowest rank, and so does the optimizer's next step."""
+        return (
+            REST
+            + max(blocks(r, w, slow) for r, w in enumerate(work))
+            + max(apart(r, slow) for r in range(len(work)))
+        )
 
     decisions, times = [], []
     for step in range(1, steps + 1):
         slow = 1.0 if step < onset else factor if step > onset else (1 + factor) / 2
         work = plan_work(plan, UNIT_WORK, shares)
-        clean = [compute(r, w, slow) for r, w in enumerate(work)]
-        measured = tuple(c * (1 + rng.uniform(-noise, noise)) for c in clean)
-        timed = tuple(PER_CALL / 2 * (slow if r == 0 and not sharded_only else 1) for r in (0, 1))
-        times.append(max(clean) + REST)
-        report = TimingReport(step, measured, tuple(work), max(measured) + REST, timed)
+        clean = [blocks(r, w, slow) + apart(r, slow) for r, w in enumerate(work)]
+        noisy = [1 + rng.uniform(-noise, noise) for _ in clean]
+        measured = tuple(c * n for c, n in zip(clean, noisy))
+        timed = tuple(apart(r, slow) * n for r, n in zip(range(2), noisy))
+        times.append(step_time(work, slow))
+        report = TimingReport(step, measured, tuple(work), times[-1], timed)
         verdict = loop.run_step(report, plan, shares)
         if verdict is not None and verdict.decision is not None:
             d = verdict.decision
             decisions.append(Decided(step, d.action, d.reason, verdict.model.factors))
             plan, shares = d.plan, d.shares
             loop.applied()
-    best = min(
-        max(compute(0, w, factor), compute(1, total - w, factor)) for w in range(int(total) + 1)
-    )
-    return NoisyRun(tuple(decisions), (best + REST) / statistics.mean(times[-30:]))
+    best = min(step_time((w, total - w), factor) for w in range(int(total) + 1))
+    return NoisyRun(tuple(decisions), best / statistics.mean(times[-30:]))
 
 
 def even_split_ratio(factor: float, sharded_only: bool) -> float:

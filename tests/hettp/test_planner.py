@@ -8,7 +8,7 @@ import random
 import pytest
 
 from hettp.detect import DetectError, StragglerDetector
-from hettp.loop import ControlLoop, TimingReport
+from hettp.loop import ControlLoop, TimingReport, step_model
 from hettp.plan import PartitionPlan
 from hettp.planner import (
     Planner,
@@ -272,6 +272,37 @@ def test_step_model_balances_in_proportion_to_speed():
     shares = balancing_shares(plan, UNIT_WORK, StepModel(0.0, (1.0, 1.5), 1.0), {1}, 0.9)
     # rank 0: 24; rank 1 must come down to 24 / 1.5 = 16 of its 24 units of work
     assert shares == (0.0, round(1 - 16 / 24, 4))
+
+
+def test_a_slow_ranks_optimizer_step_costs_it_no_units():
+    """Every block ends in a collective, so the optimizer step after the last one starts when
+    the slowest rank's blocks end: giving a slow rank fewer units cannot make up for its
+    slower optimizer. Only the blocks' per-call part (`fixed`) is balanced with the units;
+    what runs apart (`apart`) adds its slowest rank's time. With apart counted among the
+    blocks' costs, as before, the 4x rank got 7 of 50 units rather than 10."""
+    model = StepModel(rest=1.0, factors=(1.0, 4.0), slope=0.1, fixed=0.0, apart=0.5)
+    assert model.balanced_work(50) == pytest.approx([40, 10])
+    assert model.step_time((40, 10)) == pytest.approx(1.0 + 4.0 + 4 * 0.5)
+    rank_total = StepModel(rest=1.0, factors=(1.0, 4.0), slope=0.1, fixed=0.5)
+    assert rank_total.balanced_work(50)[1] == pytest.approx(7.0)
+    # step_model splits the fitted per-call part into the blocks' and the one apart
+    report = TimingReport(5, (2.0, 2.0), (10.0, 10.0), 3.0)
+    model = step_model(report, (1.0, 2.0), {1}, per_unit=0.1, fixed=0.7, apart=0.5)
+    assert (model.fixed, model.apart) == pytest.approx((0.2, 0.5))
+    assert model.factors == (1.0, 2.0) and model.rest == pytest.approx(1.0)
+
+
+def test_compute_fit_finds_what_runs_apart_from_the_timed_region():
+    """The timed optimizer region's seconds against work: its intercept runs apart (Adam's
+    per-parameter part moves with the units, in the slope); before a line, all of it."""
+    fit = ComputeFit()
+    fit.add([0.5, 0.5], [7.0, 7.0], [1, 1], [1.5, 1.5])
+    assert (fit.line().fixed, fit.line().apart) == pytest.approx((1.5, 1.5))
+    for w in (0.2, 0.3, 0.5, 0.7, 0.8):
+        fit.add([w, w], [2.0 + 10 * w] * 2, [1, 1], [0.5 + 1.0 * w] * 2)
+    line = fit.line()
+    assert line.fixed == pytest.approx(2.0, rel=0.05) and line.apart == pytest.approx(0.5, rel=0.05)
+    assert fit.apart_seconds() == line.apart
 
 
 def test_plan_work_and_balancing_shares():
