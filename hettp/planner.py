@@ -67,6 +67,15 @@ class StepModel:
             ranks = [r for r in ranks if r not in idle]
 
 
+def core_attention_work(query_heads: int, seq_length: int, head_dim: int) -> int:
+    """Core attention over `query_heads` heads in a linear's parameters' terms (two FLOPs a
+    parameter a token): QK^T and AV take 4 x seq_length x head_dim FLOPs a token a head, all
+    of them where the scores are computed in full, as megatron-core's local attention does.
+    An attention unit weighed by its parameters alone looked about seq_length / hidden
+    lighter than it computes, so a slow rank was given too many query heads."""
+    return 2 * query_heads * seq_length * head_dim
+
+
 def plan_work(
     plan: PartitionPlan, unit_work: Mapping[str, float], shares: Sequence[float] | None = None
 ) -> tuple[float, ...]:

@@ -129,9 +129,10 @@ def replay(path: str, speeds: str = "timed") -> list[Row]:
     microbatches = args["global_batch_size"] // args["micro_batch_size"]
     base = report["baseline"]
     compute = base["compute_per_rank_s"]
-    # seconds per unit of work: an even rank's timed compute over its parameters
+    # seconds per unit of work: an even rank's timed compute over its work (parameters, and
+    # core attention in their terms: it is timed with the units)
     plan = model.even_plan(tp, model.num_layers)
-    params = model.unit_params()
+    params = model.unit_work()
     even = sum(len(layer[b][0]) * params[b] for layer in plan.layers for b in params)
     # A rank's compute outside its units (norms, embedding, loss, the optimizer), where the
     # comparison timed all of it: a slow device or a busy neighbour stretches it too.

@@ -178,8 +178,8 @@ class Simulation:
         starts = [sum(self.layers[:s]) for s in range(layout.pp)]
         self.plans = [plan.stage(starts[s], self.layers[s]) for s in range(layout.pp)]
         self.shares = [(0.0,) * layout.tp for _ in range(layout.pp)]
-        self.unit_work = model.unit_params()
-        self.unit_bytes = {b: n * model.state_bytes for b, n in self.unit_work.items()}
+        self.unit_work = model.unit_work()
+        self.unit_bytes = {b: n * model.state_bytes for b, n in model.unit_params().items()}
         self.factors = [1.0] * layout.world
         self._links()
         spec = get_policy(policy) if policy not in DATA_POLICIES else None

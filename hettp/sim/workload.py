@@ -1,9 +1,9 @@
 """What one micro-batch of a GPT model costs, per het-TP unit: the numbers the simulator turns
 into seconds (FLOPs over a GPU's speed) and bytes (over links).
 
-A unit's work is its parameter count, as megatron/hetero/partition.py weighs it for the
-planner; its FLOPs add core attention to the attention unit, which the planner's weights leave
-out, as on a real run."""
+A unit's work is what megatron/hetero/partition.py weighs it at for the planner: its
+parameters, plus an attention unit's core attention in parameters' terms
+(hettp.planner.core_attention_work); its bytes are its parameters'."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..plan import PartitionPlan
+from ..planner import core_attention_work
 
 
 class WorkloadError(ValueError):
@@ -64,6 +65,12 @@ class ModelSpec:
         attn = (2 * per_group + 2) * self.kv_channels * self.hidden
         mlp = (3 if self.swiglu else 2) * self.hidden * self.mlp_unit
         return {"attn": attn, "mlp": mlp}
+
+    def unit_work(self) -> dict[str, int]:
+        """What the planner weighs a unit at, as the runtime does."""
+        work = self.unit_params()
+        core = core_attention_work(self.heads // self.query_groups, self.seq, self.kv_channels)
+        return {**work, "attn": work["attn"] + core}
 
     def unit_flops(self) -> dict[str, float]:
         """Forward plus backward FLOPs of one unit for one micro-batch (3x the forward)."""

@@ -22,6 +22,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 
 from hettp.exchange import Migration, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan, PlanError
+from hettp.planner import core_attention_work
 from hettp.transfer import KV_REPLICA, CostModel, plan_transfer
 
 from . import cpu_compat
@@ -92,6 +93,17 @@ class HetPartition:
             )
             for name in BLOCKS
         }
+        # ... and an attention unit's core attention over its query heads
+        config = module.config
+        heads_per_unit = (
+            self.plan.heads.heads_per_unit
+            if self.plan.heads is not None
+            else config.num_attention_heads
+            // (config.num_query_groups or config.num_attention_heads)
+        )
+        self.unit_work["attn"] += core_attention_work(
+            heads_per_unit, module.max_sequence_length, config.kv_channels
+        )
         # head units: one group's K/V replica, which a rank holding any of its heads computes
         self.unit_work["kv"] = sum(
             math.prod(shape) for _, _, shape in blocks[(0, "attn")].replica_tensors()

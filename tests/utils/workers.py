@@ -670,7 +670,7 @@ def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
 def train_with_control(argv: list[str]) -> dict:
     """pretrain with the control loop; records this rank's plan and shares after every step."""
 
-    seen = {}
+    seen, unit_work = {}, {}
 
     def hook(iteration, state, runtime):
         partition = runtime.partition if runtime else None
@@ -679,11 +679,13 @@ def train_with_control(argv: list[str]) -> dict:
             partition.plan.to_json() if partition else None,
             resizer.shares if resizer else None,
         )
+        unit_work.update(partition.unit_work if partition else {})
 
     result, stdout = _pretrain(argv, hook)
     return {
         "losses": result.losses,
         "seen": seen,
+        "unit_work": unit_work,
         "stdout": stdout,
         "metrics_file": result.metrics_file,
     }
