@@ -145,8 +145,9 @@ def test_a_rank_left_few_units_stays_observable_and_the_plan_does_not_flap(polic
     """Compute concave in work, as CPU GEMMs are (0.1 x (w / w0) ** 0.6): the fitted line's
     large intercept once made the planner leave the 3.3x rank no units; with no units it read
     no speed, counted as 1.0x, and the plan went back to even, then to nothing again, every
-    report (7 moves in the 32 slow steps). Now it keeps an MLP chunk a layer: two moves for the onset,
-    none while it lasts, and its end (first normal step 40) acted on at the next step."""
+    report (7 moves in the 32 slow steps). Now it keeps an MLP chunk a layer: two moves for
+    the onset, none while it lasts, and its end (first normal step 40) acted on at the next
+    step."""
     w0 = plan_work(PartitionPlan.even(2, 2, 4, 64), UNIT_WORK)[0]
     speeds = [(1, 1)] * 7 + [(1, 3.3)] * 32 + [(1, 1)] * 12  # slow in steps 8-39
     decisions, plan = _run_steps(
