@@ -289,15 +289,27 @@ class Simulation:
             for link, cross in zip(rings, ring_crosses)
         ]
 
-    def _rank_seconds(self, s: int) -> list[float]:
-        """Per TP rank of stage s, its units' seconds per micro-batch at full speed."""
+    def _block_seconds(self, s: int) -> list[tuple[tuple[float, ...], int]]:
+        """Stage s's blocks as (each TP rank's seconds in the block per micro-batch at full
+        speed, how many of the stage's blocks split so): a block ends in a TP collective, so
+        it lasts as long as its slowest rank's share, and blocks split alike cost alike."""
         plan, shares, u = self.plans[s], self.shares[s], self.costs.unit_seconds
-        out = [0.0] * self.layout.tp
+        rows: dict[tuple[float, ...], int] = {}
         for layer in plan.layers:
             for block in BLOCKS:
-                for rank, units in enumerate(layer[block]):
-                    active = len(units) - skipped_count(len(units), shares[rank])
-                    out[rank] += active * u[block]
+                row = tuple(
+                    (len(units) - skipped_count(len(units), shares[rank])) * u[block]
+                    for rank, units in enumerate(layer[block])
+                )
+                rows[row] = rows.get(row, 0) + 1
+        return list(rows.items())
+
+    def _rank_seconds(self, s: int) -> list[float]:
+        """Per TP rank of stage s, its units' seconds per micro-batch at full speed."""
+        out = [0.0] * self.layout.tp
+        for row, count in self.blocks[s]:
+            for rank, seconds in enumerate(row):
+                out[rank] += count * seconds
         return out
 
     def _rank_params(self, s: int) -> list[float]:
@@ -319,6 +331,7 @@ class Simulation:
     def _refresh(self) -> None:
         """After a change of plans, shares or layers: what every step reuses."""
         L = self.layout
+        self.blocks = [self._block_seconds(s) for s in range(L.pp)]
         self.seconds = [self._rank_seconds(s) for s in range(L.pp)]
         self.params = [self._rank_params(s) for s in range(L.pp)]
         self.work = [plan_work(self.plans[s], self.unit_work, self.shares[s]) for s in range(L.pp)]
@@ -355,9 +368,10 @@ class Simulation:
         if hit is not None:
             return hit
         per_mb = [
-            max(f * sec + self._slow(f) * extra[s] for f, sec in zip(factors[s], self.seconds[s]))
+            sum(count * max(f * sec for f, sec in zip(factors[s], row)) for row, count in blocks)
+            + max(self._slow(f) for f in factors[s]) * extra[s]
             + self.layers[s] * self.tp_comm[d, s]
-            for s in range(L.pp)
+            for s, blocks in enumerate(self.blocks)
         ]
         value = one_f_one_b(
             [p / 3 for p in per_mb], [2 * p / 3 for p in per_mb], counts, self.hand_off[d]

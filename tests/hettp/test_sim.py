@@ -78,6 +78,26 @@ def test_model_units_weigh_as_the_trainer_weighs_them():
         dataclasses.replace(SMALL, mlp_unit=3)
 
 
+def test_each_block_waits_for_its_slowest_rank():
+    """A step is the sum over blocks of each block's slowest rank (each ends in a TP
+    collective), not the slowest rank's total: all of the attention on rank 0 and all of the
+    MLP on rank 1 serialises the two, whatever the totals."""
+    layout = Layout(2)
+    costs = _costs(SMALL, layout)
+    sim = Simulation(SMALL, layout, costs, persistent(2, {}), "none")
+    sim._refresh()
+    even = sim._replica_time(0, 1)  # one micro-batch: its forward and backward
+    plan = sim.plans[0]
+    sim.plans[0] = plan.recounted(
+        {i: {"attn": (8, 0), "mlp": (0, 2048)} for i in range(plan.num_layers)}
+    )
+    sim._refresh()
+    u = costs.unit_seconds
+    per_layer = 8 * u["attn"] + 2048 * u["mlp"]  # both blocks whole, one after the other
+    # the even split ran each block in half that
+    assert sim._replica_time(0, 1) - even == pytest.approx(SMALL.num_layers * per_layer / 2)
+
+
 def test_traces_round_trip_and_production_draws_are_seeded():
     factors = [(1.0, 1.0), (1.0, 2.0), (1.0, 2.0), (1.0, 1.0), (3.0, 1.0)]
     trace = from_factors(factors)
