@@ -99,8 +99,8 @@ SAMPLE_FLAGS = (
 def model_flags(quick: bool) -> list[str]:
     if quick:
         return (
-            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-            "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --mock-data "
+            "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 "
+            "--max-position-embeddings 64 --micro-batch-size 2 --lr 1e-3 --mock-data "
             "--vocab-size 255 --hidden-dropout 0 --attention-dropout 0"
         ).split()
     return (
