@@ -177,3 +177,39 @@ class ComputeFit:
         self._points.clear()
         self._points.extend(tuple(p) for p in state.get("points", ()))  # absent before 0.2
         self._line, self._fit = None, _UNSET
+
+
+@dataclass(frozen=True)
+class BlockSample:
+    """One rank's step, split by block kind: seconds in the attention modules and in the MLP
+    ones, and the work each held (attention's GEMMs by their parameters, its core attention
+    by its FLOPs in the same terms, hettp.planner.core_attention_work)."""
+
+    attention_s: float
+    mlp_s: float
+    attention_gemm: float
+    core: float
+    mlp: float
+
+
+CORE_SCALE_RANGE = (0.25, 20.0)  # what a kernel may cost per FLOP against the GEMMs
+
+
+def core_attention_scale(samples: Sequence[BlockSample]) -> float | None:
+    """What core attention costs per FLOP against the GEMMs, from steps timed by block kind:
+    each sample's MLP gives its rank's GEMM rate, its attention seconds past its GEMMs at that
+    rate are its core attention's. A slowdown stretches both kinds alike, so any rank's step
+    will do. The median over the samples, within CORE_SCALE_RANGE; None without a sample that
+    held both kinds. On this CPU megatron-core's local attention cost 1.6-2.3x the GEMMs per
+    FLOP (sequence 128, head dim 64), a fused GPU kernel runs near their rate: weighed by
+    FLOPs alone, a unit's attention was a guess."""
+    scales = []
+    for s in samples:
+        if min(s.mlp, s.core, s.mlp_s, s.attention_s) <= 0:
+            continue
+        rate = s.mlp_s / s.mlp
+        scales.append((s.attention_s - rate * s.attention_gemm) / (rate * s.core))
+    if not scales:
+        return None
+    low, high = CORE_SCALE_RANGE
+    return min(high, max(low, statistics.median(scales)))

@@ -345,6 +345,19 @@ class ControlLoop:
         self.detector.rebase()
         self._steps = []  # a report's steps share one split
 
+    def reweighed(self, work: Sequence[float] | None = None) -> None:
+        """The units' weights changed (core attention priced): the work a report divides by is
+        in new units. What was learned in the old ones (the fit's points, the detector's
+        per-unit history) starts over; this interval's steps, where they share one split,
+        take `work`, that split's per-rank work in the new units, and the interval goes on."""
+        self.fit = ComputeFit()
+        self.anchor.clear()
+        self.detector.rebase()
+        if work is None or len({step.work for step in self._steps}) > 1:
+            self._steps = []
+        else:
+            self._steps = [dataclasses.replace(step, work=tuple(work)) for step in self._steps]
+
     def work_scaled(self, factor: float) -> None:
         """Every rank's per-step work was multiplied by `factor` (a batch-size ramp changed the
         micro-batch count). No rank's speed changed: slowdowns carry across the change through

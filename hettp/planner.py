@@ -276,11 +276,10 @@ class Decision:
 
 
 # An attention unit's work counts its GEMMs by their parameters and its core attention by its
-# FLOPs in the same terms (core_attention_work); what core attention costs per FLOP depends on
-# the kernel: forward and backward of torch's SDPA on CPU at sequence 128 and head dim 64 took
-# 0.8x its heads' GEMMs (results/notes.md) for a sixth of their FLOPs, a fused GPU kernel runs
-# near the GEMMs' rate. So the unit may cost up to about twice its modelled work; the planner
-# keeps head units in whole groups only where that is no slower at either end of this range.
+# FLOPs in the same terms (core_attention_work) at a price per FLOP the run measures in its
+# first steps (hettp.costfit.core_attention_scale), which per-step noise leaves uncertain.
+# The planner keeps head units in whole groups only where that is no slower at either end of
+# this range of what an attention unit may cost against its modelled work.
 ATTENTION_COST_RANGE = (1.0, 2.0)
 
 # A move at a report, the straggle unchanged, must gain this much of the predicted step: the

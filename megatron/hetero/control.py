@@ -2,8 +2,9 @@
 the slowest replica over the data-parallel group), let TP rank 0 decide (hettp.loop, pure), and
 broadcast the verdict so every rank applies the same decision at the same step boundary.
 
-Every step each rank's compute time (timing.py) and active work are gathered (three floats a
-rank) and fed to the detector; the planner runs where that detection changed and at every
+Every step each rank's compute time (timing.py) and active work are gathered (a few floats a
+rank, with its attention's time and its work by block kind, which price core attention once
+at the start) and fed to the detector; the planner runs where that detection changed and at every
 report, the medians of `--het-tp-interval` steps. The runtime (runtime.py) applies what comes
 back.
 """
@@ -17,8 +18,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from hettp.config import HetTPConfig
+from hettp.costfit import BlockSample, core_attention_scale
 from hettp.detect import StragglerDetector
-from hettp.loop import ControlLoop, TimingReport, Verdict
+from hettp.loop import WARMUP_STEPS, ControlLoop, TimingReport, Verdict
 from hettp.planner import Planner
 from hettp.transfer import CostModel, MigrationCost
 
@@ -33,6 +35,7 @@ class Controller:
         model,
         unit_work: dict | None,
         cost_model: CostModel | None = None,
+        partition=None,
     ):
         self.group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = dist.get_rank(self.group)
@@ -68,6 +71,12 @@ class Controller:
             interval=config.interval,
         )
         self._work = None  # (plan, shares, this rank's work) the last work() call was for
+        # Core attention is priced from the first steps' timings by block kind, once: the
+        # units of the planner's work change with it, so before anything is learned in them.
+        self.partition = partition if self.decides else None
+        self._samples: list[BlockSample] = []
+        self._steps_timed = 0
+        self.priced: tuple[float, float] | None = None  # (FLOP weight, measured) once priced
         # Under --het-dp: each replica's micro-batch counts (its reports are scaled to the even
         # split's, so that a rebatch is no change of speed to the TP loop) and its last step.
         self.counts: tuple[int, ...] | None = None
@@ -101,13 +110,23 @@ class Controller:
         `unit_bytes()` what one unit carries (called only where a decision is taken). Returns
         the report and the verdict every rank agrees on, where the planner ran."""
         if self._work is None or self._work[0] is not plan or self._work[1] != shares:
-            self._work = (plan, tuple(shares), work()[self.tp_rank])
+            kinds = (
+                self.partition.block_work(plan, shares)[self.tp_rank]
+                if self.partition is not None
+                else (0.0, 0.0, 0.0)
+            )
+            self._work = (plan, tuple(shares), work()[self.tp_rank], kinds)
         self.timer.end_step()
         step = self._gather(
             iteration,
             [self.timer.read(), self._work[2], wall_seconds, self.timer.read_fixed()],
-            self.timer.read_busy(),
+            [self.timer.read_busy(), self.timer.read_attention(), *self._work[3]],
         )
+        verdict = self._decide(step, plan, shares, unit_bytes)
+        self._price_core_attention(work)
+        return verdict
+
+    def _decide(self, step, plan, shares, unit_bytes):
         due = self.loop.step(step)  # the same on every rank: the same timings went in
         if due is None:
             return None
@@ -131,6 +150,31 @@ class Controller:
         self.loop.close(due, verdict)
         return due.report, verdict
 
+    def _price_core_attention(self, work) -> None:
+        """From the steps after the first (cold) one up to the end of the loop's warm-up, in
+        which nothing is detected, planned or learned: price core attention, reweigh the
+        units, and let the loop start over in the new units."""
+        self._steps_timed += 1
+        if self.partition is None or self.priced is not None:
+            return
+        if self._steps_timed > 1:
+            self._samples += self._block_samples
+        if self._steps_timed < WARMUP_STEPS:
+            return
+        scale = core_attention_scale(self._samples)
+        before = self.partition.core_scale
+        if scale is not None:
+            self._reweigh(scale, work)
+        self.priced = (before, self.partition.core_scale)
+        self._samples = []
+
+    def _reweigh(self, scale: float, work=None) -> None:
+        """`work()`: the TP group's per-rank work at the current split, in the new weights."""
+        self.partition.price_core_attention(scale)
+        self.loop.planner.unit_work.update(self.partition.unit_work)
+        self.loop.reweighed(work() if work is not None else None)
+        self._work = None
+
     def work_scaled(self, factor: float) -> None:
         """Each step now does `factor` times the work (the micro-batch count changed)."""
         self.loop.work_scaled(factor)
@@ -149,26 +193,38 @@ class Controller:
         self.timer.remove()
 
     def state_dict(self) -> dict:
-        return {"loop": self.loop.state_dict()}
+        core = self.partition.core_scale if self.partition is not None else None
+        priced = list(self.priced) if self.priced is not None else None
+        return {"loop": self.loop.state_dict(), "core_scale": core, "priced": priced}
 
     def load_state_dict(self, state: dict) -> None:
+        """A resumed run keeps the saved run's price of core attention (its fit is in those
+        units); one saved before it was priced prices it again."""
+        if self.partition is not None and state.get("priced") is not None:
+            self._reweigh(state["core_scale"])
+            self.priced = tuple(state["priced"])
         self.loop.load_state_dict(state["loop"])
 
-    def _gather(self, iteration, row, busy) -> TimingReport:
-        """This TP group's step from each rank's `row` (compute, work, wall, fixed) and `busy`;
-        with data parallelism, the slowest replica's at each TP position (replicas share a
-        plan), each replica's scaled to the even split's micro-batch count under --het-dp."""
-        mine = torch.tensor([*row, busy], dtype=torch.float64, device=comm_device())
+    def _gather(self, iteration, row, extra) -> TimingReport:
+        """This TP group's step from each rank's `row` (compute, work, wall, fixed) and `extra`
+        (busy, then its attention seconds and its work by kind); with data parallelism, the
+        slowest replica's at each TP position (replicas share a plan), each replica's scaled
+        to the even split's micro-batch count under --het-dp. Every rank of every replica
+        keeps the same block samples."""
+        mine = torch.tensor([*row, *extra], dtype=torch.float64, device=comm_device())
         rows = [torch.empty_like(mine) for _ in range(self.tp_size)]
         dist.all_gather(rows, mine, group=self.group)
-        table = torch.stack(rows)  # [tp, (compute, work, wall, fixed, busy)]
+        table = torch.stack(rows)  # [tp, (compute, work, wall, fixed, busy, attn, kinds...)]
         tables = [table]
         if self.dp_size > 1:
             tables = [torch.empty_like(table) for _ in range(self.dp_size)]
             dist.all_gather(tables, table, group=self.dp_group)
-        reports = []
+        reports, self._block_samples = [], []
         for t in tables:
             rows = t.cpu().tolist()
+            self._block_samples += [
+                BlockSample(r[5], r[0] - r[3] - r[5], r[6], r[7], r[8]) for r in rows
+            ]
             reports.append(
                 TimingReport(
                     iteration,

@@ -114,6 +114,18 @@ class EventLog:
         if self.metrics is not None:
             self.metrics.write("plan", iteration=iteration, why=why, plan=plan.to_json())
 
+    def priced(self, iteration, before, after, unit_work) -> None:
+        """Core attention priced from the first steps' timings (megatron/hetero/control.py)."""
+        self.info(
+            f"> het-TP at iteration {iteration}: core attention costs {after:.2f}x its FLOPs at "
+            f"the GEMMs' rate (was taken as {before:.2f}x); an attention unit weighs "
+            f"{unit_work['attn']:.0f}"
+        )
+        if self.metrics is not None:
+            self.metrics.write(
+                "priced", iteration=iteration, core_scale=after, unit_work=dict(unit_work)
+            )
+
     def repartition(self, iteration, plan, moves) -> None:
         """One line per applied re-partition: the whole-model plan, what moved over every
         pipeline stage (`moves`, one StageMove per stage), how (the stage that moved the most)

@@ -22,7 +22,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 
 from hettp.exchange import Migration, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan, PlanError
-from hettp.planner import core_attention_work
+from hettp.planner import core_attention_work, plan_work
 from hettp.transfer import KV_REPLICA, CostModel, plan_transfer
 
 from . import cpu_compat
@@ -101,13 +101,35 @@ class HetPartition:
             else config.num_attention_heads
             // (config.num_query_groups or config.num_attention_heads)
         )
-        self.unit_work["attn"] += core_attention_work(
+        self._attn_params = self.unit_work["attn"]
+        self._core = core_attention_work(
             heads_per_unit, module.max_sequence_length, config.kv_channels
         )
+        self.core_scale = 1.0  # core attention's cost per FLOP against the GEMMs'
+        self.unit_work["attn"] += self._core
         # head units: one group's K/V replica, which a rank holding any of its heads computes
         self.unit_work["kv"] = sum(
             math.prod(shape) for _, _, shape in blocks[(0, "attn")].replica_tensors()
         )
+
+    def price_core_attention(self, scale: float) -> None:
+        """Weigh an attention unit's core attention at `scale` times its FLOPs (measured:
+        hettp.costfit.core_attention_scale). In place: the planner and the resizer weigh
+        units by this same dict."""
+        self.core_scale = scale
+        self.unit_work["attn"] = self._attn_params + scale * self._core
+
+    def block_work(self, plan: PartitionPlan, shares) -> list[tuple[float, float, float]]:
+        """Per rank, the work of its active units by kind: attention's GEMMs (its query
+        groups' or heads' parameters and its K/V replicas), its core attention (FLOPs in
+        parameters' terms, unscaled) and the MLP's."""
+        kinds = (
+            {"attn": self._attn_params, "mlp": 0.0, "kv": self.unit_work["kv"]},
+            {"attn": self._core, "mlp": 0.0, "kv": 0.0},
+            {"attn": 0.0, "mlp": self.unit_work["mlp"], "kv": 0.0},
+        )
+        per_kind = [plan_work(plan, weights, shares) for weights in kinds]
+        return list(zip(*per_kind))
 
     def unit_bytes(self, model, optimizer) -> dict[str, int]:
         """What moving one unit of each block carries now: its weights, and the fp32 masters

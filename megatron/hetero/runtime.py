@@ -152,6 +152,7 @@ class HetTPRuntime:
         self.split: DataSplit | None = None  # ... the split of the step last begun
         self.joint = None  # hettp.joint.JointController under --het-tp-policy joint
         self._moved = 0.0  # seconds spent moving state since the last replica report
+        self._priced_logged = False  # core attention's price was said in the log
 
     @classmethod
     def from_args(cls, args, cuda_available: bool | None = None) -> HetTPRuntime | None:
@@ -274,7 +275,8 @@ class HetTPRuntime:
             single = config.validated_for.tp_size == 1
             if _pipelined() and (config.pipeline_moves == "layers" or single):
                 unit_work = None  # the stages are timed; no unit moves are planned in them
-            self.controller = Controller(config, state.model, unit_work, cost_model)
+            partition = self.partition if unit_work is not None else None
+            self.controller = Controller(config, state.model, unit_work, cost_model, partition)
         if config.rebatches:
             from .replicas import ReplicaBatches
 
@@ -436,6 +438,9 @@ class HetTPRuntime:
                 shares,
                 lambda: self.partition.unit_bytes(state.model, state.optimizer),
             )
+            if self.controller.priced is not None and not self._priced_logged:
+                self._priced_logged = True
+                self.events.priced(iteration, *self.controller.priced, self.partition.unit_work)
             verdicts = self._over_pipeline(out)
             for v in verdicts:
                 self.events.timing(v.report, v.verdict, v.stage)

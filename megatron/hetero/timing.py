@@ -28,6 +28,7 @@ others. The dilated time counts as compute, so C and T_fast stay consistent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import os
@@ -200,7 +201,8 @@ class ComputeTimer:
             _register(self)
         self._seconds = 0.0
         self._fixed = 0.0  # of which in regions started with fixed=True
-        self._in_fixed = False
+        self._attention = 0.0  # ... and in the attention modules' regions
+        self._in_fixed = self._in_attention = False
         self._overslept = 0.0  # seconds the last sleeps ran past what they were asked for
         self._events = []
         self._t0 = None
@@ -227,14 +229,18 @@ class ComputeTimer:
 
     def _hook(self, model) -> None:
         for layer in unwrap_model(model).decoder.layers:
-            for block in (layer.self_attention, layer.mlp):
+            for block, start in ((layer.self_attention, "start_attention"), (layer.mlp, "start")):
                 for name in SHARDED_MODULES:
                     module = getattr(block, name, None)
                     if module is not None:
                         self._handles.append(
-                            module.register_forward_pre_hook(self._enter, with_kwargs=True)
+                            module.register_forward_pre_hook(
+                                functools.partial(self._enter, start=start), with_kwargs=True
+                            )
                         )
-                        self._handles.append(module.register_forward_hook(self._exit))
+                        self._handles.append(
+                            module.register_forward_hook(functools.partial(self._exit, start=start))
+                        )
 
     def reset(self, factor: float = 1.0) -> None:
         if factor != 1.0 and self.cuda:
@@ -243,7 +249,7 @@ class ComputeTimer:
                 "real contention (scripts/noisy_neighbor.py)"
             )
         self.factor = factor
-        self._seconds, self._fixed, self._events = 0.0, 0.0, []
+        self._seconds, self._fixed, self._attention, self._events = 0.0, 0.0, 0.0, []
         self._step0 = self._mark = time.thread_time()
         self._spun = self._emulated = 0.0
 
@@ -251,10 +257,11 @@ class ComputeTimer:
         """Seconds of compute in the timed regions since `reset()`."""
         if self._events:
             torch.cuda.synchronize()
-            for a, b, fixed in self._events:
+            for a, b, fixed, attention in self._events:
                 seconds = a.elapsed_time(b) / 1e3
                 self._seconds += seconds
                 self._fixed += seconds if fixed else 0.0
+                self._attention += seconds if attention else 0.0
             self._events = []
         return self._seconds
 
@@ -262,6 +269,12 @@ class ComputeTimer:
         """Of `read()`, the seconds in regions started with `fixed=True`."""
         self.read()
         return self._fixed
+
+    def read_attention(self) -> float:
+        """Of `read()`, the seconds in the attention modules (the rest of the unfixed ones
+        are the MLP's): what prices core attention against the GEMMs."""
+        self.read()
+        return self._attention
 
     def read_busy(self) -> float:
         """All of this rank's compute since `reset()`: its thread's CPU time with the emulated
@@ -304,7 +317,7 @@ class ComputeTimer:
     def start(self, fixed: bool = False) -> None:
         """Open a region; `fixed`: its time does not scale with the rank's units (the optimizer
         step, whose cost on these models is per tensor far more than per element)."""
-        self._in_fixed = fixed
+        self._in_fixed, self._in_attention = fixed, False
         if self.cuda:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
@@ -312,13 +325,18 @@ class ComputeTimer:
             self._t0, self._w0 = self._now(), time.perf_counter()
             self._paused = self._paused_clock = 0.0
 
+    def start_attention(self) -> None:
+        """Open a region in an attention module."""
+        self.start()
+        self._in_attention = True
+
     def stop(self) -> None:
         if self._t0 is None:
             return
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._events.append((self._t0, end, self._in_fixed))
+            self._events.append((self._t0, end, self._in_fixed, self._in_attention))
         else:
             wall = time.perf_counter() - self._w0 - self._paused
             elapsed = wall if self.clock == "wall" else self._now() - self._t0 - self._paused_clock
@@ -330,6 +348,7 @@ class ComputeTimer:
                 self._delay((self.factor - 1.0) * elapsed)
             self._seconds += seconds
             self._fixed += seconds if self._in_fixed else 0.0
+            self._attention += seconds if self._in_attention else 0.0
         self._t0 = None
 
     def _delay(self, seconds: float) -> None:
@@ -356,17 +375,17 @@ class ComputeTimer:
         time.sleep(want)
         self._overslept = time.perf_counter() - start - want
 
-    def _enter(self, module, args, kwargs):
+    def _enter(self, module, args, kwargs, start="start"):
         if not (module.training and torch.is_grad_enabled()):
             return None
         if args:
-            return (_Mark.apply(args[0], self, "start", "stop"), *args[1:]), kwargs
-        kwargs = dict(kwargs, input_=_Mark.apply(kwargs["input_"], self, "start", "stop"))
+            return (_Mark.apply(args[0], self, start, "stop"), *args[1:]), kwargs
+        kwargs = dict(kwargs, input_=_Mark.apply(kwargs["input_"], self, start, "stop"))
         return args, kwargs
 
-    def _exit(self, module, args, output):
+    def _exit(self, module, args, output, start="start"):
         if not (module.training and torch.is_grad_enabled()):
             return None
         if isinstance(output, tuple):
-            return (_Mark.apply(output[0], self, "stop", "start"), *output[1:])
-        return _Mark.apply(output, self, "stop", "start")
+            return (_Mark.apply(output[0], self, "stop", start), *output[1:])
+        return _Mark.apply(output, self, "stop", start)

@@ -82,6 +82,12 @@ def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
     ]
     for step in range(7, 13):
         assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5)
+    # core attention keeps the price the first run put on it (its fit is in those units)
+    [priced] = _records(first, "priced")
+    assert priced["iteration"] == 3
+    assert [(p["core_scale"], p["unit_work"]) for p in _records(resumed, "priced")] == [
+        (priced["core_scale"], priced["unit_work"])
+    ]
 
 
 def test_a_resized_run_resumes_with_its_shares_and_priorities(tmp_path):

@@ -245,3 +245,26 @@ def test_the_fit_scales_with_the_work():
     after = fit.line()
     assert after.per_unit == pytest.approx(4 * before.per_unit)
     assert after.fixed == pytest.approx(4 * before.fixed)
+
+
+def test_reweighed_units_keep_the_report_interval_and_forget_what_was_learned():
+    """Core attention priced at step 3 of an interval of 5: the interval goes on in the new
+    units (its report still comes at step 5, with the new work), the fit starts over."""
+    loop = ControlLoop(
+        Planner("migrate", {"attn": 4.0, "mlp": 1.0}), StragglerDetector(2), interval=5
+    )
+    for i in range(1, 4):
+        loop.step(TimingReport(i, (1.0, 1.0), (10.0, 10.0), 1.5))
+    loop.fit.add((10.0, 10.0), (1.0, 1.0), (1.0, 1.0))
+    loop.reweighed((12.0, 12.0))
+    assert not loop.fit._points
+    assert loop.step(TimingReport(4, (1.0, 1.0), (12.0, 12.0), 1.5)) is None
+    due = loop.step(TimingReport(5, (1.0, 1.0), (12.0, 12.0), 1.5))
+    assert due.closes_interval and due.report.work == (12.0, 12.0)
+    # steps of two splits cannot be re-expressed by one work: the interval starts over
+    loop.step(TimingReport(6, (1.0, 1.0), (12.0, 12.0), 1.5))
+    loop.step(TimingReport(7, (1.0, 1.0), (14.0, 10.0), 1.5))
+    loop.reweighed((13.0, 11.0))
+    assert all(
+        loop.step(TimingReport(i, (1.0, 1.0), (13.0, 11.0), 1.5)) is None for i in (8, 9, 10)
+    )

@@ -522,3 +522,18 @@ def test_compute_fit_is_not_moved_by_one_noisy_report():
     assert fit.per_unit() == pytest.approx(30.0)
     assert fit.factors([0.6, 0.4], [18.0, 24.0]) == pytest.approx([1.0, 2.0])
     assert fit.factors([1.0, 0.0], [30.0, 0.0]) == [pytest.approx(1.0), None]  # no work, no factor
+
+
+def test_core_attention_is_priced_from_the_blocks_timings():
+    """A rank whose GEMMs run at 2 s per unit of work and whose core attention at 5x that per
+    FLOP: attention 10 GEMM + 4 core -> 20 + 40 s, MLP 30 -> 60 s. A 3x slow rank reads the
+    same; noise moves the median only so far; nothing usable gives None."""
+    from hettp.costfit import CORE_SCALE_RANGE, BlockSample, core_attention_scale
+
+    fast = BlockSample(60.0, 60.0, 10.0, 4.0, 30.0)
+    slow = BlockSample(180.0, 180.0, 10.0, 4.0, 30.0)
+    assert core_attention_scale([fast, slow]) == pytest.approx(5.0)
+    noisy = [fast, slow, BlockSample(66.0, 57.0, 10.0, 4.0, 30.0)]
+    assert core_attention_scale(noisy) == pytest.approx(5.0)
+    assert core_attention_scale([BlockSample(0.0, 60.0, 0.0, 0.0, 30.0)]) is None
+    assert core_attention_scale([BlockSample(20.0, 60.0, 10.0, 4.0, 30.0)]) == CORE_SCALE_RANGE[0]

@@ -670,7 +670,7 @@ def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
 def train_with_control(argv: list[str]) -> dict:
     """pretrain with the control loop; records this rank's plan and shares after every step."""
 
-    seen, unit_work = {}, {}
+    seen, unit_work = {}, {}  # unit_work: per iteration, the units' weights after it
 
     def hook(iteration, state, runtime):
         partition = runtime.partition if runtime else None
@@ -679,7 +679,7 @@ def train_with_control(argv: list[str]) -> dict:
             partition.plan.to_json() if partition else None,
             resizer.shares if resizer else None,
         )
-        unit_work.update(partition.unit_work if partition else {})
+        unit_work[iteration] = dict(partition.unit_work) if partition else None
 
     result, stdout = _pretrain(argv, hook)
     return {
