@@ -289,13 +289,9 @@ class ControlLoop:
             and detection is not None
             and (settled or detection.changed)
         ):
+            line = self.fit.line(report.work, report.compute, report.fixed)
             model = step_model(
-                report,
-                factors,
-                detection.stragglers,
-                self.fit.per_unit(report.work, report.compute, report.fixed),
-                self.fit.fixed_seconds(report.work, report.compute, report.fixed),
-                self.fit.apart_seconds(report.work, report.compute, report.fixed),
+                report, factors, detection.stragglers, line.per_unit, line.fixed, line.apart
             )
             if self.migration_cost is not None and unit_bytes is not None:
                 self.migration_cost.unit_bytes = dict(unit_bytes)

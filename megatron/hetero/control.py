@@ -12,6 +12,7 @@ back.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,17 @@ from hettp.transfer import CostModel, MigrationCost
 
 from .partition import comm_device
 from .timing import ComputeTimer
+
+
+@dataclass(frozen=True)
+class _SplitWork:
+    """This rank's work at one split: in all, and by kind (attention GEMMs, core attention,
+    MLP; HetPartition.block_work)."""
+
+    plan: object
+    shares: tuple[float, ...]
+    work: float
+    kinds: tuple[float, float, float]
 
 
 class Controller:
@@ -70,7 +82,7 @@ class Controller:
             migration_cost,
             interval=config.interval,
         )
-        self._work = None  # (plan, shares, this rank's work) the last work() call was for
+        self._work: _SplitWork | None = None  # the split the last work() call was for
         # Core attention is priced from the first steps' timings by block kind, once: the
         # units of the planner's work change with it, so before anything is learned in them.
         self.partition = partition if self.decides else None
@@ -109,18 +121,18 @@ class Controller:
         `work()` is this TP group's per-rank active work (called when the split changed) and
         `unit_bytes()` what one unit carries (called only where a decision is taken). Returns
         the report and the verdict every rank agrees on, where the planner ran."""
-        if self._work is None or self._work[0] is not plan or self._work[1] != shares:
+        if self._work is None or self._work.plan is not plan or self._work.shares != shares:
             kinds = (
                 self.partition.block_work(plan, shares)[self.tp_rank]
                 if self.partition is not None
                 else (0.0, 0.0, 0.0)
             )
-            self._work = (plan, tuple(shares), work()[self.tp_rank], kinds)
+            self._work = _SplitWork(plan, tuple(shares), work()[self.tp_rank], kinds)
         self.timer.end_step()
         step = self._gather(
             iteration,
-            [self.timer.read(), self._work[2], wall_seconds, self.timer.read_fixed()],
-            [self.timer.read_busy(), self.timer.read_attention(), *self._work[3]],
+            [self.timer.read(), self._work.work, wall_seconds, self.timer.read_fixed()],
+            [self.timer.read_busy(), self.timer.read_attention(), *self._work.kinds],
         )
         verdict = self._decide(step, plan, shares, unit_bytes)
         self._price_core_attention(work)
