@@ -112,12 +112,6 @@ class ComputeFit:
     def per_unit(self, works=(), computes=(), fixed=None) -> float:
         return self.line(works, computes, fixed).per_unit
 
-    def fixed_seconds(self, works=(), computes=(), fixed=None) -> float:
-        return self.line(works, computes, fixed).fixed
-
-    def apart_seconds(self, works=(), computes=(), fixed=None) -> float:
-        return self.line(works, computes, fixed).apart
-
     def factors(
         self,
         works: Sequence[float],

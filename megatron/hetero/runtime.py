@@ -633,8 +633,8 @@ class HetTPRuntime:
             rest = max(0.0, max(busy) - max(t.compute)) / n
             paces.append(ReplicaPace(rest, tuple(f / fastest for f in row)))
         composite = TimingReport.slowest_replica(scaled)
-        slope = loop.fit.per_unit(composite.work, composite.compute, composite.fixed) * fastest
-        fixed = loop.fit.fixed_seconds(composite.work, composite.compute, composite.fixed)
+        line = loop.fit.line(composite.work, composite.compute, composite.fixed)
+        slope, fixed = line.per_unit * fastest, line.fixed
         state = JointState(
             self.partition.plan,
             tuple(self.shares),
