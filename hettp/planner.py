@@ -284,8 +284,12 @@ ATTENTION_COST_RANGE = (1.0, 2.0)
 
 # A move at a report, the straggle unchanged, must gain this much of the predicted step: the
 # model's noise between reports stays below it, a first move made before the model knew the
-# per-call cost does not.
+# per-call cost does not. A smaller gain (above the planner's min_gain) is acted on where
+# REBALANCE_REPORTS reports in a row predict one: noise does not lean the same way twice, a
+# split that overloads a rank by 5-10% (what a unit's modelled weight missed) does, and left
+# alone it costs that much of every step for as long as the straggle lasts.
 REBALANCE_GAIN = 0.06
+REBALANCE_REPORTS = 2
 
 
 class Planner:
@@ -306,12 +310,14 @@ class Planner:
         self.migration_seconds = migration_seconds or (lambda old, new: 0.0)
         self.min_gain = min_gain
         self._onset = None  # iteration the current straggle began (hybrid)
+        self._leaning = 0  # reports in a row whose rebalance gains above min_gain only
 
     def state_dict(self) -> dict:
-        return {"onset": self._onset}
+        return {"onset": self._onset, "leaning": self._leaning}
 
     def load_state_dict(self, state: dict) -> None:
         self._onset = state["onset"]
+        self._leaning = state.get("leaning", 0)  # checkpoints before it: none seen yet
 
     def decide(
         self,
@@ -325,7 +331,15 @@ class Planner:
             return None
         shares = tuple(shares)
         before = model.step_time(plan_work(plan, self.unit_work, shares))
-        return self.RULES[self.policy.name](self, iteration, detection, model, plan, shares, before)
+        leaning = self._leaning
+        decision = self.RULES[self.policy.name](
+            self, iteration, detection, model, plan, shares, before
+        )
+        if self._leaning == leaning:  # no rebalance leaned this way at this report
+            self._leaning = 0
+        if decision is not None:
+            self._leaning = 0
+        return decision
 
     # ---- policies: one rule per deciding policy of hettp.policy.POLICIES -------------------
 
@@ -362,14 +376,20 @@ class Planner:
 
     def _rebalance(self, plan, model, before, detection, action, shares):
         """At a report with the straggle unchanged: the plan the model balances now, where it
-        gains more than REBALANCE_GAIN. The model learns after a move (the cost of the units a
-        rank was left with, the per-call part), so the first move's split is corrected."""
-        decision = self._migrate(
-            plan, model, before, detection, action, shares, min_gain=REBALANCE_GAIN
-        )
+        gains more than REBALANCE_GAIN, or more than min_gain at REBALANCE_REPORTS reports in
+        a row. The model learns after a move (the cost of the units a rank was left with, the
+        per-call part), so the first move's split is corrected."""
+        decision = self._migrate(plan, model, before, detection, action, shares)
         if decision is None:
             return None
-        return dataclasses.replace(decision, reason=f"rebalance: {decision.reason}")
+        if before - decision.predicted_after <= REBALANCE_GAIN * before:
+            self._leaning += 1
+            if self._leaning < REBALANCE_REPORTS:
+                return None
+            why = f"rebalance ({self._leaning} reports in a row)"
+        else:
+            why = "rebalance"
+        return dataclasses.replace(decision, reason=f"{why}: {decision.reason}")
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers

@@ -536,3 +536,51 @@ def test_core_attention_is_priced_from_the_blocks_timings():
     assert core_attention_scale(noisy) == pytest.approx(5.0)
     assert core_attention_scale([BlockSample(0.0, 60.0, 0.0, 0.0, 30.0)]) is None
     assert core_attention_scale([BlockSample(20.0, 60.0, 10.0, 4.0, 30.0)]) == CORE_SCALE_RANGE[0]
+
+
+def _overloaded(factor):
+    """Two ranks, rank 1 a 2x straggler on a plan that gives it `factor` times the share a
+    balanced plan would (a unit's modelled weight was off), the straggle unchanged."""
+    from hettp.detect import Detection
+
+    plan = PartitionPlan.even(2, 1, 4, 2048)
+    model = StepModel(rest=0.0, factors=(1.0, 2.0), slope=1.0)
+    speeds = model.balanced_work(sum(plan_work(plan, UNIT_WORK)))
+    loaded = proportional_plan(plan, [speeds[0] * (2 - factor), speeds[1] * factor])
+    steady = Detection((1.0, 2.0), frozenset({1}), False, frozenset(), frozenset())
+    return loaded, model, steady
+
+
+def test_a_small_imbalance_is_rebalanced_where_two_reports_in_a_row_show_it():
+    """A split that overloads the slow rank by ~5% gains less than REBALANCE_GAIN: one report
+    of it may be noise, two in a row are not, and the third report runs on the balanced plan.
+    A report between them that leans no way starts the count over."""
+    from hettp.planner import REBALANCE_GAIN, REBALANCE_REPORTS
+
+    assert REBALANCE_REPORTS == 2
+    loaded, model, steady = _overloaded(1.05)
+    before = model.step_time(plan_work(loaded, UNIT_WORK))
+    balanced = proportional_plan(loaded, model.balanced_work(sum(plan_work(loaded, UNIT_WORK))))
+    gain = 1 - model.step_time(plan_work(balanced, UNIT_WORK)) / before
+    assert 0.03 < gain < REBALANCE_GAIN, gain  # in the band the rule is for
+    for policy in ("migrate", "hybrid"):
+        planner = Planner(policy, UNIT_WORK)
+        assert planner.decide(10, steady, model, loaded, (0.0, 0.0)) is None
+        second = planner.decide(15, steady, model, loaded, (0.0, 0.0))
+        assert second is not None and second.migrates, policy
+        assert second.reason.startswith("rebalance (2 reports in a row)"), second.reason
+        assert second.predicted_after < second.predicted_before
+        # interrupted: a report whose plan is balanced already leans no way
+        planner = Planner(policy, UNIT_WORK)
+        assert planner.decide(10, steady, model, loaded, (0.0, 0.0)) is None
+        assert planner.decide(15, steady, model, balanced, (0.0, 0.0)) is None
+        assert planner.decide(20, steady, model, loaded, (0.0, 0.0)) is None
+        # ... and a resumed run keeps the count
+        state = planner.state_dict()
+        resumed = Planner(policy, UNIT_WORK)
+        resumed.load_state_dict(state)
+        assert resumed.decide(25, steady, model, loaded, (0.0, 0.0)) is not None
+    # a large imbalance is acted on at the first report, as before
+    loaded, model, steady = _overloaded(1.3)
+    first = Planner("migrate", UNIT_WORK).decide(10, steady, model, loaded, (0.0, 0.0))
+    assert first is not None and first.reason.startswith("rebalance: "), first
