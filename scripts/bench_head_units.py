@@ -1,15 +1,16 @@
 """Query heads against query groups as attention units, side by side in one invocation.
 
     python scripts/bench_head_units.py [--tp 2] [--factor 3] [--rank 0] [--repeats 2]
-                                       [--iters 24] [--out results/head_units]
+                                       [--iters 24] [--mode sharded] [--out results/head_units]
 
 A GQA model with one query group per TP rank (Llama-style: SwiGLU, RoPE, RMSNorm), a persistent
-straggler of --factor on TP rank --rank: one scripts/compare.py invocation runs migrate and
-hybrid with whole groups as attention units (the default) and with one query head per unit
-(migrate-heads, hybrid-heads: --het-tp-attn-granularity 1), interleaved round by round, against
-one plain vanilla baseline; this prints their steady E and step times side by side. With more
-ranks than cores the runs are dilated (compare.py --dilation auto). The report lands in
---out/tp<T>-<F>x-rank<R>/, the side-by-side table in summary.txt there.
+straggler of --factor on TP rank --rank (--mode: what the emulation slows, `sharded` the work the
+rank's units carry, `device` all of its compute, as a slow GPU is): one scripts/compare.py
+invocation runs migrate and hybrid with whole groups as attention units (the default) and with
+one query head per unit (migrate-heads, hybrid-heads: --het-tp-attn-granularity 1), interleaved
+round by round, against one plain vanilla baseline; this prints their steady E and step times
+side by side. With more ranks than cores the runs are dilated (compare.py --dilation auto). The
+report lands in --out/tp<T>-<F>x-rank<R>[-device]/, the side-by-side table in summary.txt there.
 """
 
 from __future__ import annotations
@@ -43,16 +44,24 @@ def main(argv=None) -> int:
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--iters", type=int, default=24)
+    p.add_argument(
+        "--mode",
+        choices=("sharded", "device"),
+        default="sharded",
+        help="what the emulated straggler slows (hettp/emulate.py)",
+    )
     p.add_argument("--out", default="results/head_units")
     a = p.parse_args(argv)
     if not 0 <= a.rank < a.tp:
         p.error(f"--rank {a.rank} is not a TP rank of --tp {a.tp}")
-    out = os.path.join(a.out, f"tp{a.tp}-{a.factor:g}x-rank{a.rank}")
+    device = "-device" if a.mode == "device" else ""
+    out = os.path.join(a.out, f"tp{a.tp}-{a.factor:g}x-rank{a.rank}{device}")
     os.makedirs(out, exist_ok=True)
     scenario = os.path.join(out, "scenario.json")
     name = f"persistent-{a.factor:g}x-rank{a.rank}"
     with open(scenario, "w", encoding="utf-8") as f:
-        json.dump([{"name": name, "emulate": f"persistent:rank={a.rank},factor={a.factor:g}"}], f)
+        emulate = f"persistent:rank={a.rank},factor={a.factor:g},mode={a.mode}"
+        json.dump([{"name": name, "emulate": emulate}], f)
     code = subprocess.call(
         [
             sys.executable,
@@ -79,8 +88,8 @@ def main(argv=None) -> int:
         rows = {(r["scenario"], r["policy"]): r for r in json.load(f)["rows"]}
     lines = [
         f"head units vs group units: TP={a.tp}, one query group per rank, rank {a.rank} "
-        f"{a.factor:g}x slower; steady E (1.0 = the bound) and step ms, medians of "
-        f"{a.repeats} interleaved rounds",
+        f"{a.factor:g}x slower ({a.mode} emulation); steady E (1.0 = the bound) and step ms, "
+        f"medians of {a.repeats} interleaved rounds",
         f"{'policy':<8} {'groups E':>9} {'heads E':>8} {'groups ms':>10} {'heads ms':>9} "
         f"{'heads/groups step':>18}",
     ]
