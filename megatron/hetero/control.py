@@ -56,7 +56,13 @@ class Controller:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.scenario = config.scenario
         device = config.scenario is not None and config.scenario.mode == "device"
-        self.timer = ComputeTimer(model, config.timer, config.emulate_dilation, device)
+        self.timer = ComputeTimer(
+            model,
+            config.timer,
+            config.emulate_dilation,
+            device,
+            emulated=config.scenario is not None,
+        )
         planner = None  # without a decision to take, the ranks are only timed
         migration_cost = MigrationCost(cost_model) if config.migrates else None
         if config.decides and unit_work is not None:

@@ -14,8 +14,13 @@ contention. `--het-tp-timer wall` reads perf_counter instead and leaves the TP c
 waits out (it sees a noisy neighbour; use it with no more ranks than cores). On GPU, CUDA
 events on the current stream.
 
-Emulation: with a slowdown factor f, the rank sleeps (f - 1) x the compute it just did after
+Emulation: with a slowdown factor f, the rank sleeps (f - 1) x the compute it just did in
 each sharded region, and that delay counts as compute: a rank with less work is delayed less.
+Where a region holds a collective (a row-parallel linear's all-reduce in the forward, a
+column-parallel one's in the backward), the delay for the work before it is slept just before
+it: a slow device reaches the collective late, and its peers wait there. Slept at the region's
+end instead, the delay fell into the next block, where the peers were busy with their own work,
+so a split that balanced the ranks' totals paid it as per-block imbalance (results/sync_waits/).
 
 Dilation (`--het-tp-emulate-dilation D`, CPU time only): each sharded region is stretched by
 sleeping until its wall time (TP collective waits left out) is D x f x its CPU time. With more
@@ -172,12 +177,20 @@ class ComputeTimer:
     contention; meant for no more ranks than cores). On GPU, CUDA events.
 
     `device`: emulated slowdowns slow all of the rank's compute (the emulation's device mode),
-    not only the timed regions.
+    not only the timed regions. `emulated`: the run emulates a straggler (on any rank), so the
+    delays are placed before the collectives inside the regions.
 
-    `remove()` it when done: a wall-clock, dilated or device-mode timer keeps
+    `remove()` it when done: a wall-clock, dilated, emulating or device-mode timer keeps
     torch.distributed's collectives wrapped while it exists."""
 
-    def __init__(self, model, clock: str = "cpu", dilation: float = 1.0, device: bool = False):
+    def __init__(
+        self,
+        model,
+        clock: str = "cpu",
+        dilation: float = 1.0,
+        device: bool = False,
+        emulated: bool = False,
+    ):
         if clock not in ("cpu", "wall"):
             raise ValueError(f"unknown timer clock '{clock}'")
         if not 1.0 <= dilation < math.inf or (dilation > 1.0 and clock != "cpu"):
@@ -197,7 +210,7 @@ class ComputeTimer:
         # oversleeps.
         self.spin = dilation == 1.0 and len(os.sched_getaffinity(0)) == 1
         self._now = time.perf_counter if clock == "wall" else time.thread_time
-        if (clock == "wall" or dilation > 1.0 or device) and not self.cuda:
+        if (clock == "wall" or dilation > 1.0 or device or emulated) and not self.cuda:
             _register(self)
         self._seconds = 0.0
         self._fixed = 0.0  # of which in regions started with fixed=True
@@ -208,6 +221,7 @@ class ComputeTimer:
         self._t0 = None
         self._w0 = 0.0
         self._paused = 0.0  # wall seconds of the running region spent in collectives
+        self._delayed = 0.0  # of the running region's elapsed time, what was already delayed
         self._paused_clock = 0.0  # the same on the timer's clock
         self._step0 = time.thread_time()  # CPU time at reset()
         self._spun = 0.0  # CPU seconds of emulated delays spun since reset()
@@ -305,8 +319,15 @@ class ComputeTimer:
         self._paused_clock += self._now() - clock
 
     def before_collective(self) -> None:
-        if self.device and self.factor > 1.0:
+        if self.factor <= 1.0:
+            return
+        if self.device:
             self._delay((self.factor - 1.0) * (time.thread_time() - self._mark))
+        elif self._t0 is not None and self.dilation == 1.0:
+            # sharded mode: the region's work so far is late to this collective
+            elapsed = self._elapsed()
+            self._delay((self.factor - 1.0) * (elapsed - self._delayed))
+            self._delayed = elapsed
 
     def after_collective(self) -> None:
         if self.device:
@@ -323,7 +344,7 @@ class ComputeTimer:
             self._t0.record()
         else:
             self._t0, self._w0 = self._now(), time.perf_counter()
-            self._paused = self._paused_clock = 0.0
+            self._paused = self._paused_clock = self._delayed = 0.0
 
     def start_attention(self) -> None:
         """Open a region in an attention module."""
@@ -339,17 +360,23 @@ class ComputeTimer:
             self._events.append((self._t0, end, self._in_fixed, self._in_attention))
         else:
             wall = time.perf_counter() - self._w0 - self._paused
-            elapsed = wall if self.clock == "wall" else self._now() - self._t0 - self._paused_clock
+            elapsed = self._elapsed()
             seconds = elapsed * self.factor * self.dilation
             if self.dilation > 1.0:
                 if seconds > wall:
                     self._sleep(seconds - wall)
             elif self.factor > 1.0 and not self.device:
-                self._delay((self.factor - 1.0) * elapsed)
+                self._delay((self.factor - 1.0) * (elapsed - self._delayed))
             self._seconds += seconds
             self._fixed += seconds if self._in_fixed else 0.0
             self._attention += seconds if self._in_attention else 0.0
         self._t0 = None
+
+    def _elapsed(self) -> float:
+        """The running region's time on the timer's clock, collectives' waits left out."""
+        if self.clock == "wall":
+            return time.perf_counter() - self._w0 - self._paused
+        return self._now() - self._t0 - self._paused_clock
 
     def _delay(self, seconds: float) -> None:
         """An emulated delay: spun on a core of the rank's own, else slept."""

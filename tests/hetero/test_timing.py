@@ -52,8 +52,10 @@ class Collectives:
 
     def __init__(self, clock):
         self.clock, self.wait = clock, 0.0
+        self.slept_before = []  # per call: the sleeps done before it
 
     def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        self.slept_before.append(list(self.clock.slept))
         if not async_op:
             self.clock.work(0.0, self.wait)
             return None
@@ -67,9 +69,9 @@ def collectives(clock, monkeypatch):
     return fake
 
 
-def _timer(clock_name="cpu", dilation=1.0, device=False):
+def _timer(clock_name="cpu", dilation=1.0, device=False, emulated=False):
     model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[]))
-    timer = ComputeTimer(model, clock_name, dilation, device)
+    timer = ComputeTimer(model, clock_name, dilation, device, emulated)
     timer.cuda, timer.spin = False, False  # the scripted clock sleeps; it cannot spin
     return timer
 
@@ -316,3 +318,42 @@ def test_unhook_stops_timing_the_layers_and_keeps_collectives_wrapped():
     finally:
         timer.remove()
     assert dist.all_reduce is original
+
+
+@pytest.mark.parametrize("clock_name", ["cpu", "wall"])
+def test_a_regions_delay_comes_before_the_collective_inside_it(clock, collectives, clock_name):
+    """A slow device reaches a row-parallel linear's all-reduce late: the delay for the GEMM
+    before it is slept before it (where the peers wait for this rank), the delay for what
+    follows it at the region's end; in all, (f - 1) x the region's work, as before."""
+    timer = _timer(clock_name, emulated=True)
+    timer.reset(factor=3.0)
+    timer.start()
+    clock.work(0.010, 0.010)  # the GEMM
+    collectives.wait = 0.050  # waiting for the peers: no delay for it
+    dist.all_reduce(None)
+    clock.work(0.002, 0.002)  # the bias add after it
+    timer.stop()
+    assert collectives.slept_before == [[pytest.approx(0.020)]]
+    assert clock.slept == [pytest.approx(0.020), pytest.approx(0.004)]
+    assert timer.read() == pytest.approx(0.036)  # 3 x 12 ms of work
+    assert timer.read_busy() == pytest.approx(0.036)
+    # an async collective (the backward's) is late at its launch; waited on later, no delay
+    timer.start()
+    clock.work(0.005, 0.005)
+    handle = dist.all_reduce(None, async_op=True)
+    clock.work(0.005, 0.005)
+    handle.wait()
+    timer.stop()
+    assert collectives.slept_before[-1][-1] == pytest.approx(0.010)
+    assert clock.slept[-2:] == [pytest.approx(0.010), pytest.approx(0.010)]
+    assert timer.read() == pytest.approx(0.036 + 0.030)
+    # outside a region, or unslowed, a collective delays nothing
+    dist.all_reduce(None)
+    timer.reset(factor=1.0)
+    timer.start()
+    clock.work(0.010, 0.010)
+    dist.all_reduce(None)
+    timer.stop()
+    assert len(clock.slept) == 4
+    timer.remove()
+    assert timing._PATCH is None
