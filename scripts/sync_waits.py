@@ -112,6 +112,13 @@ def load(directory: str) -> list[dict]:
             trace = json.load(f)
         rank = trace.get("distributedInfo", {}).get("rank")
         traces.append((rank if rank is not None else len(traces), path, trace))
+    ranks = [rank for rank, _, _ in traces]
+    if len(set(ranks)) != len(ranks):
+        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise TraceError(
+            f"{directory}: more than one trace for ranks {twice}: one run's traces are needed "
+            "(clear the directory before profiling into it again)"
+        )
     return [t for _, _, t in sorted(traces, key=lambda item: (item[0], item[1]))]
 
 

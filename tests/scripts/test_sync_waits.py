@@ -62,3 +62,7 @@ def test_traces_that_do_not_match_are_refused_with_the_reason(tmp_path, capsys):
         sw.rank_step(_trace(0, 3, [1.0], [1.0]), 9)
     assert sw.main([str(tmp_path)]) == 2
     assert "no *.json profiler traces" in capsys.readouterr().err
+    for name in ("a", "b"):  # two runs profiled into one directory
+        (tmp_path / f"{name}.json").write_text(json.dumps(_trace(0, 3, [1.0], [1.0])))
+    assert sw.main([str(tmp_path)]) == 2
+    assert "more than one trace for ranks [0]" in capsys.readouterr().err
