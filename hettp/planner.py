@@ -335,9 +335,7 @@ class Planner:
         decision = self.RULES[self.policy.name](
             self, iteration, detection, model, plan, shares, before
         )
-        if self._leaning == leaning:  # no rebalance leaned this way at this report
-            self._leaning = 0
-        if decision is not None:
+        if decision is not None or self._leaning == leaning:  # acted, or nothing leaned
             self._leaning = 0
         return decision
 
