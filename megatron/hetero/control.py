@@ -173,11 +173,7 @@ class Controller:
         which nothing is detected, planned or learned: price core attention, reweigh the
         units, and let the loop start over in the new units."""
         self._steps_timed += 1
-        if self.partition is None or self.priced is not None:
-            return
-        if self._steps_timed > 1:
-            self._samples += self._block_samples
-        if self._steps_timed < WARMUP_STEPS:
+        if not self._pricing or self._steps_timed < WARMUP_STEPS:
             return
         scale = core_attention_scale(self._samples)
         before = self.partition.core_scale
@@ -185,6 +181,11 @@ class Controller:
             self._reweigh(scale, work)
         self.priced = (before, self.partition.core_scale)
         self._samples = []
+
+    @property
+    def _pricing(self) -> bool:
+        """Core attention is still to be priced (the block samples are still wanted)."""
+        return self.partition is not None and self.priced is None
 
     def _reweigh(self, scale: float, work=None) -> None:
         """`work()`: the TP group's per-rank work at the current split, in the new weights."""
@@ -237,12 +238,16 @@ class Controller:
         if self.dp_size > 1:
             tables = [torch.empty_like(table) for _ in range(self.dp_size)]
             dist.all_gather(tables, table, group=self.dp_group)
-        reports, self._block_samples = [], []
+        # the block samples that price core attention: from the steps after the first (cold)
+        # one, until it is priced
+        sampled = self._pricing and self._steps_timed >= 1
+        reports = []
         for t in tables:
             rows = t.cpu().tolist()
-            self._block_samples += [
-                BlockSample(r[5], r[0] - r[3] - r[5], r[6], r[7], r[8]) for r in rows
-            ]
+            if sampled:
+                self._samples += [
+                    BlockSample(r[5], r[0] - r[3] - r[5], r[6], r[7], r[8]) for r in rows
+                ]
             reports.append(
                 TimingReport(
                     iteration,
