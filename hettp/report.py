@@ -15,7 +15,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .planner import StepModel
+from .plan import BLOCKS, PartitionPlan
+from .planner import StepModel, mlp_chunk
 from .policy import VANILLA
 from .stages import split_text
 
@@ -43,6 +44,8 @@ class Run:
     decisions: list[dict] = field(default_factory=list)
     tokens_per_step: int = 0
     stages: int = 1  # pipeline stages: per-rank lists hold each stage's TP ranks in turn
+    plan: str | None = None  # the initial partition plan (JSON), where the run logged one
+    unit_work: dict[str, float] | None = None  # the planner's weight of a unit, latest
 
     @classmethod
     def from_records(
@@ -60,6 +63,10 @@ class Run:
                 timing.setdefault(r["iteration"], {})[r.get("stage") or 0] = r
             elif kind == "decision":
                 run.decisions.append(r)
+            elif kind == "plan" and run.plan is None:
+                run.plan = r["plan"]
+            elif kind == "priced":
+                run.unit_work = dict(r["unit_work"])
             elif kind == "layers":  # a layer move between pipeline stages (its own planner)
                 run.decisions.append(
                     {
@@ -141,6 +148,51 @@ def ideal_step(
         )
         steps.append(model.step_time(model.balanced_work(tp)))
     return max(steps)
+
+
+def unit_pieces(plan_json: str, unit_work: dict[str, float]) -> dict[str, tuple[int, float]]:
+    """Per block, the pieces a migration can give a rank (query groups or heads; the MLP's
+    units in the planner's chunks, hettp.planner.mlp_chunk) and the block's share of a layer's
+    work. Head units' K/V replicas are left out: the bound they give is optimistic."""
+    plan = PartitionPlan.from_json(plan_json)
+    weights = {block: plan.num_units(block) * unit_work[block] for block in BLOCKS}
+    total = sum(weights.values())
+    if total <= 0:
+        raise ValueError(f"unit work {unit_work} gives a layer no work")
+    pieces = {"attn": plan.num_units("attn"), "mlp": plan.num_units("mlp") // mlp_chunk(plan)}
+    return {block: (pieces[block], weights[block] / total) for block in BLOCKS}
+
+
+def whole_unit_stretch(speeds: Sequence[float], pieces: dict[str, tuple[int, float]]) -> float:
+    """How much longer the movable compute takes split in whole pieces than in proportion to
+    `speeds` (>= 1). Every block ends in a TP collective, so each block waits for its slowest
+    rank and no block's surplus is made up in another: 8 query heads at speeds 1 : 1/3.6 are
+    at best 7 : 1, 7 units of time where a proportional split takes 6.26. Per block, pieces
+    dealt one by one to whoever would finish first: the least maximum."""
+    if not speeds or min(speeds) <= 0:
+        raise ValueError(f"speeds must be positive, got {list(speeds)}")
+    stretch = 0.0
+    for count, share in pieces.values():
+        held = [0] * len(speeds)
+        for _ in range(count):
+            rank = min(range(len(speeds)), key=lambda r: ((held[r] + 1) / speeds[r], r))
+            held[rank] += 1
+        best = max(n / s for n, s in zip(held, speeds))
+        stretch += share * best * sum(speeds) / count if count else share
+    return stretch
+
+
+def undone_after(run: Run, ends: Sequence[int], onsets: Sequence[int]) -> list[int | None]:
+    """Per straggle end (the first normal iteration), the normal steps the run had taken when
+    a decision changed its plan back (2: at the boundary after the second normal step, as the
+    loop's detector allows); None where no decision came before the next onset."""
+    out = []
+    for end in ends:
+        following = [o for o in onsets if o > end]
+        until = following[0] if following else math.inf
+        acted = [d["iteration"] for d in run.decisions if end <= d["iteration"] < until]
+        out.append(min(acted) - end + 1 if acted else None)
+    return out
 
 
 def measured_speeds(
@@ -242,6 +294,9 @@ def compare(
         busy = [statistics.median(v) for v in zip(*(r.sharded_compute("busy") for r in timed_base))]
         baseline["busy_s"] = max(busy)
 
+    shaped = next((r for r in runs if r.plan and r.unit_work), None)
+    pieces = unit_pieces(shaped.plan, shaped.unit_work) if shaped and stages == 1 else None
+    n = len(per_rank)
     rows, all_speeds, speeds_from, bounds = [], {}, {}, {}
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
     for scenario in scenarios:
@@ -281,10 +336,23 @@ def compare(
         bounds[scenario] = {"slowed_s": slowed, "movable_s": movable}
         ideal_per_it = [ideal_step(t_fast, slowed, speeds[i - 1], movable, stages) for i in window]
         t_ideal = statistics.fmean(ideal_per_it)
+        e_units = None
+        if pieces is not None:  # the ideal with each block split in whole pieces
+            t_units = statistics.fmean(
+                ideal
+                + movable * n / sum(speeds[i - 1]) * (whole_unit_stretch(speeds[i - 1], pieces) - 1)
+                for i, ideal in zip(window, ideal_per_it)
+            )
+            e_units = t_ideal / t_units
+            bounds[scenario]["e_whole_units"] = e_units
         t_vanilla = statistics.median(r.step_time(vary) for r in vanilla)
         slowed = [i for i, s in enumerate(speeds, 1) if min(s) < 1.0]
         onset = slowed[0] if slowed else None
         persistent = onset is not None and not vary and slowed == list(range(onset, iterations + 1))
+        onsets = [i for i in slowed if i - 1 not in slowed]
+        ends = [i for i in range(2, iterations + 1) if i - 1 in slowed and i not in slowed]
+        if scenario in real:  # measured speeds: where a straggle ends is not known exactly
+            onsets, ends = [], []
         vanilla_loss = {r.repeat: r.final_loss for r in vanilla}
         for policy in dict.fromkeys(r.policy for r in runs if r.scenario == scenario):
             group = sorted(by_key[(scenario, policy)], key=lambda r: r.repeat)
@@ -299,6 +367,7 @@ def compare(
                 [reaction_steps(r, onset, r.step_time(False)) for r in group] if persistent else []
             )
             known = [x for x in reactions if x is not None]
+            undone = [x for r in group for x in undone_after(r, ends, onsets)]
             straggling = onset is not None and t_vanilla > t_ideal
             rows.append(
                 {
@@ -315,6 +384,9 @@ def compare(
                     "E": t_ideal / t if onset is not None else None,
                     "R": (t_vanilla - t) / (t_vanilla - t_ideal) if straggling else None,
                     "reaction_steps": statistics.median(known) if known else None,
+                    "E_whole_units": e_units if onset is not None else None,
+                    # per straggle end and run: normal steps until the plan changed back
+                    "undone_after": undone if ends and any(r.decisions for r in group) else None,
                     "bytes_moved": statistics.median(moved),
                     "bytes_vs_min": (
                         statistics.median(m / n for m, n in zip(moved, minimum) if n)
@@ -339,12 +411,22 @@ def compare(
     }
 
 
-def _fmt(value, spec: str, none: str = "-") -> str:
+def _fmt(value, spec: str, none: str = "-", around: str = "{}") -> str:
     return (
         none
         if value is None or (isinstance(value, float) and math.isnan(value))
-        else format(value, spec)
+        else around.format(format(value, spec))
     )
+
+
+def _undone(steps: Sequence[int | None] | None) -> str:
+    """The slowest recovery over runs and straggle ends, and how many were never undone."""
+    if not steps:
+        return "-"
+    known = [x for x in steps if x is not None]
+    never = len(steps) - len(known)
+    text = f"{max(known)}" if known else "never"
+    return text + (f" ({never} never)" if never and known else "")
 
 
 def markdown(result: dict) -> str:
@@ -353,9 +435,9 @@ def markdown(result: dict) -> str:
         f"T_fast {b['t_fast_s'] * 1e3:.1f} ms, C {b['c_s'] * 1e3:.1f} ms "
         f"(C/T_fast {b['c_over_t_fast']:.2f})",
         "",
-        "| scenario | policy | step ms (spread) | tokens/s | speedup | E | R | reaction "
-        "| MB moved (x min) | decisions | final loss (gap) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| scenario | policy | step ms (spread) | tokens/s | speedup | E (whole-unit max) | R "
+        "| reaction | undone after | MB moved (x min) | decisions | final loss (gap) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         moved = (
@@ -369,8 +451,9 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {r['scenario']} | {r['policy']} | {r['step_s'] * 1e3:.1f} "
             f"({r['spread_s'] * 1e3:.1f}) | {r['tokens_per_s']:.0f} | {r['speedup']:.3f} | "
-            f"{_fmt(r['E'], '.3f')} | {_fmt(r['R'], '.2f')} | "
-            f"{_fmt(r['reaction_steps'], 'g')} | {moved} | {r['decisions']:g}"
+            f"{_fmt(r['E'], '.3f')}{_fmt(r.get('E_whole_units'), '.3f', '', ' ({})')} | "
+            f"{_fmt(r['R'], '.2f')} | {_fmt(r['reaction_steps'], 'g')} | "
+            f"{_undone(r.get('undone_after'))} | {moved} | {r['decisions']:g}"
             f"{' (' + first + ')' if first else ''} | {r['final_loss']:.5f} "
             f"({_fmt(r['loss_gap'], '+.1e')}) |"
         )

@@ -8,7 +8,15 @@ import pytest
 
 from hettp.emulate import ScenarioError
 from hettp.plan import PartitionPlan
-from hettp.report import Run, compare, ideal_step, markdown, reaction_steps
+from hettp.report import (
+    Run,
+    compare,
+    ideal_step,
+    markdown,
+    reaction_steps,
+    unit_pieces,
+    whole_unit_stretch,
+)
 from hettp.scenarios import builtin, resolve
 from hettp.transfer import minimum_bytes, plan_transfer
 
@@ -348,3 +356,61 @@ def test_the_bound_keeps_each_ranks_unmovable_part_and_stretches_what_the_mode_s
     assert rows["slow"]["t_ideal_s"] == pytest.approx(ideal_step(1.0, 0.8, (1, 1 / 3), 0.6))
     assert rows["dev"]["t_ideal_s"] == pytest.approx(ideal_step(1.0, 0.9, (1, 1 / 3), 0.6))
     assert result["bounds"]["dev"] == {"slowed_s": 0.9, "movable_s": pytest.approx(0.6)}
+
+
+def test_whole_units_stretch_a_block_to_its_slowest_rank():
+    # 8 heads at 1 : 1/3.6 go 7 : 1 at best (7 units of time, proportional 8 / 1.278)
+    speeds = (1.0, 1 / 3.6)
+    stretch = whole_unit_stretch(speeds, {"attn": (8, 1.0)})
+    assert stretch == pytest.approx(7 * sum(speeds) / 8)
+    # a split that whole units make exactly (3 : 1 at 3x) costs nothing; shares weigh blocks
+    assert whole_unit_stretch((1.0, 1 / 3), {"attn": (4, 0.4), "mlp": (400, 0.6)}) == (
+        pytest.approx(1.0)
+    )
+    mixed = whole_unit_stretch(speeds, {"attn": (8, 0.4), "mlp": (1000, 0.6)})
+    assert 1.0 < mixed < 1 + 0.4 * (stretch - 1) + 0.01
+    with pytest.raises(ValueError, match="positive"):
+        whole_unit_stretch((1.0, 0.0), {"attn": (8, 1.0)})
+
+
+def test_unit_pieces_count_the_mlp_in_the_planners_chunks_and_weigh_blocks_by_work():
+    plan = PartitionPlan.even(2, 2, attn_units=8, mlp_units=1344)
+    pieces = unit_pieces(plan.to_json(), {"attn": 170.0, "mlp": 1.5, "kv": 0})
+    assert pieces["attn"] == (8, pytest.approx(8 * 170 / (8 * 170 + 1344 * 1.5)))
+    assert pieces["mlp"][0] == 1344 // 8  # mlp_chunk: widths in multiples of 8 neurons
+
+
+def test_a_report_gives_the_whole_unit_bound_and_how_soon_a_straggle_end_was_undone():
+    n, plan = 12, PartitionPlan.even(2, 1, attn_units=4, mlp_units=80)
+    priced = [{"kind": "priced", "iteration": 3, "unit_work": {"attn": 16.0, "mlp": 1.0}}]
+    shape = [{"kind": "plan", "iteration": 0, "plan": plan.to_json()}, *priced]
+
+    def run(scenario, policy, steps, decisions=(), records=()):
+        rec = _records(steps, compute=[0.5, 0.5], interval=4, decisions=decisions)
+        return Run.from_records([*rec, *records], scenario, policy, 0, policy)
+
+    # rank 1 3x slow in iterations 4-7; the straggle's first normal step is 8
+    factors = [(1.0, 3.0) if 4 <= i <= 7 else (1.0, 1.0) for i in range(1, n + 1)]
+    undo = [{"action": "migrate", "iteration": 5}, {"action": "migrate", "iteration": 9}]
+    runs = [
+        run("none", "vanilla", [1.0] * n),
+        run("none", "none", [1.0] * n),
+        run("ep", "vanilla", [1.0] * n),
+        run("ep", "migrate", [1.0] * n, undo, shape),
+        run("ep", "resize", [1.0] * n, [{"action": "resize", "iteration": 5}], shape),
+    ]
+    result = compare(runs, {"none": [(1.0, 1.0)] * n, "ep": factors}, {"none": False, "ep": True})
+    rows = {(r["scenario"], r["policy"]): r for r in result["rows"]}
+    # 4 groups at 1 : 1/3 split exactly 3 : 1, the MLP's 10 chunks at best 8 : 2 (7.5 : 2.5)
+    assert unit_pieces(plan.to_json(), {"attn": 16.0, "mlp": 1.0}) == {
+        "attn": (4, pytest.approx(64 / 144)),
+        "mlp": (10, pytest.approx(80 / 144)),
+    }
+    e = rows[("ep", "migrate")]["E_whole_units"]
+    assert e == result["bounds"]["ep"]["e_whole_units"] and 0.9 < e < 1.0
+    assert rows[("ep", "migrate")]["undone_after"] == [2]  # at the boundary after step 9
+    assert rows[("ep", "resize")]["undone_after"] == [None]  # never undone
+    assert rows[("ep", "vanilla")]["undone_after"] is None  # decides nothing
+    assert rows[("none", "none")]["E_whole_units"] is None
+    text = markdown(result)
+    assert "| 2 |" in text and "never" in text and f"({e:.3f})" in text
