@@ -182,6 +182,19 @@ def whole_unit_stretch(speeds: Sequence[float], pieces: dict[str, tuple[int, flo
     return stretch
 
 
+def whole_unit_e(
+    t_ideal: float,
+    movable: float,
+    speeds: Sequence[Sequence[float]],
+    pieces: dict[str, tuple[int, float]],
+) -> float:
+    """The most E a split in whole `pieces` allows: T_ideal (over the steps whose `speeds` are
+    given) over T_ideal with each step's balanced movable part stretched by
+    whole_unit_stretch."""
+    extra = [movable * len(s) / sum(s) * (whole_unit_stretch(s, pieces) - 1) for s in speeds]
+    return t_ideal / (t_ideal + statistics.fmean(extra))
+
+
 def undone_after(run: Run, ends: Sequence[int], onsets: Sequence[int]) -> list[int | None]:
     """Per straggle end (the first normal iteration), the normal steps the run had taken when
     a decision changed its plan back (2: at the boundary after the second normal step, as the
@@ -294,9 +307,10 @@ def compare(
         busy = [statistics.median(v) for v in zip(*(r.sharded_compute("busy") for r in timed_base))]
         baseline["busy_s"] = max(busy)
 
-    shaped = next((r for r in runs if r.plan and r.unit_work), None)
-    pieces = unit_pieces(shaped.plan, shaped.unit_work) if shaped and stages == 1 else None
-    n = len(per_rank)
+    pieces = {}  # per policy: how its plan cuts each block, from any of its runs
+    for run in runs:
+        if run.plan and run.unit_work and stages == replicas == 1 and run.policy not in pieces:
+            pieces[run.policy] = unit_pieces(run.plan, run.unit_work)
     rows, all_speeds, speeds_from, bounds = [], {}, {}, {}
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
     for scenario in scenarios:
@@ -336,15 +350,9 @@ def compare(
         bounds[scenario] = {"slowed_s": slowed, "movable_s": movable}
         ideal_per_it = [ideal_step(t_fast, slowed, speeds[i - 1], movable, stages) for i in window]
         t_ideal = statistics.fmean(ideal_per_it)
-        e_units = None
-        if pieces is not None:  # the ideal with each block split in whole pieces
-            t_units = statistics.fmean(
-                ideal
-                + movable * n / sum(speeds[i - 1]) * (whole_unit_stretch(speeds[i - 1], pieces) - 1)
-                for i, ideal in zip(window, ideal_per_it)
-            )
-            e_units = t_ideal / t_units
-            bounds[scenario]["e_whole_units"] = e_units
+
+        in_window = [speeds[i - 1] for i in window]
+        e_units = {p: whole_unit_e(t_ideal, movable, in_window, cut) for p, cut in pieces.items()}
         t_vanilla = statistics.median(r.step_time(vary) for r in vanilla)
         slowed = [i for i, s in enumerate(speeds, 1) if min(s) < 1.0]
         onset = slowed[0] if slowed else None
@@ -384,7 +392,7 @@ def compare(
                     "E": t_ideal / t if onset is not None else None,
                     "R": (t_vanilla - t) / (t_vanilla - t_ideal) if straggling else None,
                     "reaction_steps": statistics.median(known) if known else None,
-                    "E_whole_units": e_units if onset is not None else None,
+                    "E_whole_units": (e_units.get(policy) if onset is not None else None),
                     # per straggle end and run: normal steps until the plan changed back
                     "undone_after": undone if ends and any(r.decisions for r in group) else None,
                     "bytes_moved": statistics.median(moved),
