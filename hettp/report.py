@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from .costfit import theil_sen
 from .plan import BLOCKS, PartitionPlan
 from .planner import StepModel, mlp_chunk
 from .policy import VANILLA
@@ -41,6 +42,8 @@ class Run:
     compute: list[tuple[int, list[float]]] = field(default_factory=list)  # (iteration, per rank)
     busy: list[tuple[int, list[float]]] = field(default_factory=list)  # all compute, per rank
     fixed: list[tuple[int, list[float]]] = field(default_factory=list)  # of compute, unmovable
+    # per timing record: each rank's unit-weighted work, compute and the loop's slowdown factor
+    loads: list[tuple[list[float], list[float], list[float | None]]] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
     tokens_per_step: int = 0
     stages: int = 1  # pipeline stages: per-rank lists hold each stage's TP ranks in turn
@@ -88,6 +91,9 @@ class Run:
             latest.update(by_stage)
             if len(latest) < stages:
                 continue
+            record = latest[0]
+            if stages == 1 and all(record.get(k) for k in ("work", "compute_s", "factor")):
+                run.loads.append((record["work"], record["compute_s"], record["factor"]))
             for name, key in (("compute", "compute_s"), ("busy", "busy_s"), ("fixed", "fixed_s")):
                 rows = [latest[stage].get(key) for stage in range(stages)]
                 if all(row is not None for row in rows):
@@ -163,36 +169,65 @@ def unit_pieces(plan_json: str, unit_work: dict[str, float]) -> dict[str, tuple[
     return {block: (pieces[block], weights[block] / total) for block in BLOCKS}
 
 
-def whole_unit_stretch(speeds: Sequence[float], pieces: dict[str, tuple[int, float]]) -> float:
-    """How much longer the movable compute takes split in whole pieces than in proportion to
-    `speeds` (>= 1). Every block ends in a TP collective, so each block waits for its slowest
-    rank and no block's surplus is made up in another: 8 query heads at speeds 1 : 1/3.6 are
-    at best 7 : 1, 7 units of time where a proportional split takes 6.26. Per block, pieces
-    dealt one by one to whoever would finish first: the least maximum."""
+def whole_unit_compute(
+    speeds: Sequence[float],
+    pieces: dict[str, tuple[int, float]],
+    slowed: float,
+    scaling: float,
+) -> float:
+    """The slowest rank's compute per step, summed over blocks, at the best split in whole
+    `pieces`: `slowed` is a rank's compute at full speed and an even split, `scaling` the part
+    of it that grows with its units (the rest, per-call costs and the optimizer's per-tensor
+    work, it pays whatever it holds). Every block ends in a TP collective, so each block waits
+    for its slowest rank and no block's surplus is made up in another: 8 query heads at speeds
+    1 : 1/3.6 are at best 7 : 1, 7 heads' time where a proportional split takes 6.26. Per
+    block, pieces dealt one by one to whoever would finish first (the least maximum)."""
     if not speeds or min(speeds) <= 0:
         raise ValueError(f"speeds must be positive, got {list(speeds)}")
-    stretch = 0.0
+    n, total = len(speeds), 0.0
     for count, share in pieces.values():
-        held = [0] * len(speeds)
+        own = (slowed - scaling) * share  # what a rank pays in the block whatever it holds
+        piece = scaling * n * share / count if count else 0.0
+        held = [0] * n
         for _ in range(count):
-            rank = min(range(len(speeds)), key=lambda r: ((held[r] + 1) / speeds[r], r))
+            rank = min(range(n), key=lambda r: ((own + piece * (held[r] + 1)) / speeds[r], r))
             held[rank] += 1
-        best = max(n / s for n, s in zip(held, speeds))
-        stretch += share * best * sum(speeds) / count if count else share
-    return stretch
+        total += max((own + piece * h) / s for h, s in zip(held, speeds))
+    return total
+
+
+def scaling_share(runs: Sequence[Run]) -> float | None:
+    """Of a rank's timed compute at an even split, the share that grows with its units: the
+    line through the runs' timing records (work against compute at full speed, the loop's own
+    factors undone; hettp.costfit.theil_sen), read at the even work. None where the records
+    span too little work for a line."""
+    points, even = [], []
+    for run in runs:
+        for work, compute, factor in run.loads:
+            points += [
+                (w, c / f) for w, c, f in zip(work, compute, factor) if f and f > 0 and w > 0
+            ]
+            even.append(sum(work) / len(work))
+    line = theil_sen(points)
+    if line is None or not even:
+        return None
+    grows = line.per_unit * statistics.median(even)
+    return grows / (grows + line.fixed)
 
 
 def whole_unit_e(
     t_ideal: float,
-    movable: float,
+    t_fast: float,
+    slowed: float,
+    scaling: float,
     speeds: Sequence[Sequence[float]],
     pieces: dict[str, tuple[int, float]],
 ) -> float:
-    """The most E a split in whole `pieces` allows: T_ideal (over the steps whose `speeds` are
-    given) over T_ideal with each step's balanced movable part stretched by
-    whole_unit_stretch."""
-    extra = [movable * len(s) / sum(s) * (whole_unit_stretch(s, pieces) - 1) for s in speeds]
-    return t_ideal / (t_ideal + statistics.fmean(extra))
+    """The most E a split in whole `pieces` allows: T_ideal over the step with the rest of
+    T_fast unchanged and the blocks at whole_unit_compute, over the steps whose `speeds` are
+    given; at most 1 (finer pieces approach T_ideal)."""
+    steps = [(t_fast - slowed) + whole_unit_compute(s, pieces, slowed, scaling) for s in speeds]
+    return min(1.0, t_ideal / statistics.fmean(steps))
 
 
 def undone_after(run: Run, ends: Sequence[int], onsets: Sequence[int]) -> list[int | None]:
@@ -351,8 +386,11 @@ def compare(
         ideal_per_it = [ideal_step(t_fast, slowed, speeds[i - 1], movable, stages) for i in window]
         t_ideal = statistics.fmean(ideal_per_it)
 
-        in_window = [speeds[i - 1] for i in window]
-        e_units = {p: whole_unit_e(t_ideal, movable, in_window, cut) for p, cut in pieces.items()}
+        in_window, e_units = [speeds[i - 1] for i in window], {}
+        for policy, cut in pieces.items():
+            share = scaling_share(by_key.get((scenario, policy), ()))
+            scaling = movable if share is None else min(movable, share * c)
+            e_units[policy] = whole_unit_e(t_ideal, t_fast, slowed, scaling, in_window, cut)
         t_vanilla = statistics.median(r.step_time(vary) for r in vanilla)
         slowed = [i for i, s in enumerate(speeds, 1) if min(s) < 1.0]
         onset = slowed[0] if slowed else None

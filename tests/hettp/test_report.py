@@ -14,8 +14,9 @@ from hettp.report import (
     ideal_step,
     markdown,
     reaction_steps,
+    scaling_share,
     unit_pieces,
-    whole_unit_stretch,
+    whole_unit_compute,
 )
 from hettp.scenarios import builtin, resolve
 from hettp.transfer import minimum_bytes, plan_transfer
@@ -358,19 +359,37 @@ def test_the_bound_keeps_each_ranks_unmovable_part_and_stretches_what_the_mode_s
     assert result["bounds"]["dev"] == {"slowed_s": 0.9, "movable_s": pytest.approx(0.6)}
 
 
-def test_whole_units_stretch_a_block_to_its_slowest_rank():
-    # 8 heads at 1 : 1/3.6 go 7 : 1 at best (7 units of time, proportional 8 / 1.278)
+def test_whole_units_leave_each_block_at_its_slowest_rank():
+    # 8 heads at 1 : 1/3.6 go 7 : 1 at best: 7 heads' time where a proportional split takes
+    # 8 / 1.278 (a rank's compute at an even split, 4 heads, is 1 s, all of it in its heads)
     speeds = (1.0, 1 / 3.6)
-    stretch = whole_unit_stretch(speeds, {"attn": (8, 1.0)})
-    assert stretch == pytest.approx(7 * sum(speeds) / 8)
-    # a split that whole units make exactly (3 : 1 at 3x) costs nothing; shares weigh blocks
-    assert whole_unit_stretch((1.0, 1 / 3), {"attn": (4, 0.4), "mlp": (400, 0.6)}) == (
-        pytest.approx(1.0)
-    )
-    mixed = whole_unit_stretch(speeds, {"attn": (8, 0.4), "mlp": (1000, 0.6)})
-    assert 1.0 < mixed < 1 + 0.4 * (stretch - 1) + 0.01
+    assert whole_unit_compute(speeds, {"attn": (8, 1.0)}, 1.0, 1.0) == pytest.approx(7 / 4)
+    # what a split in whole units makes exactly (3 : 1 at 3x) costs nothing over 2 / (4/3) s
+    exact = {"attn": (4, 0.4), "mlp": (400, 0.6)}
+    assert whole_unit_compute((1.0, 1 / 3), exact, 1.0, 1.0) == pytest.approx(1.5)
+    # what a rank pays whatever it holds is stretched on the slow rank, not dealt: half of it
+    # per-call at 2x leaves the slow rank room for 1 head of 8, and the fast rank computes
+    # 0.5 + 7 x 0.125 s (a proportional split: 2 / 1.5 s)
+    assert whole_unit_compute((1.0, 0.5), {"attn": (8, 1.0)}, 1.0, 0.5) == pytest.approx(1.375)
     with pytest.raises(ValueError, match="positive"):
-        whole_unit_stretch((1.0, 0.0), {"attn": (8, 1.0)})
+        whole_unit_compute((1.0, 0.0), {"attn": (8, 1.0)}, 1.0, 1.0)
+
+
+def test_the_share_of_compute_that_grows_with_units_is_read_off_the_runs_timing_records():
+    records = _records([1.0] * 8, compute=[0.5, 0.5], interval=4)
+    run = Run.from_records(records, "s", "migrate", 0, "x")
+    assert run.loads == [] and scaling_share([run]) is None  # no work logged: no line
+    # compute at full speed = 0.1 + 0.01 x work; even work 40 a rank: 0.4 of 0.5 s grows
+    loads = [([40.0, 40.0], [0.5, 0.5], [1.0, 1.0]), ([60.0, 20.0], [0.7, 0.9], [1.0, 3.0])]
+    loads += [([70.0, 10.0], [0.8, 0.4], [1.0, 2.0]), ([50.0, 30.0], [0.6, 0.4], [1.0, None])]
+    for i, (work, compute, factor) in enumerate(loads, 9):
+        records.append(
+            {"kind": "timing", "iteration": i, "compute_s": compute, "work": work, "factor": factor}
+        )
+    run = Run.from_records(records, "s", "migrate", 0, "x")
+    assert len(run.loads) == 4
+    share = scaling_share([run])
+    assert share == pytest.approx(0.8)
 
 
 def test_unit_pieces_count_the_mlp_in_the_planners_chunks_and_weigh_blocks_by_work():
