@@ -201,12 +201,16 @@ class ControlLoop:
         detection = self.detect(step) if self.planner is not None and warm else None
         self._steps.append(step)
         closes = len(self._steps) >= self.interval
-        if not closes and not (detection is not None and detection.changed):
+        changed = detection is not None and detection.changed
+        if not closes and not changed:
             return None
-        if closes:
+        if not changed:
             return Due(TimingReport.median(self._steps), detection, True)
+        # A straggle began or ended among these steps: the median of the interval would plan
+        # half way between the levels (an end seen at an interval's last step was planned
+        # as a 2x straggle where 3x had ended, and undone only a step later).
         recent = self._steps[-self.detector.window :]
-        return Due(TimingReport.latest_level(recent, self.detector.onset), detection, False)
+        return Due(TimingReport.latest_level(recent, self.detector.onset), detection, closes)
 
     def close(self, due: Due, verdict: Verdict) -> None:
         """After `observe` and the deciding rank's decision: learn from an interval's report."""

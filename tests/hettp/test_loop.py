@@ -268,3 +268,24 @@ def test_reweighed_units_keep_the_report_interval_and_forget_what_was_learned():
     assert all(
         loop.step(TimingReport(i, (1.0, 1.0), (13.0, 11.0), 1.5)) is None for i in (8, 9, 10)
     )
+
+
+def test_a_straggle_seen_at_an_interval_s_last_step_is_planned_at_the_level_it_is_at():
+    """Rank 1 3x slow from step 7; the loop's interval closes at 8, where the onset shows (the
+    second slow step). The interval's median there is half slow: planned on it, a 3x rank was
+    given work for 2x (a third where a quarter balances), and a straggle's end seen at an
+    interval's close planned half way back."""
+    loop = ControlLoop(
+        Planner("migrate", UNIT_WORK, cap=0.5), StragglerDetector(2), MigrationCost(), interval=4
+    )
+    even = plan = PartitionPlan.even(2, 2, 4, 64)
+    shares, decided = (0.0, 0.0), {}
+    for step in range(1, 9):
+        factors = (1.0, 3.0) if step >= 7 else (1.0, 1.0)
+        verdict = loop.run_step(_report(step, plan, shares, factors), plan, shares)
+        if verdict is not None and verdict.decision is not None:
+            decided[step] = verdict.decision
+    assert sorted(decided) == [8], decided
+    assert decided[8].plan != even
+    work = plan_work(decided[8].plan, UNIT_WORK)
+    assert work[1] / sum(work) == pytest.approx(0.25, abs=0.03)
