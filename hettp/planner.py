@@ -51,6 +51,20 @@ class StepModel:
         blocks = max(self.rank_time(r, w) for r, w in enumerate(work))
         return self.rest + blocks + max(self.factors) * self.apart
 
+    def blocks_time(self, blocks: Sequence[Sequence[float]]) -> float:
+        """The step where each block waits for its slowest rank (`blocks`: per block, each
+        rank's work; hettp.planner.block_works), the per-call part spread evenly over them.
+        What the blocks of a plan that balances every block take is step_time's; a plan that
+        evens out a rank's totals across blocks (more MLP where it holds less attention) is
+        not balanced in any block, and only this sees it."""
+        if not blocks:
+            return self.step_time((0.0,) * len(self.factors))
+        per = self.fixed / len(blocks)
+        slowest = sum(
+            max(f * (per + self.slope * w) for f, w in zip(self.factors, works)) for works in blocks
+        )
+        return self.rest + slowest + max(self.factors) * self.apart
+
     def balanced_work(self, total: float) -> list[float]:
         """Per-rank work that makes every rank finish together; a rank too slow to finish its
         fixed part in that time gets none."""
@@ -76,23 +90,31 @@ def core_attention_work(query_heads: int, seq_length: int, head_dim: int) -> int
     return 2 * query_heads * seq_length * head_dim
 
 
+def block_works(
+    plan: PartitionPlan, unit_work: Mapping[str, float], shares: Sequence[float] | None = None
+) -> list[tuple[float, ...]]:
+    """Per layer and block, in the order a step computes them, each rank's work in its active
+    units. Every block ends in a TP collective, so each waits for its slowest rank."""
+    shares = shares or (0.0,) * plan.tp_size
+    kv = unit_work.get("kv", 0.0) if plan.heads is not None else 0.0
+    out = []
+    for layer in plan.layers:
+        for block in BLOCKS:
+            work = [
+                (len(units) - skipped_count(len(units), shares[rank])) * unit_work[block]
+                for rank, units in enumerate(layer[block])
+            ]
+            if block == "attn" and kv:  # head units: each group a rank holds a head of, K/V
+                work = [w + kv * len(plan.heads.groups_of(u)) for w, u in zip(work, layer[block])]
+            out.append(tuple(work))
+    return out
+
+
 def plan_work(
     plan: PartitionPlan, unit_work: Mapping[str, float], shares: Sequence[float] | None = None
 ) -> tuple[float, ...]:
     """Per rank, the work of its active units (every layer and block)."""
-    shares = shares or (0.0,) * plan.tp_size
-    work = [0.0] * plan.tp_size
-    kv = unit_work.get("kv", 0.0) if plan.heads is not None else 0.0
-    for layer in plan.layers:
-        for block in BLOCKS:
-            for rank, units in enumerate(layer[block]):
-                work[rank] += (len(units) - skipped_count(len(units), shares[rank])) * unit_work[
-                    block
-                ]
-        if kv:  # head units: a rank computes the K/V of every group it holds a head of
-            for rank, units in enumerate(layer["attn"]):
-                work[rank] += kv * len(plan.heads.groups_of(units))
-    return tuple(work)
+    return tuple(map(sum, zip(*block_works(plan, unit_work, shares))))
 
 
 # GEMM widths that are multiples of 8 run at full speed; unaligned widths cost more per neuron
@@ -166,31 +188,25 @@ def proportional_plan(
     return plan.recounted(changes)
 
 
-def grouped_plan(
-    plan: PartitionPlan, speeds: Sequence[float], unit_work: Mapping[str, float]
-) -> PartitionPlan:
-    """Head units kept in whole query groups (no K/V replicas), then the MLP counts evening out
-    each rank's work to its share of `speeds`. A rank may take as many groups as fit in its
-    share; a group stays with the rank holding most of its heads where it fits (few units
-    move), the rest go to whoever would finish them first. Where the shares cannot hold every
-    group, groups are dealt by that rule alone."""
+def grouped_plan(plan: PartitionPlan, speeds: Sequence[float]) -> PartitionPlan:
+    """Head units kept in whole query groups (no K/V replicas): each rank takes the groups
+    dealt one by one to whoever would finish them first at `speeds`, a group staying with the
+    rank holding most of its heads where it fits (few units move); the MLP in proportion to
+    `speeds`, as proportional_plan splits it. Each block ends in a TP collective, so an MLP
+    that made up for attention (more neurons to the rank holding fewer groups) balanced the
+    ranks' totals and neither block: the slow rank waited in attention and the fast one in
+    the MLP."""
     heads, n = plan.heads, plan.tp_size
-    per_group = heads.heads_per_group // heads.heads_per_unit
     total = sum(speeds)
     share = [s / total for s in speeds]
-    w_attn, w_mlp, w_kv = unit_work["attn"], unit_work["mlp"], unit_work.get("kv", 0.0)
-    group_work = per_group * w_attn + w_kv
-    chunk = mlp_chunk(plan)
-    layer_work = plan.attn_units * w_attn + plan.mlp_units * w_mlp + heads.groups * w_kv
-    fits = [math.floor(share[r] * layer_work / group_work + 1e-9) for r in range(n)]
-    if sum(fits) < heads.groups:
-        fits = [0] * n
-        for _ in range(heads.groups):
-            rank = min(range(n), key=lambda r: ((fits[r] + 1) / max(share[r], 1e-12), r))
-            fits[rank] += 1
+    fits = [0] * n
+    for _ in range(heads.groups):
+        rank = min(range(n), key=lambda r: ((fits[r] + 1) / max(share[r], 1e-12), r))
+        fits[rank] += 1
+    proportional = proportional_plan(plan, speeds)
     layers = []
-    for layer in plan.layers:
-        room, counts = list(fits), [0] * n
+    for index, layer in enumerate(plan.layers):
+        room = list(fits)
         held = [[0] * heads.groups for _ in range(n)]
         for rank, units in enumerate(layer["attn"]):
             for unit in units:
@@ -208,8 +224,6 @@ def grouped_plan(
                     key=lambda r: ((fits[r] - room[r] + 1) / max(share[r], 1e-12), r),
                 )
                 owner[group], room[rank] = rank, room[rank] - 1
-        for rank in owner.values():
-            counts[rank] += 1
         attn = []
         for rank, units in enumerate(layer["attn"]):
             kept = [u for u in units if owner[heads.group_of(u)] == rank]
@@ -219,24 +233,10 @@ def grouped_plan(
                 if owner[heads.group_of(u)] == rank and u not in kept
             ]
             attn.append(tuple(kept + gained))
-        rest = [max(0.0, share[r] * layer_work - counts[r] * group_work) for r in range(n)]
-        mlp = [c * chunk for c in _apportion(plan.mlp_units // chunk, rest)]
+        mlp = list(proportional.counts(index, "mlp"))
         layers.append((dict(layer, attn=tuple(attn)), mlp))
     grouped = dataclasses.replace(plan, layers=tuple(layer for layer, _ in layers))
     return grouped.recounted({i: {"mlp": mlp} for i, (_, mlp) in enumerate(layers)})
-
-
-def _apportion(total: int, weights: Sequence[float]) -> list[int]:
-    """`total` whole items in proportion to `weights` (largest remainder)."""
-    mass = sum(weights)
-    if mass <= 0:
-        weights, mass = [1.0] * len(weights), float(len(weights))
-    exact = [total * w / mass for w in weights]
-    counts = [math.floor(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda r: (counts[r] - exact[r], r))
-    for rank in order[: total - sum(counts)]:
-        counts[rank] += 1
-    return counts
 
 
 def balancing_shares(
@@ -514,19 +514,20 @@ def balanced_target(
     plan: PartitionPlan, model: StepModel, unit_work: Mapping[str, float]
 ) -> PartitionPlan:
     """The plan `model` balances: unit counts proportional to the ranks' speeds. With head
-    units, the plan keeping attention in whole query groups (no K/V replicas; the MLP evens
-    out the work) where the model predicts it no slower for any attention cost in
-    ATTENTION_COST_RANGE: a proportional split is right whatever attention costs, a
-    compensating MLP only where its cost is right. The planner and the joint controller
-    (hettp/joint.py) both migrate to it."""
+    units, the plan keeping attention in whole query groups (no K/V replicas) where the model
+    predicts it no slower, block by block, for any attention cost in ATTENTION_COST_RANGE:
+    the split's K/V replicas against the imbalance whole groups leave in attention. The
+    planner and the joint controller (hettp/joint.py) both migrate to it."""
     speeds = _speeds(model, plan, unit_work)
     target = proportional_plan(plan, speeds)
     if plan.heads is None:
         return target
-    whole = grouped_plan(plan, speeds, unit_work)
+    whole = grouped_plan(plan, speeds)
     for scale in ATTENTION_COST_RANGE:
         work = {**unit_work, "attn": unit_work["attn"] * scale}
-        if model.step_time(plan_work(whole, work)) > model.step_time(plan_work(target, work)):
+        if model.blocks_time(block_works(whole, work)) > model.blocks_time(
+            block_works(target, work)
+        ):
             return target
     return whole
 

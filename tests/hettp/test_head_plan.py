@@ -13,6 +13,7 @@ from hettp.planner import (
     Planner,
     StepModel,
     balancing_shares,
+    block_works,
     grouped_plan,
     plan_work,
     proportional_plan,
@@ -74,17 +75,41 @@ def test_work_counts_the_replicas_a_split_brings():
     assert plan_work(dataclasses.replace(split, heads=None), work)[1] == 2 * (10 + 64)
 
 
-def test_grouped_plan_keeps_groups_whole_and_evens_out_with_the_mlp():
+def test_grouped_plan_keeps_groups_whole_and_splits_each_block_in_proportion():
     heads = HeadUnits(1, 4, 2)
-    work = {"attn": 2.0, "mlp": 1.0, "kv": 2.0}
     plan = _plan((3, 5), heads=heads)  # group 0 split
-    grouped = grouped_plan(plan, (1.0, 3.0), work)
+    even = grouped_plan(plan, (1.0, 1.0))
     for layer in range(2):
-        assert heads.replicated(grouped.layers[layer]["attn"]) == ()
+        assert heads.replicated(even.layers[layer]["attn"]) == ()
         # rank 0 held 3 of group 0's heads: it keeps group 0
-        assert set(grouped.units(layer, "attn", 0)) == {0, 1, 2, 3}
-    w = plan_work(grouped, work)
-    assert w[0] / sum(w) == pytest.approx(0.25, abs=0.02)  # MLP evened the shares out
+        assert set(even.units(layer, "attn", 0)) == {0, 1, 2, 3}
+    # rank 1 3x as fast: it finishes both groups sooner than rank 0 one, and the MLP is split
+    # 1 : 3 as in the proportional plan, not given to rank 0 to make up for its attention
+    # (every block ends in a collective: that would leave both blocks unbalanced)
+    grouped = grouped_plan(plan, (1.0, 3.0))
+    for layer in range(2):
+        assert grouped.counts(layer, "attn") == (0, 8)
+        assert grouped.counts(layer, "mlp") == proportional_plan(plan, (1.0, 3.0)).counts(
+            layer, "mlp"
+        )
+    assert grouped.counts(0, "mlp") == (32, 96)
+
+
+def test_the_block_model_sees_what_a_rank_s_totals_hide():
+    """Two blocks, rank 1 at 2x: a plan giving rank 1 all of one block and rank 0 all of the
+    other evens out the totals (the sum model's step is the balanced one), but each block
+    waits for its one working rank."""
+    model = StepModel(rest=0.0, factors=(1.0, 2.0), slope=1.0)
+    crossed = [(0.0, 1.0), (2.0, 0.0)]  # rank 1's one unit of work, rank 0's two
+    assert model.step_time(tuple(map(sum, zip(*crossed)))) == pytest.approx(2.0)
+    assert model.blocks_time(crossed) == pytest.approx(4.0)
+    even = [(2 / 3, 1 / 3), (4 / 3, 2 / 3)]  # each block in proportion to speed
+    assert model.blocks_time(even) == pytest.approx(2.0)
+    # the per-call part spread evenly over the blocks, as the sum model has it
+    called = StepModel(rest=0.5, factors=(1.0, 1.0), slope=1.0, fixed=1.0)
+    assert called.blocks_time([(1.0, 1.0), (2.0, 2.0)]) == pytest.approx(
+        called.step_time((3.0, 3.0))
+    )
 
 
 def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
@@ -106,9 +131,11 @@ def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
     target = planner._target(tiny, slower)
     assert target.counts(0, "attn") == (2, 6)
     assert heads.replicated(target.layers[0]["attn"]) == (0,)
-    grouped = grouped_plan(tiny, [1 / 3, 1.0], work)
+    grouped = grouped_plan(tiny, [1 / 3, 1.0])
     assert grouped.counts(0, "attn") == (0, 8)
-    assert slower.step_time(plan_work(target, work)) < slower.step_time(plan_work(grouped, work))
+    assert slower.blocks_time(block_works(target, work)) < slower.blocks_time(
+        block_works(grouped, work)
+    )
     assert target == proportional_plan(tiny, slower.balanced_work(sum(plan_work(tiny, work))))
 
 
