@@ -391,6 +391,21 @@ class Planner:
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers
+        if detection.changed and stragglers and self._recovering(plan, model, stragglers):
+            # a straggler settled at a milder level (3x, then 1.2x for a while): units go
+            # back to it now, as at an end; planned as an onset, a move must repay itself
+            # within a step and a resize finds nothing to cut, so the fast ranks would carry
+            # its units until the end was seen
+            self._onset = None
+            return self._migrate(
+                plan,
+                model,
+                before,
+                detection,
+                "hybrid-migrate",
+                shares,
+                why=f"ranks {sorted(stragglers)} recovering, at {_factors(model, stragglers)}",
+            )
         if detection.changed:
             self._onset = iteration if stragglers else None
             if stragglers:  # resize at once, unless the move repays itself within a step
@@ -427,6 +442,12 @@ class Planner:
         if not stragglers or self._onset is None:
             return None
         return self._hybrid_move(iteration, model, plan, shares, before)
+
+    def _recovering(self, plan, model, stragglers) -> bool:
+        """The plan the model balances gives every straggler more work than it holds."""
+        now = plan_work(plan, self.unit_work)
+        target = plan_work(self._target(plan, model), self.unit_work)
+        return all(target[r] > now[r] for r in stragglers)
 
     def _hybrid_move(self, iteration, model, plan, shares, before) -> Decision | None:
         """The migration, where the straggle is predicted to last long enough to repay it: as

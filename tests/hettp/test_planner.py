@@ -584,3 +584,29 @@ def test_a_small_imbalance_is_rebalanced_where_two_reports_in_a_row_show_it():
     loaded, model, steady = _overloaded(1.3)
     first = Planner("migrate", UNIT_WORK).decide(10, steady, model, loaded, (0.0, 0.0))
     assert first is not None and first.reason.startswith("rebalance: "), first
+
+
+def test_hybrid_gives_units_back_to_a_straggler_that_settles_at_a_milder_level():
+    """Rank 1 was 3x slow and gave units away; it settles at 1.25x, inside the detector's band
+    (still a straggler, a new level: the detector reports a change). Hybrid moves units back
+    at once, as at an end. Planned as an onset, the move had to repay itself within a step
+    and a resize found nothing to cut, so the fast ranks carried its units until the end was
+    seen (3-6 steps later in an emulated burst on this VM)."""
+    from hettp.detect import Detection
+    from hettp.planner import balanced_target
+
+    even = PartitionPlan.even(4, 4, 8, 128)
+    moved = balanced_target(even, StepModel(0.05, (1.0, 3.0, 1.0, 1.0), 0.001), UNIT_WORK)
+    milder = StepModel(0.05, (1.0, 1.25, 1.0, 1.0), 0.001)
+    planner = Planner("hybrid", UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: 0.5)
+    seen = Detection((1.0, 1.25, 1.0, 1.0), frozenset({1}), True, frozenset(), frozenset())
+    decision = planner.decide(33, seen, milder, moved, (0.0,) * 4)
+    assert decision is not None and decision.action == "hybrid-migrate", decision
+    assert "recovering" in decision.reason and not any(decision.shares)
+    before, after = plan_work(moved, UNIT_WORK), plan_work(decision.plan, UNIT_WORK)
+    assert after[1] > 2 * before[1] and after[1] < plan_work(even, UNIT_WORK)[1]
+    # a new straggler (more slow, not less) is still an onset: resized first
+    onset = Detection((1.0, 2.0, 1.0, 1.0), frozenset({1}), True, frozenset({1}), frozenset())
+    slow = StepModel(0.05, (1.0, 2.0, 1.0, 1.0), 0.001)
+    first = Planner("hybrid", UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: 0.5)
+    assert first.decide(8, onset, slow, even, (0.0,) * 4).action == "hybrid-resize"
