@@ -391,24 +391,14 @@ class Planner:
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers
-        if detection.changed and stragglers and self._recovering(plan, model, stragglers):
-            # a straggler settled at a milder level (3x, then 1.2x for a while): units go
-            # back to it now, as at an end; planned as an onset, a move must repay itself
-            # within a step and a resize finds nothing to cut, so the fast ranks would carry
-            # its units until the end was seen
-            self._onset = None
-            return self._migrate(
-                plan,
-                model,
-                before,
-                detection,
-                "hybrid-migrate",
-                shares,
-                why=f"ranks {sorted(stragglers)} recovering, at {_factors(model, stragglers)}",
-            )
+        # a straggler that settled at a milder level (3x, then 1.2x for a while) gets units
+        # back at once, as at an end: planned as an onset, a move must repay itself within a
+        # step and a resize finds nothing to cut, so the fast ranks carried its units until
+        # the end was seen
+        settling = detection.changed and stragglers and self._recovering(plan, model, stragglers)
         if detection.changed:
-            self._onset = iteration if stragglers else None
-            if stragglers:  # resize at once, unless the move repays itself within a step
+            self._onset = iteration if stragglers and not settling else None
+            if self._onset is not None:  # resize at once, unless the move repays within a step
                 move = self._hybrid_move(iteration, model, plan, shares, before)
                 if move is not None:
                     return move
@@ -422,20 +412,17 @@ class Planner:
                         "hybrid-resize",
                         f"ranks {sorted(stragglers)} at {_factors(model, stragglers)}; resize now",
                     )
-            else:  # the straggle ended: back to the plan that fits the speeds now
+            else:  # the straggle ended or eased: back to the plan that fits the speeds now
+                why = (
+                    f"ranks {sorted(stragglers)} recovering, at {_factors(model, stragglers)}"
+                    if stragglers
+                    else "no straggler left"
+                )
                 decision = self._migrate(
-                    plan,
-                    model,
-                    before,
-                    detection,
-                    "hybrid-migrate",
-                    shares,
-                    why="no straggler left",
+                    plan, model, before, detection, "hybrid-migrate", shares, why=why
                 )
                 if decision is None and any(shares):
-                    return self._resize(
-                        (0.0,) * plan.tp_size, plan, model, before, "restore", "no straggler left"
-                    )
+                    return self._resize((0.0,) * plan.tp_size, plan, model, before, "restore", why)
                 return decision
         if self._onset is None and not any(shares):
             return self._rebalance(plan, model, before, detection, "hybrid-migrate", shares)
