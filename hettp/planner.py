@@ -188,14 +188,16 @@ def proportional_plan(
     return plan.recounted(changes)
 
 
-def grouped_plan(plan: PartitionPlan, speeds: Sequence[float]) -> PartitionPlan:
+def grouped_plan(
+    plan: PartitionPlan, speeds: Sequence[float], proportional: PartitionPlan | None = None
+) -> PartitionPlan:
     """Head units kept in whole query groups (no K/V replicas): each rank takes the groups
     dealt one by one to whoever would finish them first at `speeds`, a group staying with the
-    rank holding most of its heads where it fits (few units move); the MLP in proportion to
-    `speeds`, as proportional_plan splits it. Each block ends in a TP collective, so an MLP
-    that made up for attention (more neurons to the rank holding fewer groups) balanced the
-    ranks' totals and neither block: the slow rank waited in attention and the fast one in
-    the MLP."""
+    rank holding most of its heads where it fits (few units move); the MLP as `proportional`
+    (proportional_plan's at `speeds`) splits it. Each block ends in a TP collective, so an
+    MLP that made up for attention (more neurons to the rank holding fewer groups) balanced
+    the ranks' totals and neither block: the slow rank waited in attention and the fast one
+    in the MLP."""
     heads, n = plan.heads, plan.tp_size
     total = sum(speeds)
     share = [s / total for s in speeds]
@@ -203,7 +205,7 @@ def grouped_plan(plan: PartitionPlan, speeds: Sequence[float]) -> PartitionPlan:
     for _ in range(heads.groups):
         rank = min(range(n), key=lambda r: ((fits[r] + 1) / max(share[r], 1e-12), r))
         fits[rank] += 1
-    proportional = proportional_plan(plan, speeds)
+    proportional = proportional or proportional_plan(plan, speeds)
     layers = []
     for index, layer in enumerate(plan.layers):
         room = list(fits)
@@ -530,7 +532,7 @@ def balanced_target(
     target = proportional_plan(plan, speeds)
     if plan.heads is None:
         return target
-    whole = grouped_plan(plan, speeds)
+    whole = grouped_plan(plan, speeds, target)
     for scale in ATTENTION_COST_RANGE:
         work = {**unit_work, "attn": unit_work["attn"] * scale}
         if model.blocks_time(block_works(whole, work)) > model.blocks_time(
