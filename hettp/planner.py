@@ -397,7 +397,8 @@ class Planner:
         # back at once, as at an end: planned as an onset, a move must repay itself within a
         # step and a resize finds nothing to cut, so the fast ranks carried its units until
         # the end was seen
-        settling = detection.changed and stragglers and self._recovering(plan, model, stragglers)
+        target = self._target(plan, model) if detection.changed and stragglers else None
+        settling = target is not None and self._recovering(plan, target, stragglers)
         if detection.changed:
             self._onset = iteration if stragglers and not settling else None
             if self._onset is not None:  # resize at once, unless the move repays within a step
@@ -421,7 +422,7 @@ class Planner:
                     else "no straggler left"
                 )
                 decision = self._migrate(
-                    plan, model, before, detection, "hybrid-migrate", shares, why=why
+                    plan, model, before, detection, "hybrid-migrate", shares, why=why, target=target
                 )
                 if decision is None and any(shares):
                     return self._resize((0.0,) * plan.tp_size, plan, model, before, "restore", why)
@@ -432,11 +433,11 @@ class Planner:
             return None
         return self._hybrid_move(iteration, model, plan, shares, before)
 
-    def _recovering(self, plan, model, stragglers) -> bool:
-        """The plan the model balances gives every straggler more work than it holds."""
-        now = plan_work(plan, self.unit_work)
-        target = plan_work(self._target(plan, model), self.unit_work)
-        return all(target[r] > now[r] for r in stragglers)
+    def _recovering(self, plan, target, stragglers) -> bool:
+        """`target` (the plan the model balances) gives every straggler more work than it
+        holds in `plan`."""
+        now, then = plan_work(plan, self.unit_work), plan_work(target, self.unit_work)
+        return all(then[r] > now[r] for r in stragglers)
 
     def _hybrid_move(self, iteration, model, plan, shares, before) -> Decision | None:
         """The migration, where the straggle is predicted to last long enough to repay it: as
@@ -476,8 +477,12 @@ class Planner:
     def _target(self, plan, model) -> PartitionPlan:
         return balanced_target(plan, model, self.unit_work)
 
-    def _migrate(self, plan, model, before, detection, action, shares, why=None, min_gain=None):
-        target = self._target(plan, model)
+    def _migrate(
+        self, plan, model, before, detection, action, shares, why=None, min_gain=None, target=None
+    ):
+        """The move to `target` (default: the plan `model` balances), where it gains more than
+        `min_gain` of the step."""
+        target = self._target(plan, model) if target is None else target
         after = model.step_time(plan_work(target, self.unit_work))
         min_gain = self.min_gain if min_gain is None else min_gain
         if target == plan or before - after <= min_gain * before:

@@ -387,7 +387,8 @@ def compare(
         t_ideal = statistics.fmean(ideal_per_it)
 
         in_window, e_units = [speeds[i - 1] for i in window], {}
-        for policy, cut in pieces.items():
+        straggled = any(min(s) < 1.0 for s in speeds)  # else there is no E to bound
+        for policy, cut in pieces.items() if straggled else ():
             share = scaling_share(by_key.get((scenario, policy), ()))
             scaling = movable if share is None else min(movable, share * c)
             e_units[policy] = whole_unit_e(t_ideal, t_fast, slowed, scaling, in_window, cut)
@@ -430,7 +431,7 @@ def compare(
                     "E": t_ideal / t if onset is not None else None,
                     "R": (t_vanilla - t) / (t_vanilla - t_ideal) if straggling else None,
                     "reaction_steps": statistics.median(known) if known else None,
-                    "E_whole_units": (e_units.get(policy) if onset is not None else None),
+                    "E_whole_units": e_units.get(policy),
                     # per straggle end and run: normal steps until the plan changed back
                     "undone_after": undone if ends and any(r.decisions for r in group) else None,
                     "bytes_moved": statistics.median(moved),
