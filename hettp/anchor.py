@@ -5,9 +5,16 @@ change any rank's speed. So after each change the first `window` steps anchor ev
 slowdown there is the one it had just before, and each later step scales that by its compute
 over the anchor's. A straggle that starts or ends inside the anchor window would spoil a median
 over it, so a rank's anchor is the median of the window's steps that stay within `band` of its
-first, the step nearest the change. One that starts or ends right at the change cannot be told
-from it by continuity: there a fitted cost model that puts the rank on the other side of the
-detector's hysteresis band overrules it. A model of compute against work (hettp/costfit.py) is then
+first, the step nearest the change, unless that step stands alone. A hiccup there (1.8x on
+this VM) read every later step of the rank as a speed-up, and a 3.2x straggler was planned for
+as a 5.9x one. Where the window's other steps agree with each other and not with the first, the
+first is taken for a hiccup when, read through it, the rank would be faster than full speed by
+more than the band, or when the fitted model reads the other steps nearer the slowdown from
+before the change than what the first step makes of them. (A straggle that ends right after the
+change looks the same; there the model, or continuity alone, keeps the first.) A straggle that
+starts or ends right at the change cannot be told from it by continuity: there a fitted cost
+model that puts the rank on the other side of the detector's hysteresis band overrules it. A
+model of compute against work (hettp/costfit.py) is then
 needed only where ranks with different works are compared before any change, and to plan: read
 through a model, a rank left with few units and per-call overheads that do not shrink with them
 looks slow after it has recovered, or fast while it is slow.
@@ -15,6 +22,7 @@ looks slow after it has recovered, or fast while it is slow.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -47,6 +55,7 @@ class SlowdownAnchor:
         self._level: tuple[float, ...] = ()  # the anchor window's base
         self._same_level: list[list[float]] = []  # per rank, the steps the base is made of
         self._refined = 0  # steps since the window that were considered for the base
+        self._keys: list[list[int]] = []  # per rank, the window's steps its base is made of
 
     @property
     def active(self) -> bool:
@@ -84,9 +93,10 @@ class SlowdownAnchor:
             self._modelled.append(relative(modelled))
         if len(self._pending) < self.window:
             return []
+        self._keys = [self._key(r) for r in range(self.tp_size)]
         self._base = self._level = tuple(self._anchor(r) for r in range(self.tp_size))
         self._same_level = [
-            [self._pending[i][r] for i in self._same(r)] for r in range(self.tp_size)
+            [self._pending[i][r] for i in self._keys[r]] for r in range(self.tp_size)
         ]
         self._refined = 0
         if len(self._modelled) == len(self._pending):
@@ -102,7 +112,7 @@ class SlowdownAnchor:
         before = list(self._before)
         ends, onsets = {}, {}
         for r, b in enumerate(before):
-            seen = [self._modelled[i][r] for i in self._same(r) if self._modelled[i][r]]
+            seen = [self._modelled[i][r] for i in self._keys[r] if self._modelled[i][r]]
             if b is None or not seen:
                 continue
             model = statistics.median(seen)
@@ -145,9 +155,31 @@ class SlowdownAnchor:
             if first > 0 and max(step[rank], first) < self.band * min(step[rank], first)
         ]
 
-    def _anchor(self, rank: int) -> float:
+    def _key(self, rank: int) -> list[int]:
+        """The anchor window's steps that `rank`'s base is made of: those within `band` of
+        its first, or the others where the first stands alone as a hiccup."""
         same = self._same(rank)
-        return statistics.median(self._pending[i][rank] for i in same) if same else 0.0
+        before = self._before[rank]
+        rest = list(range(1, len(self._pending)))
+        if len(same) > 1 or not rest or before is None or before <= 0:
+            return same
+        others = [self._pending[i][rank] for i in rest]
+        if min(others) <= 0 or max(others) >= self.band * min(others):
+            return same  # no level among the others either
+        through_first = before * statistics.median(others) / self._pending[0][rank]
+        if through_first < 1.0 / self.band:
+            return rest  # faster than full speed
+        modelled = len(self._modelled) == len(self._pending)
+        seen = [self._modelled[i][rank] for i in rest if modelled and self._modelled[i][rank]]
+        if seen:
+            model = statistics.median(seen)
+            if abs(math.log(model / before)) < abs(math.log(model / through_first)):
+                return rest
+        return same
+
+    def _anchor(self, rank: int) -> float:
+        key = self._keys[rank]
+        return statistics.median(self._pending[i][rank] for i in key) if key else 0.0
 
     def factors(self, compute: Sequence[float]) -> Factors:
         """Slowdowns for per-rank `compute` measured at the anchored split."""

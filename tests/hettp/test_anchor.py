@@ -33,6 +33,37 @@ def test_a_straggle_ending_inside_the_anchor_window_does_not_spoil_it():
     assert [r[1] for r in rows] == pytest.approx([2.0, 1.0, 1.0])
 
 
+def test_a_hiccup_at_the_first_step_after_a_change_does_not_key_the_anchor():
+    """Seen on this VM (head units, rank 0 at 3.5x): rank 1 ran the first step after a
+    rebalance at 1.8x its later steps. Keyed to that step, its later steps read 0.55x and the
+    planner moved to a plan for a 5.9x straggler; the first step is now taken for a hiccup."""
+    anchor = SlowdownAnchor(2, window=3)
+    anchor.rebase((3.2, 1.0))
+    anchor.step((0.6, 0.4))
+    anchor.step((0.6, 0.22))
+    rows = anchor.step((0.6, 0.21))
+    assert [r[1] for r in rows] == pytest.approx([1.0 * 0.4 / 0.22, 1.0, 0.21 / 0.22], rel=0.03)
+    assert anchor.factors((0.6, 0.22)) == pytest.approx((3.2, 1.0), rel=0.03)
+    # the same hiccup on the slow rank reads it at 1.75x through continuity alone, a
+    # plausible speed; where a fitted model reads ~3x, the first step is the odd one out
+    steps = ((1.1, 0.22), (0.6, 0.22), (0.6, 0.22))
+    for modelled, want in (([None] * 3, 3.2 * 0.6 / 1.1), ([(5.5, 1.0)] + [(3.0, 1.0)] * 2, 3.2)):
+        anchor = SlowdownAnchor(2, window=3)
+        anchor.rebase((3.2, 1.0))
+        for compute, model in zip(steps, modelled):
+            anchor.step(compute, modelled=model)
+        assert anchor.factors((0.6, 0.22))[0] == pytest.approx(want)
+    # a straggle that ends right after the change looks the same, and a model that reads the
+    # end keeps the first step (as continuity alone does, in the test above)
+    ended = SlowdownAnchor(2, window=3)
+    ended.rebase((1.0, 2.0))
+    for compute, model in zip(
+        ((1.0, 0.6), (1.0, 0.3), (1.0, 0.3)), ((1.0, 2.0), (1.0, 1.05), (1.0, 1.05))
+    ):
+        ended.step(compute, modelled=model)
+    assert ended.factors((1.0, 0.3)) == pytest.approx((1.0, 1.0))
+
+
 def test_a_fitted_model_overrules_continuity_only_across_the_hysteresis_band():
     """A straggle that ended right at the change: continuity says 3x, the model 1.0x: the model
     wins. A model merely off for a rank with few units (1.4x against continuity's 2.5x, seen on
