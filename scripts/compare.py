@@ -330,13 +330,15 @@ def parse(argv):
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a tiny model, 12 iterations, scenarios none,persistent-2x,noisy, "
+        help="a tiny model, 12 iterations, scenarios none,persistent-4x,noisy, "
         "policy migrate, 2 rounds: the whole path in about 2.5 minutes",
     )
     a = p.parse_args(argv)
     # --quick includes the real-contention path when each of its 2 ranks can have a core
     quick = dict(
-        scenarios="none,persistent-2x" + (",noisy" if len(_cores()) >= 2 else ""),
+        # 4x: on the tiny model a 2x straggle of the sharded GEMMs reads 1.5-1.8x, so whether
+        # the planner acts in 12 steps was up to the VM's noise
+        scenarios="none,persistent-4x" + (",noisy" if len(_cores()) >= 2 else ""),
         policies="migrate",
         repeats=2,
         iters=12,

@@ -40,7 +40,7 @@ def test_quick_report_agrees_with_the_runs(quick):
     out, stdout = quick
     report = json.loads((out / "report.json").read_text())
     names = [s["name"] for s in report["scenarios"]]
-    assert names[:2] == ["none", "persistent-2x"]
+    assert names[:2] == ["none", "persistent-4x"]
     if len(os.sched_getaffinity(0)) >= 2:
         assert "noisy" in names  # real contention ran
         assert report["dilation"] == 1.0  # a core per rank: nothing to stretch
@@ -61,7 +61,7 @@ def test_quick_report_agrees_with_the_runs(quick):
     for (scenario, policy), row in rows.items():
         paths = [out / p for p in row["runs"]]
         assert len(paths) == report["repeats"] == 2 and all(p.exists() for p in paths)
-        if scenario in ("none", "persistent-2x"):  # constant scenarios: steady-state median
+        if scenario in ("none", "persistent-4x"):  # constant scenarios: steady-state median
             assert row["step_s"] == pytest.approx(statistics.median(_steady(p) for p in paths))
         decisions = [list(read_metrics(p, "decision")) for p in paths]
         assert row["decisions"] == statistics.median(len(d) for d in decisions)
@@ -72,11 +72,11 @@ def test_quick_report_agrees_with_the_runs(quick):
         assert row["final_loss"] == pytest.approx(statistics.median(finals))
         assert f"| {scenario} | {policy} | {row['step_s'] * 1e3:.1f} " in table
     # the planner acted on the emulated straggler and the move was lossless and minimal
-    mig = rows[("persistent-2x", "migrate")]
+    mig = rows[("persistent-4x", "migrate")]
     assert mig["decisions"] >= 1 and mig["decisions_first_run"][0].startswith("migrate@")
     assert mig["bytes_vs_min"] == pytest.approx(1.0)
     assert abs(mig["loss_gap"]) <= 1e-5 * abs(mig["final_loss"])
-    assert rows[("persistent-2x", "vanilla")]["E"] is not None
+    assert rows[("persistent-4x", "vanilla")]["E"] is not None
     assert rows[("none", "none")]["speedup"] > 0  # the timers' cost, against plain vanilla
     assert "report in" in stdout and "iteration 12/12" in stdout
 
