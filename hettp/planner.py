@@ -135,7 +135,7 @@ def mlp_chunk(plan: PartitionPlan, align: int = MLP_ALIGN) -> int:
 
 
 def proportional_plan(
-    plan: PartitionPlan, speeds: Sequence[float], align: int = MLP_ALIGN
+    plan: PartitionPlan, speeds: Sequence[float], align: int = MLP_ALIGN, kv: float = 0.0
 ) -> PartitionPlan:
     """Unit counts proportional to `speeds`, moving the fewest units from `plan`.
 
@@ -149,7 +149,12 @@ def proportional_plan(
     within one chunk of its target keeps its counts, aligned or not. Where a layer has at
     least 4 chunks a rank, every rank keeps one, even a rank too slow to be given any: a
     rank with no units reads no speed, so neither its recovery nor its next slowdown could
-    be seen (its per-call costs are paid either way, so the chunk costs it little)."""
+    be seen (its per-call costs are paid either way, so the chunk costs it little).
+
+    `kv` (head units): a K/V replica's work in attention units. Attention is then dealt unit by
+    unit to whoever would finish first with the replicas its units bring (a rank's units taken
+    from as few groups as they fill): dealt by count, a slow rank given two heads of a group
+    paid that group's K and V too, and ran its attention 25-30% over the fast rank's."""
     total = sum(speeds)
     if total <= 0 or any(s < 0 for s in speeds):
         raise ValueError(f"speeds must be non-negative with a positive sum, got {list(speeds)}")
@@ -168,6 +173,23 @@ def proportional_plan(
                 and min(current) >= floor
             ):
                 assigned = [a + c for a, c in zip(assigned, current)]  # below the resolution
+                continue
+            if block == "attn" and kv and plan.heads is not None:
+                per_group = plan.heads.heads_per_group // plan.heads.heads_per_unit
+                counts = [0] * plan.tp_size
+                for _ in range(n):
+                    behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
+                    rank = min(
+                        range(plan.tp_size),
+                        key=lambda r: (
+                            _finish(_with_replicas(counts[r] + 1, per_group, kv), speeds[r], total),
+                            -behind[r],
+                            r,
+                        ),
+                    )
+                    counts[rank] += 1
+                assigned = [a + c for a, c in zip(assigned, counts)]
+                changes.setdefault(index, {})[block] = counts
                 continue
             counts = [max(floor, math.floor(t)) for t in target]  # within one chunk of target
             while sum(counts) > n:  # the floors' chunks: from whoever would finish last
@@ -528,15 +550,16 @@ class Planner:
 def balanced_target(
     plan: PartitionPlan, model: StepModel, unit_work: Mapping[str, float]
 ) -> PartitionPlan:
-    """The plan `model` balances: unit counts proportional to the ranks' speeds. With head
-    units, the plan keeping attention in whole query groups (no K/V replicas) where the model
-    predicts it no slower, block by block, for any attention cost in ATTENTION_COST_RANGE:
-    the split's K/V replicas against the imbalance whole groups leave in attention. The
-    planner and the joint controller (hettp/joint.py) both migrate to it."""
+    """The plan `model` balances: unit counts proportional to the ranks' speeds (with head
+    units, attention dealt with the K/V replicas it brings). With head units, the plan keeping
+    attention in whole query groups (no K/V replicas) where the model predicts it no slower,
+    block by block, for any attention cost in ATTENTION_COST_RANGE: the split's K/V replicas
+    against the imbalance whole groups leave in attention. The planner and the joint
+    controller (hettp/joint.py) both migrate to it."""
     speeds = _speeds(model, plan, unit_work)
-    target = proportional_plan(plan, speeds)
     if plan.heads is None:
-        return target
+        return proportional_plan(plan, speeds)
+    target = proportional_plan(plan, speeds, kv=unit_work.get("kv", 0.0) / unit_work["attn"])
     whole = grouped_plan(plan, speeds, target)
     for scale in ATTENTION_COST_RANGE:
         work = {**unit_work, "attn": unit_work["attn"] * scale}
@@ -547,7 +570,12 @@ def balanced_target(
     return whole
 
 
-def _finish(units: int, speed: float, total: float) -> float:
+def _with_replicas(units: int, per_group: int, kv: float) -> float:
+    """Attention work of `units` head units taken from as few query groups as they fill."""
+    return units + kv * -(-units // per_group)
+
+
+def _finish(units: float, speed: float, total: float) -> float:
     """When a rank of `speed` (of `total`) finishes `units`, rounded so that ranks of one
     speed tie exactly."""
     return math.inf if speed <= 0 else round(units * total / speed, 9)

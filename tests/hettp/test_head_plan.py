@@ -112,6 +112,27 @@ def test_the_block_model_sees_what_a_rank_s_totals_hide():
     )
 
 
+def test_attention_is_dealt_with_the_replicas_it_brings():
+    """The head-units benchmark's shape (8 heads in 2 groups, a K/V replica 0.6 of a head's
+    work; rank 0 at 3.5x): dealt by count, rank 0 got 2 heads and its group's K and V, and ran
+    its attention 25-30% over rank 1's after the first move; dealt with the replicas, 1."""
+    heads = HeadUnits(1, 4, 2)
+    work = {"attn": 1.0, "mlp": 0.02, "kv": 0.6}
+    even = _plan((4, 4), mlp=(704, 704), heads=heads)
+    slow = StepModel(rest=0.0, factors=(3.5, 1.0), slope=1.0)
+    speeds = slow.balanced_work(sum(plan_work(even, work)))
+    by_count = proportional_plan(even, speeds)
+    target = Planner("migrate", work)._target(even, slow)
+    assert by_count.counts(0, "attn") == (2, 6) and target.counts(0, "attn") == (1, 7)
+    assert target.counts(0, "mlp") == by_count.counts(0, "mlp")
+    attention = [block_works(p, work)[0] for p in (by_count, target)]
+    assert slow.blocks_time([attention[1]]) < slow.blocks_time([attention[0]]) * 0.95
+    # without replicas to pay for (group units' plans), dealing is by count as before
+    assert proportional_plan(even, speeds, kv=0.6) != by_count
+    plain = dataclasses.replace(even, heads=None)
+    assert proportional_plan(plain, speeds, kv=0.6) == proportional_plan(plain, speeds)
+
+
 def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
     heads = HeadUnits(1, 4, 2)
     work = {"attn": 2.0, "mlp": 1.0, "kv": 2.0}
