@@ -10,13 +10,15 @@ over repeats is reported with the spread (max - min). Pure: no process group, no
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .costfit import theil_sen
-from .plan import BLOCKS, PartitionPlan
+from .plan import BLOCKS, HeadUnits, PartitionPlan
 from .planner import StepModel, mlp_chunk
 from .policy import VANILLA
 from .stages import split_text
@@ -49,6 +51,7 @@ class Run:
     stages: int = 1  # pipeline stages: per-rank lists hold each stage's TP ranks in turn
     plan: str | None = None  # the initial partition plan (JSON), where the run logged one
     unit_work: dict[str, float] | None = None  # the planner's weight of a unit, latest
+    heads: HeadUnits | None = None  # head units (--het-tp-attn-granularity), not in `plan`
 
     @classmethod
     def from_records(
@@ -83,6 +86,7 @@ class Run:
                 args = r["args"]
                 run.tokens_per_step = args["global_batch_size"] * args["seq_length"]
                 stages = args.get("pipeline_model_parallel_size") or 1
+                run.heads = _head_units(args)
         # per rank: the stages' TP ranks in turn, at every report, each stage's latest (a stage
         # reports on its own when its detection changes, and a decision restarts its interval)
         run.stages = stages
@@ -156,22 +160,51 @@ def ideal_step(
     return max(steps)
 
 
-def unit_pieces(plan_json: str, unit_work: dict[str, float]) -> dict[str, tuple[int, float]]:
+def _head_units(args: dict) -> HeadUnits | None:
+    """The run's head units, from its flags (as hettp.config.HetTPConfig.head_units reads)."""
+    heads = args.get("num_attention_heads") or 0
+    groups = (args.get("group_query_attention") and args.get("num_query_groups")) or heads
+    per_unit = args.get("het_tp_attn_granularity") or 0
+    if not groups or not 0 < per_unit < heads // groups:
+        return None
+    return HeadUnits(per_unit, heads // groups, groups)
+
+
+class BlockPieces(NamedTuple):
+    """How a migration can cut one block: `count` pieces, the block's `share` of a layer's
+    work; with head units, `replica` is one K/V replica's share of it and `per_group` the
+    pieces of a query group (a rank holding any of a group's pieces computes its K and V)."""
+
+    count: int
+    share: float
+    replica: float = 0.0
+    per_group: int = 0
+
+
+def unit_pieces(
+    plan_json: str, unit_work: dict[str, float], heads: HeadUnits | None = None
+) -> dict[str, BlockPieces]:
     """Per block, the pieces a migration can give a rank (query groups or heads; the MLP's
     units in the planner's chunks, hettp.planner.mlp_chunk) and the block's share of a layer's
-    work. Head units' K/V replicas are left out: the bound they give is optimistic."""
-    plan = PartitionPlan.from_json(plan_json)
+    work, with `heads`' K/V replicas (one per group in the even plan's work)."""
+    plan = dataclasses.replace(PartitionPlan.from_json(plan_json), heads=heads)
     weights = {block: plan.num_units(block) * unit_work[block] for block in BLOCKS}
+    kv = unit_work.get("kv", 0.0) if plan.heads is not None else 0.0
+    weights["attn"] += kv * (plan.heads.groups if kv else 0)
     total = sum(weights.values())
     if total <= 0:
         raise ValueError(f"unit work {unit_work} gives a layer no work")
     pieces = {"attn": plan.num_units("attn"), "mlp": plan.num_units("mlp") // mlp_chunk(plan)}
-    return {block: (pieces[block], weights[block] / total) for block in BLOCKS}
+    out = {block: BlockPieces(pieces[block], weights[block] / total) for block in BLOCKS}
+    if kv:
+        per_group = plan.heads.heads_per_group // plan.heads.heads_per_unit
+        out["attn"] = out["attn"]._replace(replica=kv / total, per_group=per_group)
+    return out
 
 
 def whole_unit_compute(
     speeds: Sequence[float],
-    pieces: dict[str, tuple[int, float]],
+    pieces: dict[str, BlockPieces],
     slowed: float,
     scaling: float,
 ) -> float:
@@ -181,19 +214,39 @@ def whole_unit_compute(
     work, it pays whatever it holds). Every block ends in a TP collective, so each block waits
     for its slowest rank and no block's surplus is made up in another: 8 query heads at speeds
     1 : 1/3.6 are at best 7 : 1, 7 heads' time where a proportional split takes 6.26. Per
-    block, pieces dealt one by one to whoever would finish first (the least maximum)."""
+    block, pieces dealt one by one to whoever would finish first (the least maximum), head
+    units with the K/V replicas of the groups they fill."""
     if not speeds or min(speeds) <= 0:
         raise ValueError(f"speeds must be positive, got {list(speeds)}")
     n, total = len(speeds), 0.0
-    for count, share in pieces.values():
-        own = (slowed - scaling) * share  # what a rank pays in the block whatever it holds
-        piece = scaling * n * share / count if count else 0.0
+    for block in pieces.values():
+        count, share, replica, per_group = BlockPieces(*block)
+        groups = count / per_group if per_group else 0.0
+        cost = _PieceCost(
+            own=(slowed - scaling) * share,  # what a rank pays in the block whatever it holds
+            piece=scaling * n * (share - replica * groups) / count if count else 0.0,
+            replica=scaling * n * replica,
+            per_group=per_group,
+        )
         held = [0] * n
         for _ in range(count):
-            rank = min(range(n), key=lambda r: ((own + piece * (held[r] + 1)) / speeds[r], r))
+            rank = min(range(n), key=lambda r: (cost.work(held[r] + 1) / speeds[r], r))
             held[rank] += 1
-        total += max((own + piece * h) / s for h, s in zip(held, speeds))
+        total += max(cost.work(h) / s for h, s in zip(held, speeds))
     return total
+
+
+@dataclass(frozen=True)
+class _PieceCost:
+    own: float
+    piece: float
+    replica: float
+    per_group: int
+
+    def work(self, held: int) -> float:
+        """A rank's compute in the block holding `held` pieces, packed into as few groups."""
+        groups = -(-held // self.per_group) if self.per_group else 0
+        return self.own + self.piece * held + self.replica * groups
 
 
 def scaling_share(runs: Sequence[Run]) -> float | None:
@@ -221,7 +274,7 @@ def whole_unit_e(
     slowed: float,
     scaling: float,
     speeds: Sequence[Sequence[float]],
-    pieces: dict[str, tuple[int, float]],
+    pieces: dict[str, BlockPieces],
 ) -> float:
     """The most E a split in whole `pieces` allows: T_ideal over the step with the rest of
     T_fast unchanged and the blocks at whole_unit_compute, over the steps whose `speeds` are
@@ -345,7 +398,7 @@ def compare(
     pieces = {}  # per policy: how its plan cuts each block, from any of its runs
     for run in runs:
         if run.plan and run.unit_work and stages == replicas == 1 and run.policy not in pieces:
-            pieces[run.policy] = unit_pieces(run.plan, run.unit_work)
+            pieces[run.policy] = unit_pieces(run.plan, run.unit_work, run.heads)
     rows, all_speeds, speeds_from, bounds = [], {}, {}, {}
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
     for scenario in scenarios:

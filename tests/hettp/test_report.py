@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hettp.emulate import ScenarioError
-from hettp.plan import PartitionPlan
+from hettp.plan import HeadUnits, PartitionPlan
 from hettp.report import (
     Run,
     compare,
@@ -395,8 +395,34 @@ def test_the_share_of_compute_that_grows_with_units_is_read_off_the_runs_timing_
 def test_unit_pieces_count_the_mlp_in_the_planners_chunks_and_weigh_blocks_by_work():
     plan = PartitionPlan.even(2, 2, attn_units=8, mlp_units=1344)
     pieces = unit_pieces(plan.to_json(), {"attn": 170.0, "mlp": 1.5, "kv": 0})
-    assert pieces["attn"] == (8, pytest.approx(8 * 170 / (8 * 170 + 1344 * 1.5)))
+    assert pieces["attn"] == (8, pytest.approx(8 * 170 / (8 * 170 + 1344 * 1.5)), 0.0, 0)
     assert pieces["mlp"][0] == 1344 // 8  # mlp_chunk: widths in multiples of 8 neurons
+
+
+def test_the_whole_unit_bound_of_head_units_pays_for_their_k_v_replicas():
+    """8 heads in 2 groups, a K/V replica as heavy as a head, rank 1 at 3x: 7 : 1 leaves the
+    fast rank 7 heads and 2 replicas (1.8 of the even split's 1.0), 6 : 2 the slow rank 2 heads
+    and a replica, 1.8 too; counted without replicas, 6 : 2 took 1.5."""
+    heads = HeadUnits(1, 4, 2)
+    plan = PartitionPlan.from_counts(2, 1, 8, 16, (4, 4), (8, 8), 4, heads)
+    pieces = unit_pieces(plan.to_json(), {"attn": 1.0, "mlp": 0.0, "kv": 1.0}, heads)
+    assert pieces["attn"] == (8, pytest.approx(1.0), pytest.approx(0.1), 4)
+    assert whole_unit_compute((1.0, 1.0), pieces, 1.0, 1.0) == pytest.approx(1.0)
+    assert whole_unit_compute((1.0, 1 / 3), pieces, 1.0, 1.0) == pytest.approx(1.8)
+    plain = {"attn": pieces["attn"][:2], "mlp": pieces["mlp"]}
+    assert whole_unit_compute((1.0, 1 / 3), plain, 1.0, 1.0) == pytest.approx(1.5)
+    # a run's head units come from its flags (its plan's JSON does not carry them)
+    args = {"global_batch_size": 4, "seq_length": 8, "num_attention_heads": 8}
+    gqa = {**args, "group_query_attention": True, "num_query_groups": 2}
+    for flags, want in (
+        ({**gqa, "het_tp_attn_granularity": 1}, heads),
+        ({**gqa, "het_tp_attn_granularity": 4}, None),  # a whole group: group units
+        ({**gqa, "het_tp_attn_granularity": 0}, None),
+        ({**args, "het_tp_attn_granularity": 1}, None),  # MHA: a group is one head
+    ):
+        step = {"kind": "train", "iteration": 1, "elapsed_ms": 1.0, "lm_loss": 5.0}
+        run = Run.from_records([{"kind": "run", "args": flags}, step], "s", "p", 0, "p")
+        assert run.heads == want
 
 
 def test_a_report_gives_the_whole_unit_bound_and_how_soon_a_straggle_end_was_undone():
@@ -425,8 +451,8 @@ def test_a_report_gives_the_whole_unit_bound_and_how_soon_a_straggle_end_was_und
     rows = {(r["scenario"], r["policy"]): r for r in result["rows"]}
     # 4 groups at 1 : 1/3 split exactly 3 : 1, the MLP's 10 chunks at best 8 : 2 (7.5 : 2.5)
     assert unit_pieces(plan.to_json(), {"attn": 16.0, "mlp": 1.0}) == {
-        "attn": (4, pytest.approx(64 / 144)),
-        "mlp": (10, pytest.approx(80 / 144)),
+        "attn": (4, pytest.approx(64 / 144), 0.0, 0),
+        "mlp": (10, pytest.approx(80 / 144), 0.0, 0),
     }
     e = rows[("ep", "migrate")]["E_whole_units"]
     assert 0.9 < e < 1.0
