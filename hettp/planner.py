@@ -570,9 +570,15 @@ def balanced_target(
     return whole
 
 
+def groups_filled(units: int, per_group: int) -> int:
+    """The query groups (K/V replicas) `units` head units bring at fewest, `per_group` units a
+    group."""
+    return -(-units // per_group)
+
+
 def _with_replicas(units: int, per_group: int, kv: float) -> float:
     """Attention work of `units` head units taken from as few query groups as they fill."""
-    return units + kv * -(-units // per_group)
+    return units + kv * groups_filled(units, per_group)
 
 
 def _finish(units: float, speed: float, total: float) -> float:

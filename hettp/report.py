@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from .costfit import theil_sen
 from .plan import BLOCKS, HeadUnits, PartitionPlan
-from .planner import StepModel, mlp_chunk
+from .planner import StepModel, groups_filled, mlp_chunk
 from .policy import VANILLA
 from .stages import split_text
 
@@ -245,7 +245,7 @@ class _PieceCost:
 
     def work(self, held: int) -> float:
         """A rank's compute in the block holding `held` pieces, packed into as few groups."""
-        groups = -(-held // self.per_group) if self.per_group else 0
+        groups = groups_filled(held, self.per_group) if self.per_group else 0
         return self.own + self.piece * held + self.replica * groups
 
 
