@@ -49,8 +49,12 @@ class HeadUnits:
             )
 
     @property
+    def units_per_group(self) -> int:
+        return self.heads_per_group // self.heads_per_unit
+
+    @property
     def units(self) -> int:
-        return self.groups * self.heads_per_group // self.heads_per_unit
+        return self.groups * self.units_per_group
 
     @property
     def fragments(self) -> int:

@@ -175,7 +175,7 @@ def proportional_plan(
                 assigned = [a + c for a, c in zip(assigned, current)]  # below the resolution
                 continue
             if block == "attn" and kv and plan.heads is not None:
-                per_group = plan.heads.heads_per_group // plan.heads.heads_per_unit
+                per_group = plan.heads.units_per_group
                 counts = [0] * plan.tp_size
                 for _ in range(n):
                     behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]

@@ -197,8 +197,7 @@ def unit_pieces(
     pieces = {"attn": plan.num_units("attn"), "mlp": plan.num_units("mlp") // mlp_chunk(plan)}
     out = {block: BlockPieces(pieces[block], weights[block] / total) for block in BLOCKS}
     if kv:
-        per_group = plan.heads.heads_per_group // plan.heads.heads_per_unit
-        out["attn"] = out["attn"]._replace(replica=kv / total, per_group=per_group)
+        out["attn"] = out["attn"]._replace(replica=kv / total, per_group=plan.heads.units_per_group)
     return out
 
 
