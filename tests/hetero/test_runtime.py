@@ -7,6 +7,7 @@ import pytest
 
 from hettp.metrics import read_metrics
 from hettp.plan import PartitionPlan
+from megatron.hetero.checkpointing import TRACKER_FILE
 from tests.utils import run_ranks, train
 
 MODEL = (
@@ -96,7 +97,7 @@ def test_a_resized_run_resumes_with_its_shares_and_priorities(tmp_path):
     # on to 12 as the reference: the resize's shares come from measured speeds, so only this
     # run's own decision is the one its checkpoint holds
     first = _run(tmp_path, "first", "resize", 12, "--save", str(ckpt), "--save-interval", "7")
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("7")  # as if it had stopped at 7
+    (ckpt / TRACKER_FILE).write_text("7")  # as if it had stopped at 7
     resumed = _run(tmp_path, "resumed", "resize", 12, "--load", str(ckpt))
     decisions = _records(first, "decision")
     assert decisions[0]["iteration"] == 6 and decisions[0]["shares"][1] > 0
