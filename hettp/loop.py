@@ -299,7 +299,9 @@ class ControlLoop:
             )
             if self.migration_cost is not None and unit_bytes is not None:
                 self.migration_cost.unit_bytes = dict(unit_bytes)
-            decision = self.planner.decide(report.iteration, detection, model, plan, tuple(shares))
+            decision = self.planner.decide(
+                report.iteration, detection, model, plan, tuple(shares), report.step
+            )
         return Verdict(factors, detection, model, decision)
 
     def _agrees(self, factors, detection: Detection) -> bool:

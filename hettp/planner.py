@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -309,9 +310,9 @@ ATTENTION_COST_RANGE = (1.0, 2.0)
 # ... and faster by this share of the step. A split puts a group's per-call attention work
 # (projections, RoPE, softmax, however few its heads) on a rank that held none, and on a slow
 # rank that work is stretched by its slowdown; the model spreads per-call costs evenly over
-# the blocks and misses this. Splits the model predicted 2-6% faster than whole groups ran no
-# faster, or up to 10% slower (results/notes.md); where whole groups leave a block far out of
-# balance (one rank holding two groups at TP=4: 9-17% predicted) the split still pays.
+# the blocks and misses this: splits it predicted a few per cent faster than whole groups ran
+# slower (results/notes.md). Where whole groups leave a block far out of balance (a rank
+# holding two groups at TP=4) the split's predicted gain clears this margin.
 SPLIT_GAIN = 0.05
 
 # A move at a report, the straggle unchanged, must gain this much of the predicted step: the
@@ -322,6 +323,13 @@ SPLIT_GAIN = 0.05
 # alone it costs that much of every step for as long as the straggle lasts.
 REBALANCE_GAIN = 0.06
 REBALANCE_REPORTS = 2
+
+# Reports of a plan's measured step that the planner keeps while a straggle lasts (their median
+# judges the plan): a rebalance back to a plan measured already must be faster by min_gain in
+# what was measured, not only in the model. Readings of a slow rank move with the split (1.4-2x
+# for a 2.1x rank after moves between two near-equal plans), and each one makes the plan just
+# left look better: the plan then alternated, a migration every few reports.
+MEASURED_REPORTS = 3
 
 
 class Planner:
@@ -343,13 +351,22 @@ class Planner:
         self.min_gain = min_gain
         self._onset = None  # iteration the current straggle began (hybrid)
         self._leaning = 0  # reports in a row whose rebalance gains above min_gain only
+        # per plan's unit counts, its latest measured steps since the straggle last changed
+        self._measured: dict[tuple, list[float]] = {}
 
     def state_dict(self) -> dict:
-        return {"onset": self._onset, "leaning": self._leaning}
+        return {
+            "onset": self._onset,
+            "leaning": self._leaning,
+            "measured": [[list(map(list, k)), v] for k, v in self._measured.items()],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._onset = state["onset"]
         self._leaning = state.get("leaning", 0)  # checkpoints before it: none seen yet
+        self._measured = {
+            tuple(map(tuple, k)): list(v) for k, v in state.get("measured", ())
+        }  # absent before it: nothing measured yet
 
     def decide(
         self,
@@ -358,10 +375,17 @@ class Planner:
         model: StepModel,
         plan: PartitionPlan,
         shares: Sequence[float],
+        step_s: float | None = None,
     ) -> Decision | None:
+        """`step_s`: the report's measured step, kept per plan while the straggle lasts."""
         if not self.policy.decides:
             return None
         shares = tuple(shares)
+        if detection.changed:
+            self._measured = {}
+        if step_s is not None and step_s > 0 and not any(shares):
+            seen = self._measured.setdefault(_counts(plan), [])
+            seen[:] = [*seen, step_s][-MEASURED_REPORTS:]
         before = model.step_time(plan_work(plan, self.unit_work, shares))
         leaning = self._leaning
         decision = self.RULES[self.policy.name](
@@ -410,7 +434,7 @@ class Planner:
         a row. The model learns after a move (the cost of the units a rank was left with, the
         per-call part), so the first move's split is corrected."""
         decision = self._migrate(plan, model, before, detection, action, shares)
-        if decision is None:
+        if decision is None or not self._measured_faster(decision.plan, plan):
             return None
         if before - decision.predicted_after <= REBALANCE_GAIN * before:
             self._leaning += 1
@@ -420,6 +444,14 @@ class Planner:
         else:
             why = "rebalance"
         return dataclasses.replace(decision, reason=f"{why}: {decision.reason}")
+
+    def _measured_faster(self, target: PartitionPlan, plan: PartitionPlan) -> bool:
+        """`target`, where it was measured this straggle, stepped faster than `plan` by
+        min_gain (medians of their reports); a plan not measured yet may be."""
+        there, here = self._measured.get(_counts(target)), self._measured.get(_counts(plan))
+        if not there or not here:
+            return True
+        return statistics.median(there) < (1.0 - self.min_gain) * statistics.median(here)
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers
@@ -576,6 +608,11 @@ def balanced_target(
         if split > (1.0 - SPLIT_GAIN) * model.blocks_time(block_works(whole, work)):
             return whole
     return target
+
+
+def _counts(plan: PartitionPlan) -> tuple:
+    """Per layer and block, each rank's unit count: what a plan's step time depends on."""
+    return tuple(plan.counts(i, b) for i in range(plan.num_layers) for b in BLOCKS)
 
 
 def groups_filled(units: int, per_group: int) -> int:

@@ -13,6 +13,8 @@ from hettp.plan import PartitionPlan
 from hettp.planner import (
     Planner,
     StepModel,
+    _counts,
+    balanced_target,
     balancing_shares,
     mlp_chunk,
     plan_work,
@@ -610,3 +612,40 @@ def test_hybrid_gives_units_back_to_a_straggler_that_settles_at_a_milder_level()
     slow = StepModel(0.05, (1.0, 2.0, 1.0, 1.0), 0.001)
     first = Planner("hybrid", UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: 0.5)
     assert first.decide(8, onset, slow, even, (0.0,) * 4).action == "hybrid-resize"
+
+
+def test_a_rebalance_back_to_a_plan_measured_this_straggle_needs_its_measured_step_faster():
+    """Readings of a slow rank move with the split, so each move can make the plan just left
+    look better, and the plan alternated between two. A plan measured already this straggle is
+    returned to only where its measured step was faster than this one's by min_gain."""
+    from hettp.detect import Detection
+
+    even = PartitionPlan.even(2, 1, 4, 2048)
+    slower = StepModel(rest=0.0, factors=(1.0, 2.0), slope=1.0)  # rank 1 read at 2x ...
+    milder = StepModel(rest=0.0, factors=(1.0, 1.4), slope=1.0)  # ... then at 1.4x
+    a = balanced_target(even, milder, UNIT_WORK)
+    b = balanced_target(a, slower, UNIT_WORK)
+    assert balanced_target(b, milder, UNIT_WORK) == a and a.counts(0, "attn") != b.counts(0, "attn")
+    steady = Detection((1.0, 2.0), frozenset({1}), False, frozenset(), frozenset())
+    for policy in ("migrate", "hybrid"):
+        planner = Planner(policy, UNIT_WORK)
+        moved = planner.decide(10, steady, slower, a, (0.0, 0.0), 1.00)
+        assert moved is not None and moved.plan == b  # b not measured yet: the model decides
+        # at b, measured faster than a: the model's call to go back is not taken ...
+        assert planner.decide(14, steady, milder, b, (0.0, 0.0), 0.95) is None
+        assert planner.decide(18, steady, milder, b, (0.0, 0.0), 0.96) is None
+        # ... and survives a resume
+        resumed = Planner(policy, UNIT_WORK)
+        resumed.load_state_dict(planner.state_dict())
+        assert resumed.decide(22, steady, milder, b, (0.0, 0.0), 0.95) is None
+        # where b measures slower than a, back to a
+        back = resumed.decide(26, steady, milder, b, (0.0, 0.0), 1.30)
+        back = back or resumed.decide(30, steady, milder, b, (0.0, 0.0), 1.30)
+        assert back is not None and back.plan == a
+        # a new straggle forgets what was measured
+        planner = Planner(policy, UNIT_WORK)
+        planner.decide(10, steady, slower, a, (0.0, 0.0), 1.00)
+        planner.decide(14, steady, milder, b, (0.0, 0.0), 0.95)
+        onset = Detection((1.0, 2.0), frozenset({1}), True, frozenset({1}), frozenset())
+        planner.decide(16, onset, slower, b, (0.0, 0.0), 0.95)
+        assert planner._measured == {_counts(b): [0.95]}
