@@ -173,7 +173,7 @@ def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
 def test_a_split_that_gains_less_than_its_unmodelled_cost_keeps_whole_groups():
     """The head-units benchmark's shape at TP=2 (8 heads in 2 groups, unit works as the run
     priced them, rank 0 at 3.5x): one head and its group's K/V on rank 0 is predicted 2-4%
-    faster than whole groups, and ran 6-10% slower (fixed plans, results/notes.md)."""
+    faster than whole groups, and ran 12-17% slower (fixed plans, results/notes.md)."""
     heads = HeadUnits(1, 4, 2)
     work = {"attn": 107074.0, "mlp": 1536.0, "kv": 65536.0}
     even = _plan((4, 4), mlp=(704, 704), heads=heads)
