@@ -57,9 +57,34 @@ def _run_on_a_quiet_start(tmp_path, name, extra, attempts=3):
     raise AssertionError(f"decided before the emulated onset (step {start}) on every run: {early}")
 
 
+ONSET = float(TRAIN[TRAIN.index("--het-tp-onset") + 1])
+
+
+def _apart(records) -> float:
+    """The widest ratio of the two ranks' busy times over a run's reports up to its first
+    decision, the first (warm-up) report left out: how far apart the machine itself put two
+    ranks with the same work (after a decision, the plan may have put them apart)."""
+    decided = [r["iteration"] for r in records if r["kind"] == "decision"]
+    last = min(decided, default=float("inf"))
+    busy = [r["busy_s"] for r in records if r["kind"] == "timing" and r["iteration"] <= last]
+    return max(max(b) / min(b) for b in busy[1:])
+
+
 @pytest.fixture(scope="module")
-def steady(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("steady"), "steady", ["--het-tp-policy", "migrate"])
+def steady(tmp_path_factory, attempts=3):
+    """A run with no straggler, repeated while its own reports show the machine slowing one
+    rank past the onset: two clean-clone CI runs in a row read a rank 1.6-1.7x slower for one
+    report (busy 89 against 55 ms a step), and the loop migrated, as it should for what it
+    measured. Such a run says nothing about a steady cluster; a loop that decides on a run
+    whose reports stay within the onset still fails."""
+    widest = []
+    for attempt in range(attempts):
+        path = tmp_path_factory.mktemp(f"steady{attempt}")
+        ranks, records = _run(path, "steady", ["--het-tp-policy", "migrate"])
+        widest.append(round(_apart(records), 2))
+        if widest[-1] < ONSET:
+            return ranks, records
+    raise AssertionError(f"every steady run had a report with ranks {widest} apart")
 
 
 @pytest.mark.parametrize("clock", ["cpu", "wall"])
