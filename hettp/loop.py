@@ -300,7 +300,13 @@ class ControlLoop:
             if self.migration_cost is not None and unit_bytes is not None:
                 self.migration_cost.unit_bytes = dict(unit_bytes)
             decision = self.planner.decide(
-                report.iteration, detection, model, plan, tuple(shares), report.step
+                report.iteration,
+                detection,
+                model,
+                plan,
+                tuple(shares),
+                report.step,
+                report.compute,
             )
         return Verdict(factors, detection, model, decision)
 

@@ -353,6 +353,7 @@ class Planner:
         self._leaning = 0  # reports in a row whose rebalance gains above min_gain only
         # per plan's unit counts, its latest measured steps since the straggle last changed
         self._measured: dict[tuple, list[float]] = {}
+        self._compute: tuple[float, ...] | None = None  # the report's per-rank compute
 
     def state_dict(self) -> dict:
         return {
@@ -376,11 +377,14 @@ class Planner:
         plan: PartitionPlan,
         shares: Sequence[float],
         step_s: float | None = None,
+        compute: Sequence[float] | None = None,
     ) -> Decision | None:
-        """`step_s`: the report's measured step, kept per plan while the straggle lasts."""
+        """`step_s`: the report's measured step, kept per plan while the straggle lasts;
+        `compute`: each rank's measured compute in it (a move it contradicts is not made)."""
         if not self.policy.decides:
             return None
         shares = tuple(shares)
+        self._compute = None if compute is None else tuple(compute)
         if detection.changed:
             self._measured = {}
         if step_s is not None and step_s > 0 and not any(shares):
@@ -453,6 +457,28 @@ class Planner:
             return True
         return statistics.median(there) < (1.0 - self.min_gain) * statistics.median(here)
 
+    def _contradicted(self, plan: PartitionPlan, target: PartitionPlan, shares) -> bool:
+        """The report's measured compute already has every rank the move gives work to at or
+        above every rank it takes work from, and the move shifts work the same way in every
+        block: whatever the ranks' speeds, it lengthens the step, and the slowdowns that asked
+        for it are misread (a hiccup that continuity carried from anchor to anchor, or a fit
+        off at an uneven split read a 2.3x rank at 4.5x, and the plan moved further from
+        balance; results/notes.md). Not judged while a resize is in effect: a resized rank's
+        compute understates its units'."""
+        if self._compute is None or any(shares) or len(self._compute) != plan.tp_size:
+            return False
+        old, new = block_works(plan, self.unit_work), block_works(target, self.unit_work)
+        gains, takes = set(), set()
+        for before, after in zip(old, new):
+            for rank, (b, a) in enumerate(zip(before, after)):
+                if a > b:
+                    gains.add(rank)
+                elif a < b:
+                    takes.add(rank)
+        if not gains or not takes or gains & takes:
+            return False  # no move, or one that evens out blocks: totals cannot judge it
+        return min(self._compute[r] for r in gains) >= max(self._compute[r] for r in takes)
+
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers
         # a straggler that settled at a milder level (3x, then 1.2x for a while) gets units
@@ -508,7 +534,7 @@ class Planner:
         replaces, so the move must repay itself on time alone; where it repays within a step,
         resizing first would only cost accuracy."""
         target = self._target(plan, model)
-        if target == plan:
+        if target == plan or self._contradicted(plan, target, shares):
             return None
         unresized = model.step_time(plan_work(plan, self.unit_work))
         after = model.step_time(plan_work(target, self.unit_work))
@@ -548,6 +574,8 @@ class Planner:
         after = model.step_time(plan_work(target, self.unit_work))
         min_gain = self.min_gain if min_gain is None else min_gain
         if target == plan or before - after <= min_gain * before:
+            return None
+        if self._contradicted(plan, target, shares):
             return None
         stragglers = detection.stragglers
         why = why or (

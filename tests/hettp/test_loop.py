@@ -289,3 +289,20 @@ def test_a_straggle_seen_at_an_interval_s_last_step_is_planned_at_the_level_it_i
     assert decided[8].plan != even
     work = plan_work(decided[8].plan, UNIT_WORK)
     assert work[1] / sum(work) == pytest.approx(0.25, abs=0.03)
+
+
+def test_the_planner_is_given_each_reports_measured_compute():
+    """The planner judges a move against the report's measured compute
+    (hettp.planner.Planner._contradicted): the loop must hand it over with the step."""
+    seen = []
+
+    class Recording(Planner):
+        def decide(self, *args, **kwargs):
+            seen.append(args[5:])
+            return super().decide(*args, **kwargs)
+
+    loop = ControlLoop(Recording("migrate", UNIT_WORK), StragglerDetector(2, patience=1, window=1))
+    even = PartitionPlan.even(2, 2, 4, 64)
+    report = _report(8, even, (0.0, 0.0), (1.0, 2.0))
+    assert loop.report(report, even, (0.0, 0.0)).decision is not None
+    assert seen == [(report.step, report.compute)]

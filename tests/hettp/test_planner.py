@@ -649,3 +649,35 @@ def test_a_rebalance_back_to_a_plan_measured_this_straggle_needs_its_measured_st
         onset = Detection((1.0, 2.0), frozenset({1}), True, frozenset({1}), frozenset())
         planner.decide(16, onset, slower, b, (0.0, 0.0), 0.95)
         assert planner._measured == {_counts(b): [0.95]}
+
+
+def test_a_move_the_measured_compute_contradicts_is_not_made():
+    """Readings can be off where the split is uneven (a hiccup carried by continuity, a fit's
+    intercept): a 2.3x rank read at 4.5x was given still less work while it already computed
+    less than the fast rank. A move that gives work only to ranks measured at or above every
+    rank it takes work from lengthens the step whatever the speeds: not made. Where the
+    measurement agrees, or a resize hides the resized rank's compute, the model decides."""
+    from hettp.detect import Detection
+
+    loaded, model, steady = _overloaded(1.3)  # the model: rank 1 (2x) holds too much
+    onset = Detection((1.0, 2.0), frozenset({1}), True, frozenset({1}), frozenset())
+    for policy in ("migrate", "hybrid"):
+        agrees = Planner(policy, UNIT_WORK).decide(
+            10, steady, model, loaded, (0.0, 0.0), 1.0, (0.8, 1.0)
+        )
+        assert agrees is not None and agrees.migrates, policy
+        took = plan_work(loaded, UNIT_WORK)[1] - plan_work(agrees.plan, UNIT_WORK)[1]
+        assert took > 0  # work off rank 1
+        for compute in ((1.0, 0.9), (1.0, 1.0)):  # rank 1 measured faster or even: refused
+            planner = Planner(policy, UNIT_WORK)
+            assert planner.decide(10, steady, model, loaded, (0.0, 0.0), 1.0, compute) is None
+            assert planner.decide(15, steady, model, loaded, (0.0, 0.0), 1.0, compute) is None
+        # an onset read off as well: the migration (migrate) or the move (hybrid) is refused
+        refused = Planner(policy, UNIT_WORK).decide(
+            10, onset, model, loaded, (0.0, 0.0), 1.0, (1.0, 0.9)
+        )
+        assert refused is None or not refused.migrates, (policy, refused)
+    # a resized rank's compute understates its units': not judged
+    hybrid = Planner("hybrid", UNIT_WORK)
+    undone = hybrid.decide(10, onset, model, loaded, (0.0, 0.3), 1.0, (1.0, 0.9))
+    assert undone is not None and undone.migrates and not any(undone.shares)
