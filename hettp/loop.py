@@ -17,7 +17,7 @@ from .anchor import SlowdownAnchor, relative
 from .costfit import ComputeFit
 from .detect import Detection, StragglerDetector
 from .plan import PartitionPlan
-from .planner import Decision, Planner, StepModel, plan_work
+from .planner import Decision, Measured, Planner, StepModel, plan_work
 from .transfer import MigrationCost
 
 
@@ -31,6 +31,12 @@ class TimingReport:
     step: float  # wall seconds per step
     fixed: tuple[float, ...] | None = None  # of compute, the part no split changes (None: 0)
     busy: tuple[float, ...] | None = None  # all of the rank's compute in the step, if known
+
+    @property
+    def measured(self) -> Measured:
+        """What the planner judges by: the step, and each rank's compute in the blocks."""
+        fixed = self.fixed or (0.0,) * len(self.compute)
+        return Measured(self.step, tuple(max(0.0, c - f) for c, f in zip(self.compute, fixed)))
 
     @classmethod
     def from_dict(cls, saved: dict) -> TimingReport:
@@ -305,8 +311,7 @@ class ControlLoop:
                 model,
                 plan,
                 tuple(shares),
-                report.step,
-                report.compute,
+                report.measured,
             )
         return Verdict(factors, detection, model, decision)
 

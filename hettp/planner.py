@@ -286,6 +286,16 @@ def balancing_shares(
 
 
 @dataclass(frozen=True)
+class Measured:
+    """What one report measured, that the planner judges plans and moves by."""
+
+    step: float  # wall seconds per step
+    # per rank, seconds per step in the blocks: its timed compute less the part no split
+    # changes (empty where not known)
+    blocks: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Decision:
     action: str  # resize | migrate | hybrid-resize | hybrid-migrate | restore | zero
     plan: PartitionPlan  # the plan to be in after the decision (unchanged for a resize)
@@ -353,7 +363,7 @@ class Planner:
         self._leaning = 0  # reports in a row whose rebalance gains above min_gain only
         # per plan's unit counts, its latest measured steps since the straggle last changed
         self._measured: dict[tuple, list[float]] = {}
-        self._compute: tuple[float, ...] | None = None  # the report's per-rank compute
+        self._seen: Measured | None = None  # the report being decided on
 
     def state_dict(self) -> dict:
         return {
@@ -376,20 +386,19 @@ class Planner:
         model: StepModel,
         plan: PartitionPlan,
         shares: Sequence[float],
-        step_s: float | None = None,
-        compute: Sequence[float] | None = None,
+        measured: Measured | None = None,
     ) -> Decision | None:
-        """`step_s`: the report's measured step, kept per plan while the straggle lasts;
-        `compute`: each rank's measured compute in it (a move it contradicts is not made)."""
+        """`measured`: what the report measured; its step is kept per plan while the straggle
+        lasts, and a move its block compute contradicts is not made."""
         if not self.policy.decides:
             return None
         shares = tuple(shares)
-        self._compute = None if compute is None else tuple(compute)
+        self._seen = measured
         if detection.changed:
             self._measured = {}
-        if step_s is not None and step_s > 0 and not any(shares):
+        if measured is not None and measured.step > 0 and not any(shares):
             seen = self._measured.setdefault(_counts(plan), [])
-            seen[:] = [*seen, step_s][-MEASURED_REPORTS:]
+            seen[:] = [*seen, measured.step][-MEASURED_REPORTS:]
         before = model.step_time(plan_work(plan, self.unit_work, shares))
         leaning = self._leaning
         decision = self.RULES[self.policy.name](
@@ -458,26 +467,32 @@ class Planner:
         return statistics.median(there) < (1.0 - self.min_gain) * statistics.median(here)
 
     def _contradicted(self, plan: PartitionPlan, target: PartitionPlan, shares) -> bool:
-        """The report's measured compute already has every rank the move gives work to at or
-        above every rank it takes work from, and the move shifts work the same way in every
-        block: whatever the ranks' speeds, it lengthens the step, and the slowdowns that asked
-        for it are misread (a hiccup that continuity carried from anchor to anchor, or a fit
-        off at an uneven split read a 2.3x rank at 4.5x, and the plan moved further from
-        balance; results/notes.md). Not judged while a resize is in effect: a resized rank's
-        compute understates its units'."""
-        if self._compute is None or any(shares) or len(self._compute) != plan.tp_size:
+        """The report measured every block the move changes already at least as long on each
+        rank it gives work to as on each rank it takes work from: whatever the ranks' speeds,
+        the move lengthens those blocks, and the slowdowns that asked for it are misread (a
+        hiccup that continuity carried from anchor to anchor, or a fit off at an uneven split,
+        read a 2.3x rank at 4.5x, and the plan moved further from balance: results/notes.md).
+        A rank's time in a block is its measured block compute in proportion to its work
+        there: its slowdown stretches all of its blocks alike, so no reading enters. Not
+        judged while a resize is in effect (a resized rank's compute understates its units')."""
+        seen = self._seen
+        if seen is None or any(shares) or len(seen.blocks) != plan.tp_size:
             return False
         old, new = block_works(plan, self.unit_work), block_works(target, self.unit_work)
-        gains, takes = set(), set()
+        totals = [sum(works) for works in zip(*old)]
+        changed = False
         for before, after in zip(old, new):
-            for rank, (b, a) in enumerate(zip(before, after)):
-                if a > b:
-                    gains.add(rank)
-                elif a < b:
-                    takes.add(rank)
-        if not gains or not takes or gains & takes:
-            return False  # no move, or one that evens out blocks: totals cannot judge it
-        return min(self._compute[r] for r in gains) >= max(self._compute[r] for r in takes)
+            gains = [r for r in range(plan.tp_size) if after[r] > before[r]]
+            takes = [r for r in range(plan.tp_size) if after[r] < before[r]]
+            if not gains and not takes:
+                continue
+            changed = True
+            time = [
+                seen.blocks[r] * before[r] / totals[r] if totals[r] else 0.0 for r in gains + takes
+            ]
+            if not takes or min(time[: len(gains)]) < max(time[len(gains) :]):
+                return False  # a block where the move gives work to a rank measured shorter
+        return changed
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers

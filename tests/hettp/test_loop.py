@@ -305,4 +305,4 @@ def test_the_planner_is_given_each_reports_measured_compute():
     even = PartitionPlan.even(2, 2, 4, 64)
     report = _report(8, even, (0.0, 0.0), (1.0, 2.0))
     assert loop.report(report, even, (0.0, 0.0)).decision is not None
-    assert seen == [(report.step, report.compute)]
+    assert seen == [(report.measured,)]

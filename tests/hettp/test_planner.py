@@ -11,6 +11,7 @@ from hettp.detect import DetectError, StragglerDetector
 from hettp.loop import ControlLoop, TimingReport, step_model
 from hettp.plan import PartitionPlan
 from hettp.planner import (
+    Measured,
     Planner,
     StepModel,
     _counts,
@@ -629,55 +630,80 @@ def test_a_rebalance_back_to_a_plan_measured_this_straggle_needs_its_measured_st
     steady = Detection((1.0, 2.0), frozenset({1}), False, frozenset(), frozenset())
     for policy in ("migrate", "hybrid"):
         planner = Planner(policy, UNIT_WORK)
-        moved = planner.decide(10, steady, slower, a, (0.0, 0.0), 1.00)
+        moved = planner.decide(10, steady, slower, a, (0.0, 0.0), Measured(1.00))
         assert moved is not None and moved.plan == b  # b not measured yet: the model decides
         # at b, measured faster than a: the model's call to go back is not taken ...
-        assert planner.decide(14, steady, milder, b, (0.0, 0.0), 0.95) is None
-        assert planner.decide(18, steady, milder, b, (0.0, 0.0), 0.96) is None
+        assert planner.decide(14, steady, milder, b, (0.0, 0.0), Measured(0.95)) is None
+        assert planner.decide(18, steady, milder, b, (0.0, 0.0), Measured(0.96)) is None
         # ... and survives a resume
         resumed = Planner(policy, UNIT_WORK)
         resumed.load_state_dict(planner.state_dict())
-        assert resumed.decide(22, steady, milder, b, (0.0, 0.0), 0.95) is None
+        assert resumed.decide(22, steady, milder, b, (0.0, 0.0), Measured(0.95)) is None
         # where b measures slower than a, back to a
-        back = resumed.decide(26, steady, milder, b, (0.0, 0.0), 1.30)
-        back = back or resumed.decide(30, steady, milder, b, (0.0, 0.0), 1.30)
+        back = resumed.decide(26, steady, milder, b, (0.0, 0.0), Measured(1.30))
+        back = back or resumed.decide(30, steady, milder, b, (0.0, 0.0), Measured(1.30))
         assert back is not None and back.plan == a
         # a new straggle forgets what was measured
         planner = Planner(policy, UNIT_WORK)
-        planner.decide(10, steady, slower, a, (0.0, 0.0), 1.00)
-        planner.decide(14, steady, milder, b, (0.0, 0.0), 0.95)
+        planner.decide(10, steady, slower, a, (0.0, 0.0), Measured(1.00))
+        planner.decide(14, steady, milder, b, (0.0, 0.0), Measured(0.95))
         onset = Detection((1.0, 2.0), frozenset({1}), True, frozenset({1}), frozenset())
-        planner.decide(16, onset, slower, b, (0.0, 0.0), 0.95)
+        planner.decide(16, onset, slower, b, (0.0, 0.0), Measured(0.95))
         assert planner._measured == {_counts(b): [0.95]}
 
 
-def test_a_move_the_measured_compute_contradicts_is_not_made():
+def test_a_move_the_measured_block_compute_contradicts_is_not_made():
     """Readings can be off where the split is uneven (a hiccup carried by continuity, a fit's
     intercept): a 2.3x rank read at 4.5x was given still less work while it already computed
-    less than the fast rank. A move that gives work only to ranks measured at or above every
-    rank it takes work from lengthens the step whatever the speeds: not made. Where the
-    measurement agrees, or a resize hides the resized rank's compute, the model decides."""
+    less than the fast rank. A move that gives work in each block it changes only to ranks
+    measured there at or above every rank it takes work from lengthens the step whatever the
+    speeds: not made. Where the measurement agrees, or a resize hides the resized rank's
+    compute, the model decides."""
     from hettp.detect import Detection
 
     loaded, model, steady = _overloaded(1.3)  # the model: rank 1 (2x) holds too much
     onset = Detection((1.0, 2.0), frozenset({1}), True, frozenset({1}), frozenset())
     for policy in ("migrate", "hybrid"):
         agrees = Planner(policy, UNIT_WORK).decide(
-            10, steady, model, loaded, (0.0, 0.0), 1.0, (0.8, 1.0)
+            10, steady, model, loaded, (0.0, 0.0), Measured(1.0, (0.5, 1.0))
         )
         assert agrees is not None and agrees.migrates, policy
-        took = plan_work(loaded, UNIT_WORK)[1] - plan_work(agrees.plan, UNIT_WORK)[1]
-        assert took > 0  # work off rank 1
-        for compute in ((1.0, 0.9), (1.0, 1.0)):  # rank 1 measured faster or even: refused
-            planner = Planner(policy, UNIT_WORK)
-            assert planner.decide(10, steady, model, loaded, (0.0, 0.0), 1.0, compute) is None
-            assert planner.decide(15, steady, model, loaded, (0.0, 0.0), 1.0, compute) is None
-        # an onset read off as well: the migration (migrate) or the move (hybrid) is refused
+        assert plan_work(agrees.plan, UNIT_WORK)[1] < plan_work(loaded, UNIT_WORK)[1]
+        planner = Planner(policy, UNIT_WORK)  # rank 1 measured at half of rank 0: refused
+        for iteration in (10, 15):
+            seen = Measured(1.0, (1.0, 0.5))
+            assert planner.decide(iteration, steady, model, loaded, (0.0, 0.0), seen) is None
+        # an onset read off as well: no migration (hybrid resizes)
         refused = Planner(policy, UNIT_WORK).decide(
-            10, onset, model, loaded, (0.0, 0.0), 1.0, (1.0, 0.9)
+            10, onset, model, loaded, (0.0, 0.0), Measured(1.0, (1.0, 0.5))
         )
         assert refused is None or not refused.migrates, (policy, refused)
     # a resized rank's compute understates its units': not judged
-    hybrid = Planner("hybrid", UNIT_WORK)
-    undone = hybrid.decide(10, onset, model, loaded, (0.0, 0.3), 1.0, (1.0, 0.9))
+    undone = Planner("hybrid", UNIT_WORK).decide(
+        10, onset, model, loaded, (0.0, 0.3), Measured(1.0, (1.0, 0.5))
+    )
     assert undone is not None and undone.migrates and not any(undone.shares)
+
+
+def test_a_move_is_judged_block_by_block_not_by_the_ranks_totals():
+    """Rank 0 holds all of attention and computes longer in all, but rank 1 (read at 3x)
+    computes longer in the MLP: moving MLP units to rank 0 shortens the MLP, and is made."""
+    from hettp.detect import Detection
+
+    plan = PartitionPlan.even(2, 1, 2, 64).recounted({0: {"attn": [2, 0], "mlp": [20, 44]}})
+    model = StepModel(rest=0.0, factors=(1.0, 3.0), slope=1.0)
+    steady = Detection((1.0, 3.0), frozenset({1}), False, frozenset(), frozenset())
+    seen = Measured(1.0, (0.9, 0.8))  # rank 0: 0.9 s, 20/28 of it in the MLP; rank 1: 0.8 s
+    decision = Planner("migrate", UNIT_WORK).decide(10, steady, model, plan, (0.0, 0.0), seen)
+    assert decision is not None and decision.plan.counts(0, "attn") == (2, 0), decision
+    assert decision.plan.counts(0, "mlp")[0] > 20
+    # measured shorter on rank 1 in the MLP as well: not made
+    seen = Measured(1.0, (0.9, 0.6))
+    assert Planner("migrate", UNIT_WORK).decide(10, steady, model, plan, (0.0, 0.0), seen) is None
+
+
+def test_the_loop_hands_the_planner_the_reports_block_compute():
+    """The measured block compute is the timed compute less its part no split changes."""
+    report = TimingReport(8, (1.0, 2.0), (1.0, 1.0), 2.5, fixed=(0.25, 0.5))
+    assert report.measured == Measured(2.5, (0.75, 1.5))
+    assert TimingReport(8, (1.0, 2.0), (1.0, 1.0), 2.5).measured.blocks == (1.0, 2.0)
