@@ -38,23 +38,36 @@ def _emulated_start(extra) -> int:
     return int(re.search(r"start=(\d+)", extra[extra.index("--het-tp-emulate") + 1]).group(1))
 
 
-def _run_on_a_quiet_start(tmp_path, name, extra, attempts=3):
-    """`_run`, repeated while the machine slowed a rank before the emulation did.
-
-    These tests time the loop's reaction to one emulated straggler on an otherwise quiet
-    pair of ranks. A shared 2-core CI machine once read a rank at 1.7-1.8x for two steps
-    before anything was emulated, in three runs of seven (CPU time counts a neighbour's
-    share of a core, and a hypervisor's), and the loop acted on it as it should: what it
-    measured was a straggle. Such a run says nothing about the emulated one, so it is run
-    again; a loop that decides before the onset on every attempt still fails."""
-    start = _emulated_start(extra)
+def _rerun_while(disturbed, directory, name, extra, attempts=3):
+    """`_run` (in `directory(attempt)`) again while `disturbed(records)` finds the machine
+    itself slowing a rank, up to `attempts` runs. A shared 2-core CI machine slows a rank
+    now and then (CPU time counts a neighbour's share of a core, and a hypervisor's), and the
+    loop acts on it as it should: what it measured was a straggle. Such a run says nothing
+    about the case a test sets up; a loop that misbehaves on every attempt still fails."""
+    seen = []
     for attempt in range(attempts):
-        (tmp_path / f"attempt{attempt}").mkdir()
-        ranks, records = _run(tmp_path / f"attempt{attempt}", name, extra)
-        early = [r for r in records if r["kind"] == "decision" and r["iteration"] < start]
-        if not early:
+        ranks, records = _run(directory(attempt), name, extra)
+        why = disturbed(records)
+        if why is None:
             return ranks, records
-    raise AssertionError(f"decided before the emulated onset (step {start}) on every run: {early}")
+        seen.append(why)
+    raise AssertionError(f"every run was disturbed: {seen}")
+
+
+def _run_on_a_quiet_start(tmp_path, name, extra):
+    """`_run`, again where the loop decided before the emulation began (a CI machine read a
+    rank at 1.7-1.8x for two steps before anything was emulated, in three runs of seven)."""
+    start = _emulated_start(extra)
+
+    def early(records):
+        decided = [r for r in records if r["kind"] == "decision" and r["iteration"] < start]
+        return f"decided before the emulated onset (step {start}): {decided}" if decided else None
+
+    def directory(attempt):
+        (tmp_path / f"attempt{attempt}").mkdir()
+        return tmp_path / f"attempt{attempt}"
+
+    return _rerun_while(early, directory, name, extra)
 
 
 ONSET = float(TRAIN[TRAIN.index("--het-tp-onset") + 1])
@@ -71,20 +84,22 @@ def _apart(records) -> float:
 
 
 @pytest.fixture(scope="module")
-def steady(tmp_path_factory, attempts=3):
-    """A run with no straggler, repeated while its own reports show the machine slowing one
-    rank past the onset: two clean-clone CI runs in a row read a rank 1.6-1.7x slower for one
-    report (busy 89 against 55 ms a step), and the loop migrated, as it should for what it
-    measured. Such a run says nothing about a steady cluster; a loop that decides on a run
+def steady(tmp_path_factory):
+    """A run with no straggler, again where its own reports show the machine slowing one rank
+    past the onset: two clean-clone CI runs in a row read a rank 1.6-1.7x slower for one
+    report (busy 89 against 55 ms a step), and the loop migrated. A loop that decides on a run
     whose reports stay within the onset still fails."""
-    widest = []
-    for attempt in range(attempts):
-        path = tmp_path_factory.mktemp(f"steady{attempt}")
-        ranks, records = _run(path, "steady", ["--het-tp-policy", "migrate"])
-        widest.append(round(_apart(records), 2))
-        if widest[-1] < ONSET:
-            return ranks, records
-    raise AssertionError(f"every steady run had a report with ranks {widest} apart")
+
+    def apart(records):
+        widest = _apart(records)
+        return f"ranks {widest:.2f}x apart before any decision" if widest >= ONSET else None
+
+    return _rerun_while(
+        apart,
+        lambda a: tmp_path_factory.mktemp(f"steady{a}"),
+        "steady",
+        ["--het-tp-policy", "migrate"],
+    )
 
 
 @pytest.mark.parametrize("clock", ["cpu", "wall"])
