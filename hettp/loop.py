@@ -125,6 +125,7 @@ class Verdict:
     detection: Detection | None  # None where nothing detects (no policy that decides)
     model: StepModel | None
     decision: Decision | None
+    refused: str | None = None  # a move the planner refused on what the report measured
 
 
 def step_model(
@@ -313,7 +314,8 @@ class ControlLoop:
                 tuple(shares),
                 report.measured,
             )
-        return Verdict(factors, detection, model, decision)
+        refused = self.planner.refused if model is not None else None
+        return Verdict(factors, detection, model, decision, refused)
 
     def _agrees(self, factors, detection: Detection) -> bool:
         """The report's factors put every straggler above the detector's end threshold and

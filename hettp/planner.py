@@ -364,6 +364,7 @@ class Planner:
         # per plan's unit counts, its latest measured steps since the straggle last changed
         self._measured: dict[tuple, list[float]] = {}
         self._seen: Measured | None = None  # the report being decided on
+        self.refused: str | None = None  # the last decide's move refused by what it measured
 
     def state_dict(self) -> dict:
         return {
@@ -393,7 +394,7 @@ class Planner:
         if not self.policy.decides:
             return None
         shares = tuple(shares)
-        self._seen = measured
+        self._seen, self.refused = measured, None
         if detection.changed:
             self._measured = {}
         if measured is not None and measured.step > 0 and not any(shares):
@@ -474,7 +475,8 @@ class Planner:
         read a 2.3x rank at 4.5x, and the plan moved further from balance: results/notes.md).
         A rank's time in a block is its measured block compute in proportion to its work
         there: its slowdown stretches all of its blocks alike, so no reading enters. Not
-        judged while a resize is in effect (a resized rank's compute understates its units')."""
+        judged while a resize is in effect (a resized rank's compute understates its units').
+        Sets `refused` to say so where it is."""
         seen = self._seen
         if seen is None or any(shares) or len(seen.blocks) != plan.tp_size:
             return False
@@ -492,6 +494,11 @@ class Planner:
             ]
             if not takes or min(time[: len(gains)]) < max(time[len(gains) :]):
                 return False  # a block where the move gives work to a rank measured shorter
+        if changed:
+            self.refused = (
+                f"move to {target.summary()} refused: ranks measured at {list(seen.blocks)} s "
+                "in the blocks; it gives work only to the longer ones"
+            )
         return changed
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):

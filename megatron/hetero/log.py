@@ -245,6 +245,11 @@ class EventLog:
                 factor=list(verdict.factors),
                 step_s=report.step,
                 slowdown=list(detection.slowdown) if detection else None,
+                refused=verdict.refused,
+            )
+        if verdict.refused:
+            self.info(
+                f"> het-TP at iteration {report.iteration}{_at_stage(stage)}: {verdict.refused}"
             )
 
     def decision(self, iteration, decision, detection, moved: StageMove | None, stage=None):

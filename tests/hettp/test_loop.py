@@ -304,5 +304,11 @@ def test_the_planner_is_given_each_reports_measured_compute():
     loop = ControlLoop(Recording("migrate", UNIT_WORK), StragglerDetector(2, patience=1, window=1))
     even = PartitionPlan.even(2, 2, 4, 64)
     report = _report(8, even, (0.0, 0.0), (1.0, 2.0))
-    assert loop.report(report, even, (0.0, 0.0)).decision is not None
+    verdict = loop.report(report, even, (0.0, 0.0))
+    assert verdict.decision is not None and verdict.refused is None
     assert seen == [(report.measured,)]
+    # what the planner refused is in the verdict (the timing record and a log line carry it)
+    refusing = Recording("migrate", UNIT_WORK)
+    refusing.decide = lambda *args, **kwargs: setattr(refusing, "refused", "move refused") or None
+    loop = ControlLoop(refusing, StragglerDetector(2, patience=1, window=1))
+    assert loop.report(report, even, (0.0, 0.0)).refused == "move refused"

@@ -673,6 +673,9 @@ def test_a_move_the_measured_block_compute_contradicts_is_not_made():
         for iteration in (10, 15):
             seen = Measured(1.0, (1.0, 0.5))
             assert planner.decide(iteration, steady, model, loaded, (0.0, 0.0), seen) is None
+            assert "refused" in planner.refused and "[1.0, 0.5]" in planner.refused
+        planner.decide(20, steady, model, loaded, (0.0, 0.0), Measured(1.0, (0.5, 1.0)))
+        assert planner.refused is None  # each decision judges its own report
         # an onset read off as well: no migration (hybrid resizes)
         refused = Planner(policy, UNIT_WORK).decide(
             10, onset, model, loaded, (0.0, 0.0), Measured(1.0, (1.0, 0.5))
