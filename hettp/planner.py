@@ -496,7 +496,8 @@ class Planner:
                 return False  # a block where the move gives work to a rank measured shorter
         if changed:
             self.refused = (
-                f"move to {target.summary()} refused: ranks measured at {list(seen.blocks)} s "
+                f"move to {target.summary()} refused: ranks measured at "
+                f"{[round(b, 3) for b in seen.blocks]} s "
                 "in the blocks; it gives work only to the longer ones"
             )
         return changed

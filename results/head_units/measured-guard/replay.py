@@ -1,0 +1,48 @@
+"""Which migrations of recorded runs the measured-compute guard (Planner._contradicted) would
+have refused: each decision's plan before and after, judged on the timing record of the report
+it was made at (compute less the timed fixed part), as the planner judges it now.
+
+    python results/head_units/measured-guard/replay.py 'results/**/runs/*.jsonl'
+"""
+
+import dataclasses
+import glob
+import json
+import sys
+
+from hettp.plan import PartitionPlan
+from hettp.planner import Measured, Planner
+from hettp.report import _head_units
+
+judged = refused = 0
+paths = sorted({p for pattern in sys.argv[1:] for p in glob.glob(pattern, recursive=True)})
+for path in paths:
+    plan = work = heads = shares = None
+    timing = {}
+    for line in open(path):
+        r = json.loads(line)
+        kind = r.get("kind")
+        if kind == "run":
+            heads = _head_units(r["args"])
+        elif kind == "plan" and plan is None:
+            plan = r["plan"]
+        elif kind == "priced":
+            work = r["unit_work"]
+        elif kind == "timing":
+            timing[r["iteration"]] = r
+        elif kind == "decision":
+            t = timing.get(r["iteration"])
+            if r["action"] in ("migrate", "hybrid-migrate") and plan and work and t:
+                old, new = (PartitionPlan.from_json(p) for p in (plan, r["plan"]))
+                if heads is not None:
+                    old, new = (dataclasses.replace(p, heads=heads) for p in (old, new))
+                planner = Planner("migrate", work)
+                fixed = t.get("fixed_s") or [0.0] * len(t["compute_s"])
+                blocks = tuple(max(0.0, c - x) for c, x in zip(t["compute_s"], fixed))
+                planner._seen = Measured(t["step_s"], blocks)
+                judged += 1
+                if planner._contradicted(old, new, tuple(shares or (0.0,) * old.tp_size)):
+                    refused += 1
+                    print(f"{path} it {r['iteration']} {r['reason'][:40]!r}: {planner.refused}")
+            plan, shares = r["plan"], r["shares"]
+print(f"{refused} of {judged} migrations refused")
