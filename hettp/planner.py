@@ -468,39 +468,13 @@ class Planner:
         return statistics.median(there) < (1.0 - self.min_gain) * statistics.median(here)
 
     def _contradicted(self, plan: PartitionPlan, target: PartitionPlan, shares) -> bool:
-        """The report measured every block the move changes already at least as long on each
-        rank it gives work to as on each rank it takes work from: whatever the ranks' speeds,
-        the move lengthens those blocks, and the slowdowns that asked for it are misread (a
-        hiccup that continuity carried from anchor to anchor, or a fit off at an uneven split,
-        read a 2.3x rank at 4.5x, and the plan moved further from balance: results/notes.md).
-        A rank's time in a block is its measured block compute in proportion to its work
-        there: its slowdown stretches all of its blocks alike, so no reading enters. Not
-        judged while a resize is in effect (a resized rank's compute understates its units').
-        Sets `refused` to say so where it is."""
-        seen = self._seen
-        if seen is None or any(shares) or len(seen.blocks) != plan.tp_size:
+        """The move is one the report's measurement contradicts (measured_against); sets
+        `refused` to say why. Not judged while a resize is in effect: a resized rank's compute
+        understates its units'."""
+        if self._seen is None or any(shares):
             return False
-        old, new = block_works(plan, self.unit_work), block_works(target, self.unit_work)
-        totals = [sum(works) for works in zip(*old)]
-        changed = False
-        for before, after in zip(old, new):
-            gains = [r for r in range(plan.tp_size) if after[r] > before[r]]
-            takes = [r for r in range(plan.tp_size) if after[r] < before[r]]
-            if not gains and not takes:
-                continue
-            changed = True
-            time = [
-                seen.blocks[r] * before[r] / totals[r] if totals[r] else 0.0 for r in gains + takes
-            ]
-            if not takes or min(time[: len(gains)]) < max(time[len(gains) :]):
-                return False  # a block where the move gives work to a rank measured shorter
-        if changed:
-            self.refused = (
-                f"move to {target.summary()} refused: ranks measured at "
-                f"{[round(b, 3) for b in seen.blocks]} s "
-                "in the blocks; it gives work only to the longer ones"
-            )
-        return changed
+        self.refused = measured_against(plan, target, self.unit_work, self._seen)
+        return self.refused is not None
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers
@@ -659,6 +633,39 @@ def balanced_target(
         if split > (1.0 - SPLIT_GAIN) * model.blocks_time(block_works(whole, work)):
             return whole
     return target
+
+
+def measured_against(
+    plan: PartitionPlan, target: PartitionPlan, unit_work: Mapping[str, float], seen: Measured
+) -> str | None:
+    """Why the move from `plan` to `target` lengthens the step whatever the ranks' speeds, or
+    None: `seen` measured every block it changes already at least as long on each rank it
+    gives work to as on each rank it takes work from. Then the slowdowns that asked for it are
+    misread (a hiccup that continuity carried from anchor to anchor, or a fit off at an uneven
+    split, read a 2.3x rank at 4.5x, and the plan moved further from balance:
+    results/notes.md). A rank's time in a block is its measured block compute in proportion
+    to its work there: its slowdown stretches all of its blocks alike, so no reading enters."""
+    if len(seen.blocks) != plan.tp_size:
+        return None
+    old, new = block_works(plan, unit_work), block_works(target, unit_work)
+    totals = [sum(works) for works in zip(*old)]
+    changed = False
+    for before, after in zip(old, new):
+        gains = [r for r in range(plan.tp_size) if after[r] > before[r]]
+        takes = [r for r in range(plan.tp_size) if after[r] < before[r]]
+        if not gains and not takes:
+            continue
+        changed = True
+        time = [seen.blocks[r] * before[r] / totals[r] if totals[r] else 0.0 for r in gains + takes]
+        if not takes or min(time[: len(gains)]) < max(time[len(gains) :]):
+            return None  # a block where the move gives work to a rank measured shorter
+    if not changed:
+        return None
+    return (
+        f"move to {target.summary()} refused: ranks measured at "
+        f"{[round(b, 3) for b in seen.blocks]} s in the blocks; it gives work only to the "
+        "longer ones"
+    )
 
 
 def _counts(plan: PartitionPlan) -> tuple:

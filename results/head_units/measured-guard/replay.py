@@ -1,6 +1,7 @@
-"""Which migrations of recorded runs the measured-compute guard (Planner._contradicted) would
-have refused: each decision's plan before and after, judged on the timing record of the report
-it was made at (compute less the timed fixed part), as the planner judges it now.
+"""Which migrations of recorded runs the measured-compute guard would have refused
+(hettp.planner.measured_against): each decision's plan before and after, judged on the timing
+record of the report it was made at (compute less the timed fixed part), as the planner judges
+it now.
 
     python results/head_units/measured-guard/replay.py 'results/**/runs/*.jsonl'
 """
@@ -11,7 +12,7 @@ import json
 import sys
 
 from hettp.plan import PartitionPlan
-from hettp.planner import Measured, Planner
+from hettp.planner import Measured, measured_against
 from hettp.report import _head_units
 
 judged = refused = 0
@@ -36,13 +37,12 @@ for path in paths:
                 old, new = (PartitionPlan.from_json(p) for p in (plan, r["plan"]))
                 if heads is not None:
                     old, new = (dataclasses.replace(p, heads=heads) for p in (old, new))
-                planner = Planner("migrate", work)
                 fixed = t.get("fixed_s") or [0.0] * len(t["compute_s"])
                 blocks = tuple(max(0.0, c - x) for c, x in zip(t["compute_s"], fixed))
-                planner._seen = Measured(t["step_s"], blocks)
+                why = measured_against(old, new, work, Measured(t["step_s"], blocks))
                 judged += 1
-                if planner._contradicted(old, new, tuple(shares or (0.0,) * old.tp_size)):
+                if why is not None and not any(shares or ()):  # resized: not judged
                     refused += 1
-                    print(f"{path} it {r['iteration']} {r['reason'][:40]!r}: {planner.refused}")
+                    print(f"{path} it {r['iteration']} {r['reason'][:40]!r}: {why}")
             plan, shares = r["plan"], r["shares"]
 print(f"{refused} of {judged} migrations refused")
