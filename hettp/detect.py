@@ -152,6 +152,7 @@ class StragglerDetector:
             and self._steady(r)
             and abs(math.log(slowdown[r] / self._planned_for.get(r, slowdown[r])))
             > math.log1p(self.replan)
+            and self._moved_itself(r, smoothed[r], slowdown[r])
             for r in self.stragglers
         )
         changed = bool(onsets or ends or drifted)
@@ -167,6 +168,18 @@ class StragglerDetector:
         if own is None or planned is None or then is None or planned < self.onset:
             return True  # nothing to go by, or nothing slow to shed (recovered at a re-base)
         return own <= then / (1.0 + (planned - 1.0) / 2.0)
+
+    def _moved_itself(self, rank: int, own: float | None, slowdown: float) -> bool:
+        """A straggler's new level is its own doing: its own smoothed value moved from where it
+        was when last planned for, the way its slowdown against the fastest rank did, by at
+        least half the replan band (in log terms). A fast rank's hiccup (1.5x for a few steps)
+        read a steady 3x straggler at 2x, the plan moved units back to it as to a recovering
+        rank, and it then ran 20-40% over the fast rank (results/notes.md)."""
+        planned, then = self._planned_for.get(rank), self._planned_own.get(rank)
+        if own is None or planned is None or then is None or then <= 0:
+            return True  # nothing to go by
+        moved, need = math.log(own / then), 0.5 * math.log1p(self.replan)
+        return moved > need if slowdown > planned else moved < -need
 
     def _steady(self, rank: int) -> bool:
         """The rank's window agrees within the replan band: a slowdown on its way from one

@@ -136,6 +136,22 @@ def test_a_straggler_settling_inside_the_band_is_replanned_for_what_it_is_now():
     assert [i for i, r in enumerate(results) if r.changed] == [3]
 
 
+def test_a_level_change_is_the_stragglers_own_not_the_fast_ranks():
+    """A steady 3x straggler reads 2x while the fast rank runs 1.5x slower for a while (a
+    hiccup there, on a shared machine): not a new level, so no units go back to the
+    straggler. The straggler itself easing to 1.8x, or slowing to 5x, is one (acted on once
+    its window agrees, as before)."""
+    steady = [[1, 1]] * 2 + [[1, 3]] * 5
+    for hiccup in ([[1.5, 3]] * 6, [[0.66, 3]] * 6):  # fast rank slower, then faster
+        results = _run(StragglerDetector(2), steady + hiccup)
+        assert [i for i, r in enumerate(results) if r.changed] == [3], hiccup
+        assert results[-1].stragglers == {1}
+    for level in (1.8, 5.0):  # the straggler's own new level
+        results = _run(StragglerDetector(2), steady + [[1, level]] * 6)
+        assert [i for i, r in enumerate(results) if r.changed] == [3, 9], level
+        assert results[9].slowdown[1] == pytest.approx(level)
+
+
 def test_detector_rejects_bad_input():
     with pytest.raises(DetectError, match="end .* < onset"):
         StragglerDetector(2, onset=1.1, end=1.2)
