@@ -92,7 +92,7 @@ class HetTPConfig:
 
     patience: int = 3
     """Consecutive smoothed steps at or above --het-tp-onset (and below --het-tp-onset-at-once)
-    before a rank straggles."""
+    before a rank straggles, and at a slower level before a straggler is replanned for it."""
 
     end_patience: int = 1
     """Consecutive smoothed steps at or below --het-tp-end before a straggle ends."""

@@ -11,7 +11,8 @@ to act. A rank's state changes only once its window is full, so the median of 3 
 slowdown and on an end, which is fast enough to follow a straggle that starts or ends mid-run,
 while one noisy step never flips the state. A mild slowdown (below `at_once`) must last
 `patience` smoothed steps: on a shared machine, ranks drift 20% apart for a few steps now and
-then (figures: results/notes.md).
+then (figures: results/notes.md). So must a straggler's rise to a slower level; its easing to a
+milder one is acted on once its window agrees, as an end is.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class StragglerDetector:
         self._history = [deque(maxlen=window) for _ in range(tp_size)]
         self._above = [0] * tp_size
         self._below = [0] * tp_size
+        self._rising = [0] * tp_size  # smoothed steps in a row a straggler read a slower level
         self.stragglers: frozenset = frozenset()
         self._planned_for: dict = {}  # straggler -> slowdown the last decision used
         self._planned_own: dict = {}  # straggler -> its own smoothed value then
@@ -147,16 +149,26 @@ class StragglerDetector:
             self._rebased = False
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
             self._planned_own = {r: smoothed[r] for r in self.stragglers}
-        drifted = not self._rebased and any(
-            (slowdown[r] >= self.onset or self._sped_up(r, smoothed[r]))
-            and self._steady(r)
-            and abs(math.log(slowdown[r] / self._planned_for.get(r, slowdown[r])))
-            > math.log1p(self.replan)
-            and self._moved_itself(r, smoothed[r], slowdown[r])
-            for r in self.stragglers
-        )
+        drifted = False
+        for r in range(self.tp_size):
+            level = (
+                not self._rebased
+                and r in self.stragglers
+                and (slowdown[r] >= self.onset or self._sped_up(r, smoothed[r]))
+                and self._steady(r)
+                and abs(math.log(slowdown[r] / self._planned_for.get(r, slowdown[r])))
+                > math.log1p(self.replan)
+                and self._moved_itself(r, smoothed[r], slowdown[r])
+            )
+            slower = level and slowdown[r] > self._planned_for.get(r, slowdown[r])
+            self._rising[r] = self._rising[r] + 1 if slower else 0
+            # a slower level must last `patience` smoothed steps, as a mild onset must: the
+            # straggler is planned for already, and a few slower steps of its own (2x its time
+            # for a report on this VM) read as 3.5x a 2.3x rank, and the plan followed them
+            drifted = drifted or (level and (not slower or self._rising[r] >= self.patience))
         changed = bool(onsets or ends or drifted)
         if changed:
+            self._rising = [0] * self.tp_size
             self._planned_for = {r: slowdown[r] for r in self.stragglers}
             self._planned_own = {r: smoothed[r] for r in self.stragglers}
         return Detection(slowdown, self.stragglers, changed, frozenset(onsets), frozenset(ends))
@@ -193,6 +205,7 @@ class StragglerDetector:
             "history": [list(h) for h in self._history],
             "above": list(self._above),
             "below": list(self._below),
+            "rising": list(self._rising),
             "stragglers": sorted(self.stragglers),
             "planned_for": {str(r): v for r, v in self._planned_for.items()},
             "planned_own": {str(r): v for r, v in self._planned_own.items()},
@@ -210,6 +223,7 @@ class StragglerDetector:
             history.clear()
             history.extend(saved)
         self._above, self._below = list(state["above"]), list(state["below"])
+        self._rising = list(state.get("rising", [0] * self.tp_size))  # absent before it
         self.stragglers = frozenset(state["stragglers"])
         self._planned_for = {int(r): v for r, v in state["planned_for"].items()}
         self._planned_own = {int(r): v for r, v in state.get("planned_own", {}).items()}

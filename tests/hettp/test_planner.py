@@ -146,10 +146,28 @@ def test_a_level_change_is_the_stragglers_own_not_the_fast_ranks():
         results = _run(StragglerDetector(2), steady + hiccup)
         assert [i for i, r in enumerate(results) if r.changed] == [3], hiccup
         assert results[-1].stragglers == {1}
-    for level in (1.8, 5.0):  # the straggler's own new level
+    # the straggler's own new level: a milder one once its window agrees, a slower one after
+    # `patience` (3) smoothed steps more (test_a_straggler_rising_for_a_few_steps_is_no_new_level)
+    for level, at in ((1.8, 9), (5.0, 11)):
         results = _run(StragglerDetector(2), steady + [[1, level]] * 6)
-        assert [i for i, r in enumerate(results) if r.changed] == [3, 9], level
-        assert results[9].slowdown[1] == pytest.approx(level)
+        assert [i for i, r in enumerate(results) if r.changed] == [3, at], level
+        assert results[at].slowdown[1] == pytest.approx(level)
+
+
+def test_a_straggler_rising_for_a_few_steps_is_no_new_level():
+    """A 2.3x straggler ran 2x its time for a report on this VM (3.5x), and the plan followed:
+    a resize, then a migration for a 4x rank. A slower level must last `patience` smoothed
+    steps, as a mild onset must; a resumed detector keeps the count."""
+    steady = [[1, 1]] * 2 + [[1, 3]] * 5
+    results = _run(StragglerDetector(2), steady + [[1, 6]] * 4 + [[1, 3]] * 4)
+    assert [i for i, r in enumerate(results) if r.changed] == [3]
+    results = _run(StragglerDetector(2, patience=1), steady + [[1, 6]] * 4 + [[1, 3]] * 4)
+    assert [i for i, r in enumerate(results) if r.changed] == [3, 9, 13]  # no patience: both
+    detector = StragglerDetector(2)
+    _run(detector, steady + [[1, 6]] * 3)
+    resumed = StragglerDetector(2)
+    resumed.load_state_dict(detector.state_dict())
+    assert [r.changed for r in _run(resumed, [[1, 6]] * 2)] == [False, True]
 
 
 def test_detector_rejects_bad_input():
