@@ -455,12 +455,14 @@ class Planner:
         gains more than REBALANCE_GAIN, or more than min_gain at REBALANCE_REPORTS reports in
         a row. The model learns after a move (the cost of the units a rank was left with, the
         per-call part), so the first move's split is corrected."""
+        decision = self._migrate(plan, model, before, detection, action, shares)
+        if decision is None:
+            return None
         missed = self._model_missed(plan, model, shares)
-        if missed is not None:
+        if missed is not None:  # a move was asked for, by a model that misses the report
             self.refused = missed
             return None
-        decision = self._migrate(plan, model, before, detection, action, shares)
-        if decision is None or not self._measured_faster(decision.plan, plan):
+        if not self._measured_faster(decision.plan, plan):
             return None
         if before - decision.predicted_after <= REBALANCE_GAIN * before:
             self._leaning += 1

@@ -766,6 +766,13 @@ def test_a_rebalance_needs_a_model_that_reproduces_the_report():
         moved = Planner(policy, UNIT_WORK).decide(10, onset, model, loaded, (0.0, 0.0), off)
         assert moved is not None  # at a change: migrate moves, hybrid resizes or moves
     assert Planner("migrate", UNIT_WORK).decide(10, steady, model, loaded, (0.0, 0.0)) is not None
+    # where no move is asked for, nothing is said to be refused
+    even = PartitionPlan.even(2, 1, 4, 2048)
+    quiet = Detection((1.0, 1.0), frozenset(), False, frozenset(), frozenset())
+    level = StepModel(rest=0.0, factors=(1.0, 1.0), slope=1.0)
+    planner = Planner("migrate", UNIT_WORK)
+    assert planner.decide(10, quiet, level, even, (0.0, 0.0), Measured(1.0, (9.0, 1.0))) is None
+    assert planner.refused is None
 
 
 def test_the_loop_hands_the_planner_the_reports_block_compute():
