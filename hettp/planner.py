@@ -48,6 +48,11 @@ class StepModel:
         """The rank's time in the blocks."""
         return self.factors[rank] * (self.fixed + self.slope * work)
 
+    def rank_compute(self, rank: int, work: float) -> float:
+        """All of the rank's timed compute: its blocks and what it computes after them (the
+        cost fit's line at `work`, times its slowdown)."""
+        return self.factors[rank] * (self.fixed + self.apart + self.slope * work)
+
     def step_time(self, work: Sequence[float]) -> float:
         blocks = max(self.rank_time(r, w) for r, w in enumerate(work))
         return self.rest + blocks + max(self.factors) * self.apart
@@ -293,6 +298,7 @@ class Measured:
     # per rank, seconds per step in the blocks: its timed compute less the part no split
     # changes (empty where not known)
     blocks: tuple[float, ...] = ()
+    compute: tuple[float, ...] = ()  # per rank, all of its timed compute (empty: not known)
 
 
 @dataclass(frozen=True)
@@ -342,7 +348,7 @@ REBALANCE_REPORTS = 2
 MEASURED_REPORTS = 3
 
 # A rebalance trusts the step model's prediction for another plan only where the model puts
-# each rank's block compute at the current plan within this share of what the report measured.
+# each rank's compute at the current plan within this share of what the report measured.
 # In the recorded runs, rebalances made where the model missed a rank by more than this left the
 # measured step where it was, those within half of it shortened it by about 6%
 # (results/notes.md): the cost fit's per-call part jumps now and then (to 0.065 s from 0.019 in
@@ -475,16 +481,16 @@ class Planner:
 
     def _model_missed(self, plan: PartitionPlan, model: StepModel, shares) -> str | None:
         """Why the model is not trusted to rebalance (MODEL_ERROR), or None: a rank whose
-        modelled block compute at `plan` is off the report's measured by more than that."""
+        modelled compute at `plan` is off the report's measured by more than that."""
         seen = self._seen
-        if seen is None or len(seen.blocks) != plan.tp_size:
+        if seen is None or len(seen.compute) != plan.tp_size:
             return None
         work = plan_work(plan, self.unit_work, shares)
-        for rank, measured in enumerate(seen.blocks):
-            modelled = model.rank_time(rank, work[rank])
+        for rank, measured in enumerate(seen.compute):
+            modelled = model.rank_compute(rank, work[rank])
             if measured > 0 and abs(modelled / measured - 1.0) > MODEL_ERROR:
                 return (
-                    f"rebalance not made: the step model puts rank {rank}'s block compute at "
+                    f"rebalance not made: the step model puts rank {rank}'s compute at "
                     f"{modelled:.3f} s, the report measured {measured:.3f} s"
                 )
         return None
@@ -503,8 +509,10 @@ class Planner:
         understates its units'."""
         if self._seen is None or any(shares):
             return False
-        self.refused = measured_against(plan, target, self.unit_work, self._seen)
-        return self.refused is not None
+        why = measured_against(plan, target, self.unit_work, self._seen)
+        if why is not None:
+            self.refused = why
+        return why is not None
 
     def _hybrid(self, iteration, detection, model, plan, shares, before):
         stragglers = detection.stragglers

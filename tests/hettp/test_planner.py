@@ -687,12 +687,11 @@ def test_a_rebalance_back_to_a_plan_measured_this_straggle_needs_its_measured_st
 
 
 def _modelled(plan, model, scale=(1.0, 1.0)):
-    """What the report would measure if `model` were right (each rank's block compute at
-    `plan`), times `scale`."""
+    """What the report would measure if `model` were right (each rank's compute at `plan`,
+    all of it in the blocks), times `scale`."""
     work = plan_work(plan, UNIT_WORK)
-    return Measured(
-        1.0, tuple(model.rank_time(r, w) * k for r, (w, k) in enumerate(zip(work, scale)))
-    )
+    times = tuple(model.rank_compute(r, w) * k for r, (w, k) in enumerate(zip(work, scale)))
+    return Measured(1.0, times, times)
 
 
 def test_a_move_the_measured_block_compute_contradicts_is_not_made():
@@ -762,7 +761,7 @@ def test_a_rebalance_needs_a_model_that_reproduces_the_report():
         off = _modelled(loaded, model, (1.0, 1.0 + 1.5 * MODEL_ERROR))  # rank 1 runs longer
         planner = Planner(policy, UNIT_WORK)
         assert planner.decide(10, steady, model, loaded, (0.0, 0.0), off) is None
-        assert planner.refused.startswith("rebalance not made: the step model puts rank 1")
+        assert planner.refused.startswith("rebalance not made: the step model puts rank 1's")
         moved = Planner(policy, UNIT_WORK).decide(10, onset, model, loaded, (0.0, 0.0), off)
         assert moved is not None  # at a change: migrate moves, hybrid resizes or moves
     assert Planner("migrate", UNIT_WORK).decide(10, steady, model, loaded, (0.0, 0.0)) is not None
@@ -778,5 +777,5 @@ def test_a_rebalance_needs_a_model_that_reproduces_the_report():
 def test_the_loop_hands_the_planner_the_reports_block_compute():
     """The measured block compute is the timed compute less its part no split changes."""
     report = TimingReport(8, (1.0, 2.0), (1.0, 1.0), 2.5, fixed=(0.25, 0.5))
-    assert report.measured == Measured(2.5, (0.75, 1.5))
+    assert report.measured == Measured(2.5, (0.75, 1.5), (1.0, 2.0))
     assert TimingReport(8, (1.0, 2.0), (1.0, 1.0), 2.5).measured.blocks == (1.0, 2.0)
