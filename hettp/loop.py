@@ -36,9 +36,7 @@ class TimingReport:
     def measured(self) -> Measured:
         """What the planner judges by: the step, and each rank's compute (all of it, and in
         the blocks)."""
-        fixed = self.fixed or (0.0,) * len(self.compute)
-        blocks = tuple(max(0.0, c - f) for c, f in zip(self.compute, fixed))
-        return Measured(self.step, blocks, tuple(self.compute))
+        return Measured(self.step, tuple(self.compute), tuple(self.fixed or ()))
 
     @classmethod
     def from_dict(cls, saved: dict) -> TimingReport:

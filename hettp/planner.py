@@ -295,10 +295,14 @@ class Measured:
     """What one report measured, that the planner judges plans and moves by."""
 
     step: float  # wall seconds per step
-    # per rank, seconds per step in the blocks: its timed compute less the part no split
-    # changes (empty where not known)
-    blocks: tuple[float, ...] = ()
     compute: tuple[float, ...] = ()  # per rank, all of its timed compute (empty: not known)
+    fixed: tuple[float, ...] = ()  # per rank, of that, the part no split changes (empty: 0)
+
+    @property
+    def blocks(self) -> tuple[float, ...]:
+        """Per rank, seconds per step in the blocks: its timed compute less the fixed part."""
+        fixed = self.fixed or (0.0,) * len(self.compute)
+        return tuple(max(0.0, c - f) for c, f in zip(self.compute, fixed))
 
 
 @dataclass(frozen=True)

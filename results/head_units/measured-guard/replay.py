@@ -37,9 +37,8 @@ for path in paths:
                 old, new = (PartitionPlan.from_json(p) for p in (plan, r["plan"]))
                 if heads is not None:
                     old, new = (dataclasses.replace(p, heads=heads) for p in (old, new))
-                fixed = t.get("fixed_s") or [0.0] * len(t["compute_s"])
-                blocks = tuple(max(0.0, c - x) for c, x in zip(t["compute_s"], fixed))
-                why = measured_against(old, new, work, Measured(t["step_s"], blocks))
+                seen = Measured(t["step_s"], tuple(t["compute_s"]), tuple(t.get("fixed_s") or ()))
+                why = measured_against(old, new, work, seen)
                 judged += 1
                 if why is not None and not any(shares or ()):  # resized: not judged
                     refused += 1
