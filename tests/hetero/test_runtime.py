@@ -105,10 +105,15 @@ def test_a_resized_run_resumes_with_its_shares_and_priorities(tmp_path):
     assert [(r["iteration"], r["why"], r["shares"]) for r in resizes] == [
         (7, "resumed from the checkpoint", decisions[0]["shares"])
     ]
-    assert _records(resumed, "decision") == []
+    # A restored detector knows the straggle: a fresh one would take it as an onset and resize
+    # again at the first report after its warm-up (12). What the resumed run may still do is
+    # what any run may at any report: on this tiny model a report now and then reads the
+    # resized 3x rank as recovered (1.07x once in CI) and restores.
+    again = _records(resumed, "decision")
+    assert all(d["action"] == "restore" for d in again), again
     # lossy, but the same skipped units from the same priorities: the same trajectory, up to
-    # a later decision of the reference run (the loop may correct the shares at any report)
-    later = [d["iteration"] for d in decisions if d["iteration"] > 7]
+    # a later decision of either run (the loop may correct the shares at any report)
+    later = [d["iteration"] for d in decisions + again if d["iteration"] > 7]
     for step in range(8, min(later, default=12) + 1):
         assert resumed["losses"][step] == pytest.approx(first["losses"][step], rel=1e-5)
 
