@@ -64,6 +64,13 @@ def parse(argv=None) -> argparse.Namespace:
         default=128,
         help="ffn neurons per MLP unit (as the trainer's flag)",
     )
+    p.add_argument(
+        "--het-tp-attn-granularity",
+        type=int,
+        default=0,
+        help="query heads per attention unit (as the trainer's flag; 0: whole query groups, "
+        "whose K/V a rank holding any head of the group then computes as a replica)",
+    )
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per replica")
     p.add_argument("--trace", default="production", help="production, or a compare.py scenario")
     p.add_argument("--steps", type=int, default=1000)
@@ -155,8 +162,16 @@ def parse_sites(text: str) -> list[Site]:
     return sites
 
 
+def _model(args):
+    return dataclasses.replace(
+        MODELS[args.model],
+        mlp_unit=args.het_tp_granularity,
+        attn_unit=args.het_tp_attn_granularity,
+    )
+
+
 def geo(args) -> dict:
-    model = dataclasses.replace(MODELS[args.model], mlp_unit=args.het_tp_granularity)
+    model = _model(args)
     fabric = Fabric(
         args.gpus_per_node,
         inter_cluster=Link(args.inter_site_ms / 1e3, args.inter_site_gbps * 1e9 / 8),
@@ -224,7 +239,7 @@ def calibrate(args) -> dict:
 
 def run(args) -> dict:
     layout = Layout(args.tp, args.pp, args.gpus // (args.tp * args.pp))
-    model = dataclasses.replace(MODELS[args.model], mlp_unit=args.het_tp_granularity)
+    model = _model(args)
     if args.trace == "production":
         trace = production(layout.world, args.steps, args.seed)
     else:
@@ -254,6 +269,7 @@ def run(args) -> dict:
         "dp": layout.dp,
         "model": args.model,
         "granularity": args.het_tp_granularity,
+        "attn_granularity": args.het_tp_attn_granularity,
         "trace": trace.name,
         "slow_gpus": len(trace.touched),
         "steps": args.steps,

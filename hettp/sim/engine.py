@@ -3,8 +3,9 @@ own control loop (hettp.loop: detector, cost fit, planner) deciding on simulated
 and its decisions applied at their predicted cost.
 
 What a step takes (per data-parallel replica, then the slowest replica):
-- a stage's micro-batch: its slowest TP rank's compute (its active units' FLOPs, plus the
-  output layer on the last stage, stretched by the GPU's slowdown) plus its layers' TP
+- a stage's micro-batch: its slowest TP rank's compute (its active units' FLOPs, with head
+  units the K/V replicas of the groups it holds heads of, plus the output layer on the last
+  stage, stretched by the GPU's slowdown) plus its layers' TP
   all-reduces (four per layer: two forward, two backward), forward one third, backward two;
 - the pipeline: 1F1B over the stages with the hand-offs between them (hettp.sim.pipeline);
 - the optimizer step (per parameter, stretched by the slowdown): between two data-parallel
@@ -38,12 +39,11 @@ from ..config import DEFAULT_MIGRATION_BUDGET
 from ..detect import StragglerDetector
 from ..joint import JointController, JointState, ReplicaPace, options
 from ..loop import WARMUP_STEPS, ControlLoop, TimingReport
-from ..plan import BLOCKS, PartitionPlan
-from ..planner import Planner, plan_work
+from ..plan import PartitionPlan
+from ..planner import Planner, block_works, plan_work
 from ..policy import policy as get_policy
 from ..rebatch import RebatchError, check_counts, even_counts
 from ..rebatch import decide as decide_rebatch
-from ..resize import skipped_count
 from ..stages import LayerSplit, StageError, balance_layers, check_split, tp_imbalance
 from ..transfer import REBUILD_FACTOR, CostModel, MigrationCost, PrimitiveCost
 from .network import Fabric, Link, all_reduce
@@ -95,7 +95,7 @@ def flop_costs(model: ModelSpec, layout: Layout, gpu_flops: float, hbm_bytes_s: 
     extra = [0.0] * layout.pp
     extra[-1] = model.logits_flops(layout.tp) / gpu_flops
     return Costs(
-        {b: flops[b] / gpu_flops for b in BLOCKS},
+        {kind: f / gpu_flops for kind, f in flops.items()},
         tuple(extra),
         optimizer_per_param=40.0 / hbm_bytes_s,
     )
@@ -293,15 +293,9 @@ class Simulation:
         """Stage s's blocks as (each TP rank's seconds in the block per micro-batch at full
         speed, how many of the stage's blocks split so): a block ends in a TP collective, so
         it lasts as long as its slowest rank's share, and blocks split alike cost alike."""
-        plan, shares, u = self.plans[s], self.shares[s], self.costs.unit_seconds
         rows: dict[tuple[float, ...], int] = {}
-        for layer in plan.layers:
-            for block in BLOCKS:
-                row = tuple(
-                    (len(units) - skipped_count(len(units), shares[rank])) * u[block]
-                    for rank, units in enumerate(layer[block])
-                )
-                rows[row] = rows.get(row, 0) + 1
+        for row in block_works(self.plans[s], self.costs.unit_seconds, self.shares[s]):
+            rows[row] = rows.get(row, 0) + 1
         return list(rows.items())
 
     def _rank_seconds(self, s: int) -> list[float]:
@@ -322,11 +316,7 @@ class Simulation:
             extra += m.vocab * m.hidden / L.tp + m.seq * m.hidden
         if s == L.pp - 1 and (L.pp > 1 or not m.tied_embeddings):
             extra += m.vocab * m.hidden / L.tp
-        return [
-            extra
-            + sum(len(layer[b][t]) * self.unit_work[b] for layer in plan.layers for b in BLOCKS)
-            for t in range(L.tp)
-        ]
+        return [extra + work for work in plan_work(plan, self.unit_work)]
 
     def _refresh(self) -> None:
         """After a change of plans, shares or layers: what every step reuses."""

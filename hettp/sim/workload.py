@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..plan import PartitionPlan
+from ..plan import HeadUnits, PartitionPlan
 from ..planner import core_attention_work
+from ..transfer import KV_REPLICA
 
 
 class WorkloadError(ValueError):
@@ -35,6 +36,8 @@ class ModelSpec:
     grad_bytes: int = 4  # per gradient element in the data-parallel reduce (fp32 under bf16)
     activation_bytes: int = 2  # bytes per activation element on the wire
     mlp_unit: int = 1  # ffn neurons per MLP unit (--het-tp-granularity)
+    # query heads per attention unit (--het-tp-attn-granularity); 0: whole query groups
+    attn_unit: int = 0
     tied_embeddings: bool = True  # unless --untie-embeddings-and-output-weights
 
     def __post_init__(self):
@@ -49,6 +52,29 @@ class ModelSpec:
                 f"hidden {self.hidden}, heads {self.heads} and query groups "
                 f"{self.query_groups} must divide evenly"
             )
+        per_group = self.heads // self.query_groups
+        if self.attn_unit < 0 or (self.attn_unit and per_group % self.attn_unit):
+            raise WorkloadError(
+                f"--het-tp-attn-granularity {self.attn_unit} does not divide the {per_group} "
+                "query heads of a group (or be 0 for whole groups)"
+            )
+
+    @property
+    def head_units(self) -> HeadUnits | None:
+        """The plan's attention units when they are finer than a query group."""
+        if not self.attn_unit:
+            return None
+        return HeadUnits(self.attn_unit, self.heads // self.query_groups, self.query_groups)
+
+    @property
+    def attn_units(self) -> int:
+        heads = self.head_units
+        return heads.units if heads is not None else self.query_groups
+
+    @property
+    def _unit_heads(self) -> int:
+        """Query heads an attention unit computes."""
+        return self.attn_unit or self.heads // self.query_groups
 
     @property
     def kv_channels(self) -> int:
@@ -59,28 +85,32 @@ class ModelSpec:
         return self.seq * self.micro_batch
 
     def unit_params(self) -> dict[str, int]:
-        """Parameters of one unit: a query group's Q, K and V rows and projection columns; one
-        ffn neuron's fc1 row(s) and fc2 column."""
-        per_group = self.heads // self.query_groups
-        attn = (2 * per_group + 2) * self.kv_channels * self.hidden
+        """Parameters of one unit: a query group's Q, K and V rows and projection columns (with
+        head units, its query heads' rows and columns, and under `kv` one group's K and V rows:
+        the replica a rank holding any of the group's heads computes); one ffn neuron's fc1
+        row(s) and fc2 column."""
         mlp = (3 if self.swiglu else 2) * self.hidden * self.mlp_unit
-        return {"attn": attn, "mlp": mlp}
+        kv = 2 * self.kv_channels * self.hidden
+        if self.head_units is not None:
+            return {
+                "attn": 2 * self.attn_unit * self.kv_channels * self.hidden,
+                "mlp": mlp,
+                KV_REPLICA: kv,
+            }
+        return {"attn": 2 * self._unit_heads * self.kv_channels * self.hidden + kv, "mlp": mlp}
 
     def unit_work(self) -> dict[str, int]:
         """What the planner weighs a unit at, as the runtime does."""
         work = self.unit_params()
-        core = core_attention_work(self.heads // self.query_groups, self.seq, self.kv_channels)
+        core = core_attention_work(self._unit_heads, self.seq, self.kv_channels)
         return {**work, "attn": work["attn"] + core}
 
     def unit_flops(self) -> dict[str, float]:
         """Forward plus backward FLOPs of one unit for one micro-batch (3x the forward)."""
         params = self.unit_params()
-        per_group = self.heads // self.query_groups
-        core = 4 * self.micro_batch * self.seq**2 * self.kv_channels * per_group  # QK^T, AV
-        return {
-            "attn": 6.0 * self.tokens * params["attn"] + 3.0 * core,
-            "mlp": 6.0 * self.tokens * params["mlp"],
-        }
+        core = 4 * self.micro_batch * self.seq**2 * self.kv_channels * self._unit_heads  # QK^T, AV
+        flops = {block: 6.0 * self.tokens * n for block, n in params.items()}
+        return {**flops, "attn": flops["attn"] + 3.0 * core}
 
     def logits_flops(self, tp: int) -> float:
         """The output layer's, per TP rank (vocab-parallel, even: no unit moves it)."""
@@ -88,7 +118,8 @@ class ModelSpec:
 
     def layer_params(self) -> int:
         params = self.unit_params()
-        return self.query_groups * params["attn"] + self.mlp_units * params["mlp"]
+        replicas = self.query_groups * params.get(KV_REPLICA, 0)  # each group's K/V once
+        return self.attn_units * params["attn"] + replicas + self.mlp_units * params["mlp"]
 
     @property
     def mlp_units(self) -> int:
@@ -99,12 +130,15 @@ class ModelSpec:
         return self.tokens * self.hidden * self.activation_bytes
 
     def even_plan(self, tp: int, layers: int) -> PartitionPlan:
-        if self.query_groups % tp or self.mlp_units % tp:
+        if self.attn_units % tp or self.mlp_units % tp:
+            what = "attention units" if self.head_units is not None else "query groups"
             raise WorkloadError(
-                f"query groups ({self.query_groups}) and MLP units ({self.mlp_units}) must "
+                f"{what} ({self.attn_units}) and MLP units ({self.mlp_units}) must "
                 f"divide by TP {tp}"
             )
-        return PartitionPlan.even(tp, layers, self.query_groups, self.mlp_units, self.mlp_unit)
+        return PartitionPlan.even(
+            tp, layers, self.attn_units, self.mlp_units, self.mlp_unit, self.head_units
+        )
 
     @classmethod
     def from_megatron_args(cls, argv: Sequence[str], **overrides) -> ModelSpec:

@@ -14,7 +14,7 @@ from hettp.sim.engine import Costs, Layout, SimError, Simulation, flop_costs, si
 from hettp.sim.network import Fabric, Link, all_reduce
 from hettp.sim.pipeline import one_f_one_b
 from hettp.sim.traces import Episode, Trace, from_factors, persistent, production
-from hettp.sim.workload import GPT_13B, ModelSpec, WorkloadError
+from hettp.sim.workload import GPT_13B, LLAMA_70B, ModelSpec, WorkloadError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -76,6 +76,47 @@ def test_model_units_weigh_as_the_trainer_weighs_them():
         ModelSpec.from_megatron_args(["--num-layers", "2"])
     with pytest.raises(WorkloadError, match="granularity 3"):
         dataclasses.replace(SMALL, mlp_unit=3)
+
+
+def test_head_units_weigh_as_the_trainer_weighs_them():
+    # megatron/hetero/partition.py with --het-tp-attn-granularity: a unit is its query heads'
+    # rows and projection columns; a group's K and V rows are a replica of their own
+    gqa = dataclasses.replace(SMALL, query_groups=2, attn_unit=2)
+    assert gqa.unit_params() == {"attn": 2 * 2 * 64 * 512, "mlp": 2 * 512, "kv": 2 * 64 * 512}
+    assert gqa.attn_units == 4 and gqa.head_units.units_per_group == 2
+    # the same layer, cut finer: each group's K/V counted once
+    groups = dataclasses.replace(gqa, attn_unit=0)
+    assert gqa.layer_params() == groups.layer_params()
+    assert gqa.unit_flops()["attn"] * 2 + gqa.unit_flops()["kv"] == pytest.approx(
+        groups.unit_flops()["attn"]
+    )
+    plan = gqa.even_plan(2, 4)
+    assert plan.heads == gqa.head_units and plan.counts(0, "attn") == (2, 2)
+    with pytest.raises(WorkloadError, match="--het-tp-attn-granularity 3"):
+        dataclasses.replace(SMALL, query_groups=2, attn_unit=3)
+
+
+def test_head_units_reach_the_bound_one_group_per_rank_cannot():
+    """Issue 23's case at scale: Llama-3-70B at TP=8 holds one query group per rank, so with
+    group units a slow rank keeps all of its attention; with head units the planner moves its
+    heads (the fast ranks computing the group's K/V as replicas) and the step nears the bound.
+    With no straggler the two kinds of unit cost the same."""
+    layout, trace = Layout(8), persistent(8, {1: 2.0})
+    steady = {}
+    for attn_unit in (0, 1):
+        model = dataclasses.replace(LLAMA_70B, mlp_unit=128, attn_unit=attn_unit)
+        costs = _costs(model, layout)
+        even = Simulation(model, layout, costs, persistent(8, {}), "none").run(3).step_s[-1]
+        sim = Simulation(model, layout, costs, trace, "migrate", interval=4)
+        result = sim.run(24)
+        assert [d["action"] for d in result.decisions] == ["migrate"]
+        steady[attn_unit] = (even, result.ideal_s[-1] / result.step_s[-1], sim.plans[0])
+    (even_groups, groups, _), (even_heads, heads, plan) = steady[0], steady[1]
+    assert even_heads == pytest.approx(even_groups)
+    assert groups < 0.9 and heads > 0.95
+    # the slow rank kept part of its group: it and the ranks given its other heads hold K/V
+    holders = plan.heads.holders(plan.layers[0]["attn"])
+    assert 0 < len(plan.layers[0]["attn"][1]) < 8 and len(holders[1]) > 1
 
 
 def test_each_block_waits_for_its_slowest_rank():
@@ -247,6 +288,8 @@ def test_cli_prints_one_json_line_per_policy_and_refuses_bad_flags():
     assert bad.returncode == 2 and "'joint' is not built for pipeline stages" in bad.stderr
     bad = _cli("--pp", "1", "--het-migration-budget", "2")
     assert bad.returncode == 2 and "--het-migration-budget must be within [0, 1]" in bad.stderr
+    bad = _cli("--het-tp-attn-granularity", "3")  # llama-70b: 8 query heads per group
+    assert bad.returncode == 2 and "--het-tp-attn-granularity 3 does not divide" in bad.stderr
     flat = _cli("--gpus", "64", "--tp", "8", "--pp", "1", "--model", "gpt-13b", "--json")
     assert flat.returncode == 0, flat.stderr
     flat = json.loads(flat.stdout)  # without stages joint runs too, under the default budget
@@ -275,6 +318,12 @@ def test_cli_prints_one_json_line_per_policy_and_refuses_bad_flags():
     e = json.loads(scenario.stdout)["E"]
     assert e["migrate"] > e["none"]
     assert math.isfinite(e["none"])
+    heads = _cli(
+        *("--gpus", "8", "--tp", "8", "--pp", "1", "--trace", "persistent-2x", "--steps", "30"),
+        *("--policies", "migrate", "--het-tp-attn-granularity", "1", "--json"),
+    )
+    assert heads.returncode == 0, heads.stderr
+    assert json.loads(heads.stdout)["attn_granularity"] == 1
 
 
 def test_cross_cluster_plans_keep_tp_inside_a_site_and_beat_the_homogeneous_grid():
