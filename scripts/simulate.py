@@ -4,6 +4,7 @@ trace, with the project's own detector and planner deciding on simulated timing 
 
     python scripts/simulate.py [--gpus 4096] [--tp 8] [--pp 8] [--model llama-70b]
                                [--trace production] [--steps 1000] [--seed 0]
+                               [--het-tp-granularity 128] [--het-tp-attn-granularity 0]
                                [--policies none,resize,migrate,hybrid,rebatch,joint]
                                [--het-migration-budget 0.05] [--json]
     python scripts/simulate.py --calibrate results/compare/report.json [--json]

@@ -5,8 +5,8 @@ no per-call part beyond the timed optimizer region (`proportional`), and the fit
 part capped at the timed region plus 15% of a rank's median compute (`capped`, the prior the
 fit's outliers are judged against). Each fit is replayed over a run's timing records, learning
 from the reports before the one it predicts; an unslowed rank is one read within 10% of the
-fastest. Runs whose works change by whole pipeline layers are shown apart: their compute also
-changes with the micro-batch schedule, which no per-unit line covers.
+fastest. Runs with pipeline stages are shown apart: a stage's compute also changes with its
+layers and micro-batch schedule, which no per-unit line covers.
 
     python results/cost-fit/predict.py 'results/**/runs/*.jsonl'
 """
@@ -66,7 +66,7 @@ def main(patterns):
             continue
         records = [json.loads(line) for line in open(path)]
         timing = [r for r in records if r.get("kind") == "timing" and r.get("fixed_s")]
-        layers = "pp" in path.split("/runs/")[0]
+        layers = "-pp" in path.split("/runs/")[0]  # results/compare-pp2*/
         fits = {name: make() for name, make in FITS.items()}
         for before, report in zip(timing, timing[1:]):
             known = [f for f in report["factor"] if f]
@@ -83,7 +83,7 @@ def main(patterns):
                         errors.setdefault(key, []).append(predicted / compute - 1.0)
     q = lambda v, p: sorted(v)[int(p * (len(v) - 1))]  # noqa: E731
     for layers in (False, True):
-        print("runs with layer moves (pipeline stages)" if layers else "TP runs")
+        print("runs with pipeline stages" if layers else "TP runs")
         print("| fit | " + " | ".join(name for _, _, name in CHANGES) + " |")
         print("|---|" + "---|" * len(CHANGES))
         for name in FITS:
