@@ -111,7 +111,7 @@ def block_works(
                 for rank, units in enumerate(layer[block])
             ]
             if block == "attn" and kv:  # head units: each group a rank holds a head of, K/V
-                work = [w + kv * len(plan.heads.groups_of(u)) for w, u in zip(work, layer[block])]
+                work = [w + kv * plan.heads.replicas(u) for w, u in zip(work, layer[block])]
             out.append(tuple(work))
     return out
 
@@ -170,6 +170,7 @@ def proportional_plan(
         n = plan.num_units(block) // chunk
         target = [n * s / total for s in speeds]  # in chunks
         assigned = [0.0] * plan.tp_size
+        finish = None
         for index in range(plan.num_layers):
             current = [c / chunk for c in plan.counts(index, block)]
             floor = 1 if block == "mlp" and n >= 4 * plan.tp_size else 0
@@ -181,17 +182,18 @@ def proportional_plan(
                 assigned = [a + c for a, c in zip(assigned, current)]  # below the resolution
                 continue
             if block == "attn" and kv and plan.heads is not None:
-                per_group = plan.heads.units_per_group
+                if finish is None:  # per rank, when it would finish its first c units
+                    per_group = plan.heads.units_per_group
+                    finish = [
+                        [_finish(_with_replicas(c, per_group, kv), s, total) for c in range(n + 1)]
+                        for s in speeds
+                    ]
                 counts = [0] * plan.tp_size
                 for _ in range(n):
                     behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
                     rank = min(
                         range(plan.tp_size),
-                        key=lambda r: (
-                            _finish(_with_replicas(counts[r] + 1, per_group, kv), speeds[r], total),
-                            -behind[r],
-                            r,
-                        ),
+                        key=lambda r: (finish[r][counts[r] + 1], -behind[r], r),
                     )
                     counts[rank] += 1
                 assigned = [a + c for a, c in zip(assigned, counts)]
@@ -257,10 +259,11 @@ def grouped_plan(
         attn = []
         for rank, units in enumerate(layer["attn"]):
             kept = [u for u in units if owner[heads.group_of(u)] == rank]
+            had = set(kept)
             gained = [
                 u
                 for u in range(plan.attn_units)
-                if owner[heads.group_of(u)] == rank and u not in kept
+                if owner[heads.group_of(u)] == rank and u not in had
             ]
             attn.append(tuple(kept + gained))
         mlp = list(proportional.counts(index, "mlp"))
