@@ -61,10 +61,12 @@ class ModelSpec:
 
     @property
     def head_units(self) -> HeadUnits | None:
-        """The plan's attention units when they are finer than a query group."""
-        if not self.attn_unit:
+        """The plan's attention units when they are finer than a query group (a unit of a
+        whole group's heads is a group unit, as in the trainer: hettp.config)."""
+        per_group = self.heads // self.query_groups
+        if not 0 < self.attn_unit < per_group:
             return None
-        return HeadUnits(self.attn_unit, self.heads // self.query_groups, self.query_groups)
+        return HeadUnits(self.attn_unit, per_group, self.query_groups)
 
     @property
     def attn_units(self) -> int:
@@ -74,7 +76,8 @@ class ModelSpec:
     @property
     def _unit_heads(self) -> int:
         """Query heads an attention unit computes."""
-        return self.attn_unit or self.heads // self.query_groups
+        heads = self.head_units
+        return heads.heads_per_unit if heads is not None else self.heads // self.query_groups
 
     @property
     def kv_channels(self) -> int:

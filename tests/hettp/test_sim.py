@@ -94,6 +94,9 @@ def test_head_units_weigh_as_the_trainer_weighs_them():
     assert plan.heads == gqa.head_units and plan.counts(0, "attn") == (2, 2)
     with pytest.raises(WorkloadError, match="--het-tp-attn-granularity 3"):
         dataclasses.replace(SMALL, query_groups=2, attn_unit=3)
+    # a unit of all of a group's heads is a group unit, as in the trainer (MHA: one head)
+    whole = dataclasses.replace(SMALL, attn_unit=1)
+    assert whole.head_units is None and whole.unit_params() == SMALL.unit_params()
 
 
 def test_head_units_reach_the_bound_one_group_per_rank_cannot():
