@@ -65,14 +65,10 @@ class HeadUnits:
         return unit * self.heads_per_unit // self.heads_per_group
 
     def groups_of(self, units: Sequence[int]) -> tuple[int, ...]:
-        """The groups whose K and V a rank holding `units` keeps, ascending."""
-        return tuple(sorted({self.group_of(u) for u in units}))
-
-    def replicas(self, units: Sequence[int]) -> int:
-        """How many K/V replicas a rank holding `units` computes (len of groups_of; the
-        planner counts them for every rank, block and layer of each plan it weighs)."""
+        """The groups whose K and V a rank holding `units` keeps, ascending. (`group_of` per
+        unit, inlined: the planner asks for every rank, block and layer of each plan.)"""
         per_group = self.units_per_group
-        return len({u // per_group for u in units})
+        return tuple(sorted({u // per_group for u in units}))
 
     def query_fragments(self, unit: int) -> tuple[int, ...]:
         """The canonical fragments of a unit's query heads."""

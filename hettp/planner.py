@@ -111,7 +111,7 @@ def block_works(
                 for rank, units in enumerate(layer[block])
             ]
             if block == "attn" and kv:  # head units: each group a rank holds a head of, K/V
-                work = [w + kv * plan.heads.replicas(u) for w, u in zip(work, layer[block])]
+                work = [w + kv * len(plan.heads.groups_of(u)) for w, u in zip(work, layer[block])]
             out.append(tuple(work))
     return out
 
