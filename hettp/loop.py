@@ -31,6 +31,9 @@ class TimingReport:
     step: float  # wall seconds per step
     fixed: tuple[float, ...] | None = None  # of compute, the part no split changes (None: 0)
     busy: tuple[float, ...] | None = None  # all of the rank's compute in the step, if known
+    # of compute, the seconds in the attention modules (the rest past `fixed` is the MLP's),
+    # if known: what each block took, where the totals hide which block a rank waits in
+    attention: tuple[float, ...] | None = None
 
     @property
     def measured(self) -> Measured:
@@ -41,7 +44,7 @@ class TimingReport:
     @classmethod
     def from_dict(cls, saved: dict) -> TimingReport:
         """The inverse of dataclasses.asdict (lists back to tuples)."""
-        fixed, busy = saved.get("fixed"), saved.get("busy")
+        fixed, busy, attention = saved.get("fixed"), saved.get("busy"), saved.get("attention")
         return cls(
             saved["iteration"],
             tuple(saved["compute"]),
@@ -49,6 +52,7 @@ class TimingReport:
             saved["step"],
             tuple(fixed) if fixed is not None else None,
             tuple(busy) if busy is not None else None,
+            tuple(attention) if attention is not None else None,  # absent in older checkpoints
         )
 
     @classmethod
@@ -88,6 +92,7 @@ class TimingReport:
             statistics.median(s.step for s in picked[slowest]),
             per_rank("fixed"),
             per_rank("busy"),
+            per_rank("attention"),
         )
 
     @classmethod
@@ -114,6 +119,7 @@ class TimingReport:
             reduce([r.step for r in reports]),
             per_rank("fixed"),
             per_rank("busy"),
+            per_rank("attention"),
         )
 
 

@@ -256,6 +256,7 @@ class Controller:
                     max(r[2] for r in rows),
                     tuple(r[3] for r in rows),
                     tuple(r[4] for r in rows),
+                    tuple(r[5] for r in rows),
                 )
             )
         if self.counts is not None:
@@ -277,4 +278,5 @@ def _per_microbatches(report: TimingReport, scale: float) -> TimingReport:
         report,
         compute=scaled(report.compute),
         busy=scaled(report.busy) if report.busy is not None else None,
+        attention=tuple(a * scale for a in report.attention) if report.attention else None,
     )

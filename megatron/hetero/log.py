@@ -229,7 +229,8 @@ class EventLog:
 
     def timing(self, report, verdict, stage=None) -> None:
         """A timing report (JSONL only): per-rank compute per step (and of it, the part no split
-        changes; and all of the rank's compute, busy), work, fitted slowdown
+        changes and the attention modules' seconds; and all of the rank's compute, busy), work,
+        fitted slowdown
         factor, and the detector's smoothed slowdowns; with pipelining, one per stage's TP
         group, marked with its `stage`."""
         if self.metrics is not None:
@@ -241,6 +242,7 @@ class EventLog:
                 compute_s=list(report.compute),
                 fixed_s=list(report.fixed) if report.fixed is not None else None,
                 busy_s=list(report.busy) if report.busy is not None else None,
+                attention_s=list(report.attention) if report.attention is not None else None,
                 work=list(report.work),
                 factor=list(verdict.factors),
                 step_s=report.step,

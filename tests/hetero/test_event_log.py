@@ -10,7 +10,9 @@ from megatron.hetero.log import EventLog
 
 def test_a_refused_move_is_in_the_timing_record_and_the_log(tmp_path, capsys):
     path = str(tmp_path / "m.jsonl")
-    report = TimingReport(12, (0.4, 0.2), (3.0, 1.0), 0.5, fixed=(0.05, 0.05))
+    report = TimingReport(
+        12, (0.4, 0.2), (3.0, 1.0), 0.5, fixed=(0.05, 0.05), attention=(0.15, 0.0)
+    )
     with MetricsWriter(path) as metrics:
         log = EventLog(metrics)
         log.timing(report, Verdict((1.0, 2.0), None, None, None))
@@ -18,5 +20,6 @@ def test_a_refused_move_is_in_the_timing_record_and_the_log(tmp_path, capsys):
     first, second = read_metrics(path, "timing")
     assert first["refused"] is None and second["refused"] == "move to x refused: ..."
     assert second["compute_s"] == [0.4, 0.2] and second["fixed_s"] == [0.05, 0.05]
+    assert second["attention_s"] == [0.15, 0.0]
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["> het-TP at iteration 12: move to x refused: ..."]

@@ -83,6 +83,15 @@ def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
     ]
     for step in range(7, 13):
         assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5)
+    # each report splits a rank's compute by block: attention's seconds, the optimizer's
+    # (fixed), and the MLP's the rest
+    timing = _records(straight, "timing")
+    assert len(timing) >= 3
+    for record in timing:
+        for compute, fixed, attention in zip(
+            record["compute_s"], record["fixed_s"], record["attention_s"]
+        ):
+            assert 0 < attention < compute - fixed
     # core attention keeps the price the first run put on it (its fit is in those units)
     [priced] = _records(first, "priced")
     assert priced["iteration"] == 3
