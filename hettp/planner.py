@@ -51,7 +51,7 @@ class StepModel:
     def rank_compute(self, rank: int, work: float) -> float:
         """All of the rank's timed compute: its blocks and what it computes after them (the
         cost fit's line at `work`, times its slowdown)."""
-        return self.factors[rank] * (self.fixed + self.apart + self.slope * work)
+        return self.rank_time(rank, work) + self.factors[rank] * self.apart
 
     def step_time(self, work: Sequence[float]) -> float:
         blocks = max(self.rank_time(r, w) for r, w in enumerate(work))
@@ -385,6 +385,7 @@ class Planner:
         # per plan's unit counts, its latest measured steps since the straggle last changed
         self._measured: dict[tuple, list[float]] = {}
         self._seen: Measured | None = None  # the report being decided on
+        self._work: tuple[float, ...] = ()  # per rank, its work at the plan being decided on
         self.refused: str | None = None  # the last decide's move refused by what it measured
 
     def state_dict(self) -> dict:
@@ -421,7 +422,8 @@ class Planner:
         if measured is not None and measured.step > 0 and not any(shares):
             seen = self._measured.setdefault(_counts(plan), [])
             seen[:] = [*seen, measured.step][-MEASURED_REPORTS:]
-        before = model.step_time(plan_work(plan, self.unit_work, shares))
+        self._work = plan_work(plan, self.unit_work, shares)
+        before = model.step_time(self._work)
         leaning = self._leaning
         decision = self.RULES[self.policy.name](
             self, iteration, detection, model, plan, shares, before
@@ -471,7 +473,7 @@ class Planner:
         decision = self._migrate(plan, model, before, detection, action, shares)
         if decision is None:
             return None
-        missed = self._model_missed(plan, model, shares)
+        missed = self._model_missed(plan, model)
         if missed is not None:  # a move was asked for, by a model that misses the report
             self.refused = missed
             return None
@@ -486,15 +488,15 @@ class Planner:
             why = "rebalance"
         return dataclasses.replace(decision, reason=f"{why}: {decision.reason}")
 
-    def _model_missed(self, plan: PartitionPlan, model: StepModel, shares) -> str | None:
+    def _model_missed(self, plan: PartitionPlan, model: StepModel) -> str | None:
         """Why the model is not trusted to rebalance (MODEL_ERROR), or None: a rank whose
-        modelled compute at `plan` is off the report's measured by more than that."""
+        modelled compute at `plan` (its work as `decide` found it) is off the report's
+        measured by more than that."""
         seen = self._seen
         if seen is None or len(seen.compute) != plan.tp_size:
             return None
-        work = plan_work(plan, self.unit_work, shares)
         for rank, measured in enumerate(seen.compute):
-            modelled = model.rank_compute(rank, work[rank])
+            modelled = model.rank_compute(rank, self._work[rank])
             if measured > 0 and abs(modelled / measured - 1.0) > MODEL_ERROR:
                 return (
                     f"rebalance not made: the step model puts rank {rank}'s compute at "

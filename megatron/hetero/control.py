@@ -278,5 +278,7 @@ def _per_microbatches(report: TimingReport, scale: float) -> TimingReport:
         report,
         compute=scaled(report.compute),
         busy=scaled(report.busy) if report.busy is not None else None,
-        attention=tuple(a * scale for a in report.attention) if report.attention else None,
+        attention=(
+            tuple(a * scale for a in report.attention) if report.attention is not None else None
+        ),
     )
