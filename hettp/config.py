@@ -131,6 +131,13 @@ class HetTPConfig:
     max_resize: float = 0.5
     """Cap on the share of its units any rank may skip at any step."""
 
+    memory_cap: float | None = _flag(None, metavar="F")
+    """Migrating policies: no rank holds more than F times the even split's unit state (the
+    weights, gradients and optimizer state of its attention and MLP units, K/V replicas
+    included), so a fast rank's device does not run out of memory as it takes a slow rank's
+    units. Moves are planned within it; hybrid resizes a straggler for what the cap keeps on
+    it. Default: no cap."""
+
     priority: str = _flag("dw", choices=lambda: tuple(sorted(SCORERS)))
     """Unit priority for resizing."""
 
@@ -436,6 +443,22 @@ class HetTPConfig:
             0.0 <= self.max_resize <= 1.0,
             f"--het-tp-max-resize must be within [0, 1], got {self.max_resize}",
         )
+        if self.memory_cap is not None:
+            _require(
+                1.0 <= self.memory_cap < math.inf,
+                f"--het-tp-memory-cap must be a finite number >= 1 (the even split's unit "
+                f"state), got {self.memory_cap}",
+            )
+            _require(
+                p.migrates and p.decides,
+                f"--het-tp-memory-cap limits the units a migrating policy moves onto a rank; "
+                f"--het-tp-policy {self.policy} moves none",
+            )
+            _require(
+                shape.pipeline_stages == 1 or self.pipeline_moves == "units",
+                "--het-tp-memory-cap bounds the TP units a rank holds; with pipeline stages "
+                "whole layers would move past it: add --het-tp-pipeline-moves units",
+            )
         _require(
             self.priority_interval > 0,
             f"--het-tp-priority-interval must be positive, got {self.priority_interval}",

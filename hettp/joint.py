@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import rebatch
+from .memory import MemoryCap
 from .plan import PartitionPlan
 from .planner import StepModel, balanced_target, balancing_shares, plan_work
 
@@ -98,11 +99,13 @@ def options(
     cap: float,
     migration_seconds: Callable[[PartitionPlan, PartitionPlan], float] | None,
     resizes: bool = True,
+    memory: MemoryCap | None = None,
 ) -> list[Option]:
     """Every option worth weighing from `state`: nothing, rebatch, a migration to the plan
     balanced for the slowest replica at each TP position and to the plan balanced for each
     of the REPLICA_TARGETS slowest replicas alone (each with its best counts), a resize of
-    the positions' stragglers to their peers and an undoing of the resize in force."""
+    the positions' stragglers to their peers and an undoing of the resize in force. Under
+    `memory` the migrations stay within the cap on a rank's unit state."""
     plan, shares, counts = state.plan, state.shares, state.counts
     work = plan_work(plan, unit_work, shares)
     out = [Option("none", plan, shares, counts, state.step_seconds(work, counts))]
@@ -139,7 +142,8 @@ def options(
     seen = [plan]
     if migration_seconds is not None:
         for name, factors in targets:
-            target = balanced_target(plan, StepModel(0.0, tuple(factors), state.slope), unit_work)
+            model = StepModel(0.0, tuple(factors), state.slope)
+            target = balanced_target(plan, model, unit_work, memory)
             if target in seen:
                 continue
             seen.append(target)

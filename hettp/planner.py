@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .detect import Detection
+from .memory import MemoryCap, water_filled
 from .plan import BLOCKS, PartitionPlan
 from .policy import policy as get_policy
 from .resize import check_shares, skipped_count
@@ -373,13 +374,17 @@ class Planner:
         cap: float = 0.5,
         migration_seconds: Callable[[PartitionPlan, PartitionPlan], float] = None,
         min_gain: float = 0.03,
+        memory: MemoryCap | None = None,
     ):
+        """`memory`: the most unit state a rank may hold (--het-tp-memory-cap); moves plan
+        within it, and hybrid resizes what it leaves on a straggler."""
         self.policy = get_policy(policy)
         if self.policy.decides and self.policy.name not in self.RULES:
             raise ValueError(f"policy '{policy}' decides, but the planner has no rule for it")
         self.unit_work, self.cap = dict(unit_work), cap
         self.migration_seconds = migration_seconds or (lambda old, new: 0.0)
         self.min_gain = min_gain
+        self.memory = memory
         self._onset = None  # iteration the current straggle began (hybrid)
         self._leaning = 0  # reports in a row whose rebalance gains above min_gain only
         # per plan's unit counts, its latest measured steps since the straggle last changed
@@ -534,7 +539,7 @@ class Planner:
         if detection.changed:
             self._onset = iteration if stragglers and not settling else None
             if self._onset is not None:  # resize at once, unless the move repays within a step
-                move = self._hybrid_move(iteration, model, plan, shares, before)
+                move = self._hybrid_move(iteration, model, plan, shares, before, stragglers)
                 if move is not None:
                     return move
                 new = balancing_shares(plan, self.unit_work, model, stragglers, self.cap)
@@ -563,7 +568,7 @@ class Planner:
             return self._rebalance(plan, model, before, detection, "hybrid-migrate", shares)
         if not stragglers or self._onset is None:
             return None
-        return self._hybrid_move(iteration, model, plan, shares, before)
+        return self._hybrid_move(iteration, model, plan, shares, before, stragglers)
 
     def _recovering(self, plan, target, stragglers) -> bool:
         """`target` (the plan the model balances) gives every straggler more work than it
@@ -571,17 +576,19 @@ class Planner:
         now, then = plan_work(plan, self.unit_work), plan_work(target, self.unit_work)
         return all(then[r] > now[r] for r in stragglers)
 
-    def _hybrid_move(self, iteration, model, plan, shares, before) -> Decision | None:
+    def _hybrid_move(self, iteration, model, plan, shares, before, stragglers) -> Decision | None:
         """The migration, where the straggle is predicted to last long enough to repay it: as
         long again as it has lasted since its onset, one step at the onset itself. Against
         the straggle without the resize: the resize is a lossy stopgap that the migration
         replaces, so the move must repay itself on time alone; where it repays within a step,
-        resizing first would only cost accuracy."""
+        resizing first would only cost accuracy. Where a memory cap stops the move short of
+        balance, the stragglers keep a resize for the rest (_capped_resize)."""
         target = self._target(plan, model)
         if target == plan or self._contradicted(plan, target, shares):
             return None
         unresized = model.step_time(plan_work(plan, self.unit_work))
         after = model.step_time(plan_work(target, self.unit_work))
+        kept = self._capped_resize(target, model, stragglers)
         cost = self.migration_seconds(plan, target)
         remaining = max(1, iteration - self._onset)  # lasted t steps: ~t more predicted
         gain = remaining * (unresized - after)
@@ -594,11 +601,16 @@ class Planner:
         if gain <= cost:
             return None
         self._onset = None  # handled: the next move waits for the detector to see a change
-        undone = "resize undone" if any(shares) else "no resize needed"
+        if any(kept):
+            undone = f"resized {list(kept)} for what the memory cap keeps on the stragglers"
+            after = model.step_time(plan_work(target, self.unit_work, kept))
+            details["resized_share"] = sum(kept) / len(kept)
+        else:
+            undone = "resize undone" if any(shares) else "no resize needed"
         return Decision(
             "hybrid-migrate",
             target,
-            (0.0,) * plan.tp_size,
+            kept,
             f"straggle predicted to last ~{remaining} more steps: saves {gain:.2f} s "
             f"over the unresized plan for a {cost:.2f} s move; {undone}",
             before,
@@ -606,8 +618,24 @@ class Planner:
             details,
         )
 
+    def _capped_resize(self, target, model, stragglers) -> tuple[float, ...]:
+        """Resize shares for the stragglers at `target` where the memory cap kept the move
+        short of the balance it would make uncapped, and resizing gains min_gain of the step
+        there; none otherwise. Resizing frees compute, not memory, so it finishes what the
+        cap left undone."""
+        zero = (0.0,) * target.tp_size
+        if self.memory is None or not stragglers:
+            return zero
+        if balanced_target(target, model, self.unit_work) == target:
+            return zero  # the cap did not bind
+        new = balancing_shares(target, self.unit_work, model, stragglers, self.cap)
+        at = model.step_time(plan_work(target, self.unit_work))
+        if model.step_time(plan_work(target, self.unit_work, new)) >= (1 - self.min_gain) * at:
+            return zero
+        return new
+
     def _target(self, plan, model) -> PartitionPlan:
-        return balanced_target(plan, model, self.unit_work)
+        return balanced_target(plan, model, self.unit_work, self.memory)
 
     def _migrate(
         self, plan, model, before, detection, action, shares, why=None, min_gain=None, target=None
@@ -660,16 +688,82 @@ class Planner:
 
 
 def balanced_target(
-    plan: PartitionPlan, model: StepModel, unit_work: Mapping[str, float]
+    plan: PartitionPlan,
+    model: StepModel,
+    unit_work: Mapping[str, float],
+    memory: MemoryCap | None = None,
 ) -> PartitionPlan:
     """The plan `model` balances: unit counts proportional to the ranks' speeds (with head
     units, attention dealt with the K/V replicas it brings). With head units, the plan keeping
     attention in whole query groups (no K/V replicas) unless the model predicts the split
     faster by SPLIT_GAIN of the step, block by block, at every attention cost in
     ATTENTION_COST_RANGE: the split's K/V replicas and per-call work against the imbalance
-    whole groups leave in attention. The planner and the joint controller (hettp/joint.py)
-    both migrate to it."""
+    whole groups leave in attention. Under `memory`, no rank holds more unit state than the
+    cap allows (capped_target). The planner and the joint controller (hettp/joint.py) both
+    migrate to it."""
     speeds = _speeds(model, plan, unit_work)
+    if memory is not None:
+        return capped_target(plan, model, unit_work, speeds, memory)
+    return _balanced(plan, model, unit_work, speeds)
+
+
+# Rounds of lowering an over-cap rank's share of the work before capped_target gives up
+# (whole units overshoot a share by at most one unit a block, which a few rounds take), and
+# the least a round lowers it by.
+CAP_ROUNDS = 12
+CAP_STEP = 0.01
+CAP_BISECT = 6  # then halvings of the gap between the last ceilings over the cap and within
+
+
+def capped_target(
+    plan: PartitionPlan,
+    model: StepModel,
+    unit_work: Mapping[str, float],
+    speeds: Sequence[float],
+    memory: MemoryCap,
+) -> PartitionPlan:
+    """The balanced plan with every rank within `memory`: a rank over the cap gets its share
+    of the work lowered by its excess, the rest water-filled to the others in proportion to
+    their speeds (hettp.memory.water_filled), until the whole units fit. A rank's parameters
+    follow its work only roughly (core attention is work without parameters, a K/V replica
+    parameters with little work) and whole units round a share up, hence rounds. Where none
+    fits, `plan` itself: no move."""
+
+    def placed(ceilings):
+        return _balanced(plan, model, unit_work, water_filled(speeds, ceilings))
+
+    ceilings, over = [1.0] * plan.tp_size, None  # `over`: the last ceilings placed over it
+    for _ in range(CAP_ROUNDS):
+        target = placed(ceilings)
+        ratios = memory.ratios(target)
+        if max(ratios) <= 1.0 + 1e-9:
+            break
+        shares, over = water_filled(speeds, ceilings), list(ceilings)
+        for rank, ratio in enumerate(ratios):
+            if ratio > 1.0:  # asked for less by its excess, at least CAP_STEP: whole units
+                # round a share up, so a rank a hair over would be asked for the same again
+                ceilings[rank] = min(ceilings[rank], shares[rank] / max(ratio, 1.0 + CAP_STEP))
+        if sum(ceilings) < 1.0:  # the ranks' room cannot hold the work as whole units place it
+            return plan
+    else:
+        return plan
+    if over is None:
+        return target  # the cap did not bind
+    # A whole query group's jump over the cap lowers a share by more than the cap needs:
+    # bisect between the last ceilings placed over it and the first within it.
+    for _ in range(CAP_BISECT):
+        mid = [(a + b) / 2 for a, b in zip(ceilings, over)]
+        trial = placed(mid)
+        if memory.fits(trial):
+            ceilings, target = mid, trial
+        else:
+            over = mid
+    return target
+
+
+def _balanced(
+    plan: PartitionPlan, model: StepModel, unit_work: Mapping[str, float], speeds
+) -> PartitionPlan:
     if plan.heads is None:
         return proportional_plan(plan, speeds)
     target = proportional_plan(plan, speeds, kv=unit_work.get("kv", 0.0) / unit_work["attn"])

@@ -22,6 +22,7 @@ from hettp.config import HetTPConfig
 from hettp.costfit import BlockSample, core_attention_scale
 from hettp.detect import StragglerDetector
 from hettp.loop import WARMUP_STEPS, ControlLoop, TimingReport, Verdict
+from hettp.memory import MemoryCap
 from hettp.planner import Planner
 from hettp.transfer import CostModel, MigrationCost
 
@@ -66,11 +67,15 @@ class Controller:
         planner = None  # without a decision to take, the ranks are only timed
         migration_cost = MigrationCost(cost_model) if config.migrates else None
         if config.decides and unit_work is not None:
+            memory = None
+            if config.memory_cap is not None and partition is not None:
+                memory = MemoryCap(config.memory_cap, partition.unit_params)
             planner = Planner(
                 config.policy,
                 unit_work,
                 config.max_resize,
                 migration_seconds=migration_cost.seconds if migration_cost else None,
+                memory=memory,
             )
         self.decides = planner is not None
         self.migrates = self.decides and migration_cost is not None

@@ -112,6 +112,12 @@ class HetPartition:
             math.prod(shape) for _, _, shape in blocks[(0, "attn")].replica_tensors()
         )
 
+    @property
+    def unit_params(self) -> dict[str, float]:
+        """One unit's parameters per block, and one group's K/V replica's (key "kv"): what a
+        unit's state weighs in memory (hettp.memory)."""
+        return {"attn": self._attn_params, "mlp": self.unit_work["mlp"], "kv": self.unit_work["kv"]}
+
     def price_core_attention(self, scale: float) -> None:
         """Weigh an attention unit's core attention at `scale` times its FLOPs (measured:
         hettp.costfit.core_attention_scale). In place: the planner and the resizer weigh

@@ -653,7 +653,12 @@ class HetTPRuntime:
         )
         horizon = self.joint.hold(report.iteration, slow, self.config.interval)
         found = options(
-            state, self.partition.unit_work, self.config.max_resize, cost.seconds, resizes=True
+            state,
+            self.partition.unit_work,
+            self.config.max_resize,
+            cost.seconds,
+            resizes=True,
+            memory=loop.planner.memory,
         )
         choice = self.joint.choose(found, horizon)
         return choice if choice.option.action != "none" else None

@@ -124,6 +124,16 @@ def test_emulation_alone_asks_for_timing():
         ),
         ({"patience": 0}, "--het-tp-patience must be positive, got 0"),
         ({"end_patience": 0}, "--het-tp-end-patience must be positive, got 0"),
+        (
+            {"policy": "migrate", "memory_cap": 0.8},
+            "--het-tp-memory-cap must be a finite number >= 1 (the even split's unit state), "
+            "got 0.8",
+        ),
+        (
+            {"policy": "resize", "memory_cap": 1.2},
+            "--het-tp-memory-cap limits the units a migrating policy moves onto a rank; "
+            "--het-tp-policy resize moves none",
+        ),
     ],
 )
 def test_errors_name_the_flag(kwargs, message):
@@ -236,3 +246,13 @@ def test_data_parallel_flags_are_checked_by_name():
         with pytest.raises(ConfigError, match=message):
             config.validated(shape)
     assert HetTPConfig(policy="rebatch").validated(dataclasses.replace(replicas, tp_size=1))
+
+
+def test_a_memory_cap_with_pipeline_stages_keeps_layers_in_their_stages():
+    staged = ModelShape(
+        tp_size=2, num_layers=4, query_groups=4, ffn_hidden_size=256, pipeline_stages=2
+    )
+    with pytest.raises(ConfigError, match="add --het-tp-pipeline-moves units"):
+        HetTPConfig(policy="hybrid", memory_cap=1.2).validated(staged)
+    ok = HetTPConfig(policy="hybrid", memory_cap=1.2, pipeline_moves="units").validated(staged)
+    assert ok.memory_cap == 1.2

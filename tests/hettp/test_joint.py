@@ -58,9 +58,9 @@ def test_replicas_of_one_pace_are_planned_for_once(monkeypatch):
 
     planned = []
 
-    def counting(plan, model, work):
+    def counting(plan, model, work, memory=None):
         planned.append(model)
-        return joint_plan(plan, model, work)
+        return joint_plan(plan, model, work, memory)
 
     joint_plan = joint.balanced_target
     monkeypatch.setattr(joint, "balanced_target", counting)
@@ -138,3 +138,18 @@ def test_the_queue_grows_by_moves_beyond_the_budget_and_drains():
     assert again.hold(110, frozenset(), 10) == 10  # a change: from now on
     with pytest.raises(ValueError, match=r"budget must be within \[0, 1\], got 1.5"):
         JointController(1.5)
+
+
+def test_under_a_memory_cap_every_migration_the_joint_policy_weighs_fits_it():
+    from hettp.memory import MemoryCap
+
+    state = _state([(3.0, 1.0), (1.0, 3.0)])
+    free = [o for o in options(state, UNIT_WORK, 0.5, _cost) if o.action.startswith("migrate")]
+    cap = MemoryCap(1.2, UNIT_WORK)
+    assert free and not all(cap.fits(o.plan) for o in free)
+    capped = [
+        o
+        for o in options(state, UNIT_WORK, 0.5, _cost, memory=cap)
+        if o.action.startswith("migrate")
+    ]
+    assert capped and all(cap.fits(o.plan) and o.plan != PLAN for o in capped)

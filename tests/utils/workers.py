@@ -793,3 +793,27 @@ def compressed_sums(kind: str, steps: int) -> dict:
     dist.all_gather(residues, reducer.errors["buffer"])
     dist.destroy_process_group()
     return {"got": got, "exact": exact, "residue": sum(residues)}
+
+
+def train_and_count_sharded_weights(argv: list[str]) -> dict:
+    """pretrain; after every step, the elements of this rank's sharded linear weights (QKV,
+    projection, fc1, fc2): the unit state it holds, in parameters."""
+    counts = {}
+    sharded = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+    def hook(iteration, state, runtime):
+        from megatron.hetero.model import unwrap_model
+
+        counts[iteration] = sum(
+            p.numel()
+            for name, p in unwrap_model(state.model).named_parameters()
+            if name.endswith("weight") and any(k in name for k in sharded)
+        )
+
+    result, stdout = _pretrain(argv, hook)
+    return {
+        "losses": result.losses,
+        "weights": counts,
+        "stdout": stdout,
+        "metrics_file": result.metrics_file,
+    }

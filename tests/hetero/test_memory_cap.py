@@ -1,0 +1,50 @@
+"""--het-tp-memory-cap on real gloo ranks: the units a migration hands a fast rank stay within
+the cap on every step, counted in the weights each rank holds, and hybrid resizes the
+straggler for what the cap keeps on it."""
+
+from __future__ import annotations
+
+from hettp.metrics import read_metrics
+from hettp.plan import PartitionPlan
+from tests.utils import run_ranks
+from tests.utils.workers import train_and_count_sharded_weights
+
+MODEL = (
+    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+    "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
+    "--global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 "
+    "--attention-dropout 0 --log-interval 100 --eval-iters 0 --train-iters 24 "
+    "--het-tp-interval 3 --het-tp-policy hybrid "
+    "--het-tp-emulate persistent:rank=1,factor=6"
+).split()
+CAP = 1.3
+
+
+def _run(tmp_path, name, *extra):
+    metrics = str(tmp_path / f"{name}.jsonl")
+    ranks = run_ranks(
+        train_and_count_sharded_weights, 2, MODEL + ["--metrics-file", metrics, *extra]
+    )
+    return ranks, list(read_metrics(metrics, "decision"))
+
+
+def test_a_capped_migration_keeps_every_rank_within_the_cap(tmp_path):
+    free, free_decisions = _run(tmp_path, "free")
+    capped, decisions = _run(tmp_path, "capped", "--het-tp-memory-cap", str(CAP))
+    even = capped[0]["weights"][1]
+    assert even == capped[1]["weights"][1] == free[0]["weights"][1]  # the even split
+    # uncapped, the fast rank takes about 1.7x its even share: the cap binds
+    assert max(free[0]["weights"].values()) > 1.5 * even
+    # capped, no rank holds more than the cap on any step, and the fast rank did take units
+    for rank in capped:
+        assert max(rank["weights"].values()) <= CAP * even
+    assert max(capped[0]["weights"].values()) > 1.15 * even
+    # the move left rank 1 (6x) more than it can finish in time: hybrid resized it for that
+    moves = [d for d in decisions if d["action"] == "hybrid-migrate"]
+    assert moves, decisions
+    assert moves[0]["shares"][0] == 0.0 and moves[0]["shares"][1] > 0.0
+    assert "memory cap" in moves[0]["reason"]
+    held = PartitionPlan.from_json(moves[-1]["plan"])
+    assert held.counts(0, "mlp")[0] > held.counts(0, "mlp")[1]
+    # uncapped, the move balances by itself: no resize kept
+    assert all(not any(d["shares"]) for d in free_decisions if d["action"] == "hybrid-migrate")
