@@ -707,12 +707,8 @@ def balanced_target(
     return _balanced(plan, model, unit_work, speeds)
 
 
-# Rounds of lowering an over-cap rank's share of the work before capped_target gives up
-# (whole units overshoot a share by at most one unit a block, which a few rounds take), and
-# the least a round lowers it by.
-CAP_ROUNDS = 12
-CAP_STEP = 0.01
-CAP_BISECT = 6  # then halvings of the gap between the last ceilings over the cap and within
+# Halvings of the range of ceilings on a rank's share of the work that capped_target tries.
+CAP_BISECT = 10
 
 
 def capped_target(
@@ -722,43 +718,28 @@ def capped_target(
     speeds: Sequence[float],
     memory: MemoryCap,
 ) -> PartitionPlan:
-    """The balanced plan with every rank within `memory`: a rank over the cap gets its share
-    of the work lowered by its excess, the rest water-filled to the others in proportion to
-    their speeds (hettp.memory.water_filled), until the whole units fit. A rank's parameters
-    follow its work only roughly (core attention is work without parameters, a K/V replica
-    parameters with little work) and whole units round a share up, hence rounds. Where none
-    fits, `plan` itself: no move."""
-
-    def placed(ceilings):
-        return _balanced(plan, model, unit_work, water_filled(speeds, ceilings))
-
-    ceilings, over = [1.0] * plan.tp_size, None  # `over`: the last ceilings placed over it
-    for _ in range(CAP_ROUNDS):
-        target = placed(ceilings)
-        ratios = memory.ratios(target)
-        if max(ratios) <= 1.0 + 1e-9:
-            break
-        shares, over = water_filled(speeds, ceilings), list(ceilings)
-        for rank, ratio in enumerate(ratios):
-            if ratio > 1.0:  # asked for less by its excess, at least CAP_STEP: whole units
-                # round a share up, so a rank a hair over would be asked for the same again
-                ceilings[rank] = min(ceilings[rank], shares[rank] / max(ratio, 1.0 + CAP_STEP))
-        if sum(ceilings) < 1.0:  # the ranks' room cannot hold the work as whole units place it
-            return plan
-    else:
-        return plan
-    if over is None:
-        return target  # the cap did not bind
-    # A whole query group's jump over the cap lowers a share by more than the cap needs:
-    # bisect between the last ceilings placed over it and the first within it.
+    """The balanced plan with every rank within `memory`: the balanced plan where it fits,
+    else the one of the highest ceiling on any rank's share of the work that fits, each
+    rank's share in proportion to its speed up to the ceiling and the excess water-filled to
+    the others (hettp.memory.water_filled). Every rank has the same limit, so one ceiling
+    serves all; it is bisected because whole units (a query group with its K/V) land a
+    rank's parameters only near its share. Where none fits, `plan` itself: no move."""
+    target = _balanced(plan, model, unit_work, speeds)
+    if memory.fits(target):
+        return target
+    n = plan.tp_size
+    low, high = 1.0 / n, max(speeds) / sum(speeds)  # every share even .. none capped
+    best = None
     for _ in range(CAP_BISECT):
-        mid = [(a + b) / 2 for a, b in zip(ceilings, over)]
-        trial = placed(mid)
+        ceiling = (low + high) / 2
+        trial = _balanced(plan, model, unit_work, water_filled(speeds, [ceiling] * n))
         if memory.fits(trial):
-            ceilings, target = mid, trial
+            low, best = ceiling, trial
         else:
-            over = mid
-    return target
+            high = ceiling
+    if best is None:  # even shares at the least
+        best = _balanced(plan, model, unit_work, [1.0] * n)
+    return best if memory.fits(best) else plan
 
 
 def _balanced(

@@ -69,7 +69,12 @@ HEAD_VARIANTS = {
     "migrate-heads": ("migrate", ["--het-tp-attn-granularity", "1"]),
     "hybrid-heads": ("hybrid", ["--het-tp-attn-granularity", "1"]),
 }
-VARIANTS = {**PIPELINE_VARIANTS, **HEAD_VARIANTS}
+# Moves within a cap on a rank's unit state (--het-tp-memory-cap, at compare's --memory-cap).
+MEMORY_VARIANTS = {
+    "migrate-capped": ("migrate", ["--het-tp-memory-cap"]),
+    "hybrid-capped": ("hybrid", ["--het-tp-memory-cap"]),
+}
+VARIANTS = {**PIPELINE_VARIANTS, **HEAD_VARIANTS, **MEMORY_VARIANTS}
 OWN_FLAGS = (
     "--tensor-model-parallel-size",
     "--pipeline-model-parallel-size",
@@ -301,11 +306,20 @@ def parse(argv):
         "--policies",
         default=None,
         help=f"comma-separated from {', '.join(POLICIES)}, {', '.join(HEAD_VARIANTS)} (the "
-        "policy with query heads as attention units, --het-tp-attn-granularity 1) (with --pp "
+        "policy with query heads as attention units, --het-tp-attn-granularity 1), "
+        f"{', '.join(MEMORY_VARIANTS)} (the policy within --memory-cap) (with --pp "
         f"also {', '.join(PIPELINE_VARIANTS)}: migrate moving only TP units inside stages, or "
         "only layers between them; migrate does both); plain vanilla always runs, and "
         "none (timed vanilla) where C or real speeds come from it (default: "
         "resize,migrate,hybrid; with --dp > 1 migrate,rebatch,joint)",
+    )
+    p.add_argument(
+        "--memory-cap",
+        type=float,
+        default=1.25,
+        metavar="F",
+        help="--het-tp-memory-cap of the -capped policies: no rank holds more than F times "
+        "the even split's unit state (default 1.25)",
     )
     p.add_argument("--repeats", type=int, default=None, help="rounds of every run (default 3)")
     p.add_argument("--iters", type=int, default=None, help="iterations per run (default 24)")
@@ -378,7 +392,12 @@ def parse(argv):
     if 2 * a.interval > a.iters:
         p.error(f"--interval {a.interval} leaves fewer than two reports in --iters {a.iters}")
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
-    known = POLICIES + tuple(HEAD_VARIANTS) + (tuple(PIPELINE_VARIANTS) if a.pp > 1 else ())
+    known = (
+        POLICIES
+        + tuple(HEAD_VARIANTS)
+        + tuple(MEMORY_VARIANTS)
+        + (tuple(PIPELINE_VARIANTS) if a.pp > 1 else ())
+    )
     bad = [x for x in policies if x not in known]
     rebatching = [x for x in policies if x in known and POLICY_TABLE[_base(x)].rebatches]
     if rebatching and a.dp == 1:
@@ -388,6 +407,8 @@ def parse(argv):
         if staged:
             p.error(f"--policies {', '.join(staged)}: needs --pp > 1 (moves of pipeline stages)")
         p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(known)}")
+    if a.memory_cap < 1.0:
+        p.error(f"--memory-cap {a.memory_cap}: below 1 not even the even split fits")
     # plain vanilla in every scenario; timed vanilla where C or real speeds come from it, and
     # everywhere when asked for
     a.timed_everywhere = VANILLA in policies
@@ -435,6 +456,14 @@ def parse(argv):
 def _base(policy: str) -> str:
     """The --het-tp-policy of a compared policy (a variant's is the policy it varies)."""
     return VARIANTS[policy][0] if policy in VARIANTS else policy
+
+
+def _variant_flags(policy: str, a) -> list[str]:
+    """The flags a variant adds to its policy's (none for a policy itself)."""
+    if policy not in VARIANTS:
+        return []
+    flags = list(VARIANTS[policy][1])
+    return flags + [str(a.memory_cap)] if policy in MEMORY_VARIANTS else flags
 
 
 def _layout(a) -> str:
@@ -508,8 +537,7 @@ def main(argv=None) -> int:
             # plain vanilla: static, no het-TP layers; timed only where its emulation needs it
             het_policy = "static" if policy == PLAIN else _base(policy)
             flags = [*common, "--het-tp-policy", het_policy, "--het-tp-timer", _timer(scenario)]
-            if policy in VARIANTS:
-                flags += VARIANTS[policy][1]
+            flags += _variant_flags(policy, a)
             if scenario.emulate:
                 flags += ["--het-tp-emulate", scenario.emulate]
             path = os.path.join(runs_dir, f"{scenario.name}.{policy}.{repeat}.jsonl")

@@ -72,6 +72,14 @@ def parse(argv=None) -> argparse.Namespace:
         help="query heads per attention unit (as the trainer's flag; 0: whole query groups, "
         "whose K/V a rank holding any head of the group then computes as a replica)",
     )
+    p.add_argument(
+        "--het-tp-memory-cap",
+        type=float,
+        default=None,
+        metavar="F",
+        help="as the trainer's flag: no rank holds more than F times the even split's unit "
+        "state (layers then stay in their stages)",
+    )
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per replica")
     p.add_argument("--trace", default="production", help="production, or a compare.py scenario")
     p.add_argument("--steps", type=int, default=1000)
@@ -261,6 +269,7 @@ def run(args) -> dict:
         microbatches=args.microbatches,
         interval=args.het_tp_interval,
         budget=args.het_migration_budget,
+        memory_cap=args.het_tp_memory_cap,
     )
     per_policy = {p: summary(r) for p, r in results.items()}
     return {
@@ -271,6 +280,7 @@ def run(args) -> dict:
         "model": args.model,
         "granularity": args.het_tp_granularity,
         "attn_granularity": args.het_tp_attn_granularity,
+        "memory_cap": args.het_tp_memory_cap,
         "trace": trace.name,
         "slow_gpus": len(trace.touched),
         "steps": args.steps,

@@ -39,6 +39,7 @@ from ..config import DEFAULT_MIGRATION_BUDGET
 from ..detect import StragglerDetector
 from ..joint import JointController, JointState, ReplicaPace, options
 from ..loop import WARMUP_STEPS, ControlLoop, TimingReport
+from ..memory import MemoryCap
 from ..plan import PartitionPlan
 from ..planner import Planner, block_works, plan_work
 from ..policy import policy as get_policy
@@ -147,7 +148,10 @@ class Simulation:
         layers: Sequence[int] | None = None,
         counts: Sequence[int] | None = None,
         budget: float = DEFAULT_MIGRATION_BUDGET,
+        memory_cap: float | None = None,
     ):
+        """`memory_cap`: --het-tp-memory-cap (moves within it; with it, layers stay in their
+        stages, as the trainer requires)."""
         refused = refusal(policy, layout)
         if refused:
             raise SimError(refused)
@@ -186,6 +190,11 @@ class Simulation:
         touched_stages = {self._where(g)[2] for g in trace.touched}
         self.loops: dict[int, ControlLoop] = {}
         self.migration_cost: dict[int, MigrationCost] = {}
+        try:
+            memory = MemoryCap(memory_cap, model.unit_params()) if memory_cap else None
+        except ValueError as err:
+            raise SimError(f"--het-tp-memory-cap: {err}") from err
+        self.memory = memory
         if spec is not None and spec.decides:
             for s in sorted(touched_stages):
                 cost = MigrationCost(self._transfer_costs(s)) if spec.migrates else None
@@ -196,6 +205,7 @@ class Simulation:
                     self.unit_work,
                     max_resize,
                     migration_seconds=cost.seconds if cost else None,
+                    memory=memory,
                 )
                 self.loops[s] = ControlLoop(
                     planner,
@@ -206,7 +216,11 @@ class Simulation:
                 self.migration_cost[s] = cost
         # layers move under migrate only: under resizing policies they stay (as the runtime)
         self.moves_layers = (
-            spec is not None and spec.migrates and not spec.resizes and layout.pp > 1
+            spec is not None
+            and spec.migrates
+            and not spec.resizes
+            and layout.pp > 1
+            and memory is None
         )
         self.onset = StragglerDetector(layout.tp, **(detector or {})).onset
         self.joint = None
@@ -552,7 +566,9 @@ class Simulation:
             if f >= self.onset
         )
         horizon = joint.hold(step, slow, self.interval)
-        found = options(state, self.unit_work, self.max_resize, self.joint_cost.seconds)
+        found = options(
+            state, self.unit_work, self.max_resize, self.joint_cost.seconds, memory=self.memory
+        )
         option = joint.choose(found, horizon).option
         if option.action == "none":
             return 0.0, []

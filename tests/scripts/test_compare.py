@@ -269,3 +269,18 @@ def test_head_unit_variants_run_their_policy_with_head_units():
     assert a.policy_list[-3:] == ["migrate", "migrate-heads", "hybrid-heads"]
     assert [compare._base(p) for p in a.policy_list[-2:]] == ["migrate", "hybrid"]
     assert compare.VARIANTS["hybrid-heads"][1] == ["--het-tp-attn-granularity", "1"]
+
+
+def test_capped_variants_run_their_policy_within_the_memory_cap():
+    compare = load_script("compare")
+    a = compare.parse(
+        ["--scenarios", "none", "--policies", "migrate-capped,hybrid-capped", "--memory-cap", "1.3"]
+    )
+    assert [compare._base(p) for p in a.policy_list[-2:]] == ["migrate", "hybrid"]
+    assert compare._variant_flags("hybrid-capped", a) == ["--het-tp-memory-cap", "1.3"]
+    assert compare._variant_flags("migrate-heads", a) == ["--het-tp-attn-granularity", "1"]
+    assert compare._variant_flags("migrate", a) == []
+    with pytest.raises(SystemExit):
+        compare.parse(
+            ["--scenarios", "none", "--policies", "migrate-capped", "--memory-cap", "0.9"]
+        )
