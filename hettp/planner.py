@@ -601,9 +601,9 @@ class Planner:
         if gain <= cost:
             return None
         self._onset = None  # handled: the next move waits for the detector to see a change
-        if any(kept):
+        if any(kept):  # by blocks, as the resize was chosen (above the totals' step_time)
             undone = f"resized {list(kept)} for what the memory cap keeps on the stragglers"
-            after = model.step_time(plan_work(target, self.unit_work, kept))
+            after = model.blocks_time(block_works(target, self.unit_work, kept))
             details["resized_share"] = sum(kept) / len(kept)
         else:
             undone = "resize undone" if any(shares) else "no resize needed"
@@ -620,19 +620,30 @@ class Planner:
 
     def _capped_resize(self, target, model, stragglers) -> tuple[float, ...]:
         """Resize shares for the stragglers at `target` where the memory cap kept the move
-        short of the balance it would make uncapped, and resizing gains min_gain of the step
-        there; none otherwise. Resizing frees compute, not memory, so it finishes what the
-        cap left undone."""
-        zero = (0.0,) * target.tp_size
+        short of the balance it would make uncapped, and resizing shortens the step (its
+        blocks, blocks_time) by min_gain; none otherwise. Resizing frees compute, not memory,
+        so it finishes what the cap left undone. By blocks: a capped plan is out of balance
+        block by block (a fast rank holding two query groups bounds attention, the slow rank
+        the MLP), where ranks' totals can look even. Each straggler's share is the best of
+        RESIZE_STEPS steps up to the cap, the others' held."""
+        shares = [0.0] * target.tp_size
         if self.memory is None or not stragglers:
-            return zero
+            return tuple(shares)
         if balanced_target(target, model, self.unit_work) == target:
-            return zero  # the cap did not bind
-        new = balancing_shares(target, self.unit_work, model, stragglers, self.cap)
-        at = model.step_time(plan_work(target, self.unit_work))
-        if model.step_time(plan_work(target, self.unit_work, new)) >= (1 - self.min_gain) * at:
-            return zero
-        return new
+            return tuple(shares)  # the cap did not bind
+
+        def step(candidate):
+            return model.blocks_time(block_works(target, self.unit_work, candidate))
+
+        at = step(shares)
+        for rank in sorted(stragglers):
+            options = [round(self.cap * k / RESIZE_STEPS, 4) for k in range(RESIZE_STEPS + 1)]
+            shares[rank] = min(
+                options, key=lambda s: (step([*shares[:rank], s, *shares[rank + 1 :]]), s)
+            )
+        if step(shares) >= (1 - self.min_gain) * at:
+            return (0.0,) * target.tp_size
+        return tuple(shares)
 
     def _target(self, plan, model) -> PartitionPlan:
         return balanced_target(plan, model, self.unit_work, self.memory)
@@ -707,7 +718,11 @@ def balanced_target(
     return _balanced(plan, model, unit_work, speeds)
 
 
-# Halvings of the range of ceilings on a rank's share of the work that capped_target tries.
+# Shares a hybrid resize under a memory cap chooses among, per straggler: k/RESIZE_STEPS of
+# the resize cap.
+RESIZE_STEPS = 20
+
+# Halvings of a range of ceilings on a rank's share of the work that capped_target tries.
 CAP_BISECT = 10
 
 
@@ -719,27 +734,61 @@ def capped_target(
     memory: MemoryCap,
 ) -> PartitionPlan:
     """The balanced plan with every rank within `memory`: the balanced plan where it fits,
-    else the one of the highest ceiling on any rank's share of the work that fits, each
-    rank's share in proportion to its speed up to the ceiling and the excess water-filled to
-    the others (hettp.memory.water_filled). Every rank has the same limit, so one ceiling
-    serves all; it is bisected because whole units (a query group with its K/V) land a
-    rank's parameters only near its share. Where none fits, `plan` itself: no move."""
+    else the fastest (blocks_time) of plans placed under ceilings on a rank's share of the
+    work, each rank's share in proportion to its speed up to the ceiling and the excess
+    water-filled to the others (hettp.memory.water_filled). Every rank has the same limit, so
+    one ceiling serves all ranks; it is bisected, because whole units land a rank's
+    parameters only near its share. Attention's units are coarse (a query group with its
+    K/V is a large step), so one ceiling for both blocks can stop well short of the cap: the
+    MLP's ceiling is then bisected again under the attention of the last ceiling within the
+    cap and of the first over it. Where none fits, `plan` itself: no move."""
     target = _balanced(plan, model, unit_work, speeds)
     if memory.fits(target):
         return target
     n = plan.tp_size
-    low, high = 1.0 / n, max(speeds) / sum(speeds)  # every share even .. none capped
-    best = None
+    even, top = 1.0 / n, max(speeds) / sum(speeds)  # every share even .. none capped
+
+    def placed(ceiling):
+        return _balanced(plan, model, unit_work, water_filled(speeds, [ceiling] * n))
+
+    both = _largest_fitting(placed, memory, even, top)
+    if both is None:
+        return plan
+    within, over, found = both
+    candidates = [found]
+    for ceiling in (within, over):
+        attention = placed(ceiling)
+        split = _largest_fitting(
+            lambda c, a=attention: _with_attention(placed(c), a), memory, even, top
+        )
+        if split is not None:
+            candidates.append(split[2])
+    return min(candidates, key=lambda p: model.blocks_time(block_works(p, unit_work)))
+
+
+def _largest_fitting(place, memory: MemoryCap, low: float, high: float):
+    """(ceiling, the lowest ceiling found over the cap, plan) for the highest ceiling in
+    [low, high] whose `place`d plan fits `memory`, bisected; None where not even `low`'s
+    does."""
+    best = place(low)
+    if not memory.fits(best):
+        return None
     for _ in range(CAP_BISECT):
-        ceiling = (low + high) / 2
-        trial = _balanced(plan, model, unit_work, water_filled(speeds, [ceiling] * n))
+        mid = (low + high) / 2
+        trial = place(mid)
         if memory.fits(trial):
-            low, best = ceiling, trial
+            low, best = mid, trial
         else:
-            high = ceiling
-    if best is None:  # even shares at the least
-        best = _balanced(plan, model, unit_work, [1.0] * n)
-    return best if memory.fits(best) else plan
+            high = mid
+    return low, high, best
+
+
+def _with_attention(plan: PartitionPlan, attention: PartitionPlan) -> PartitionPlan:
+    """`plan` with `attention`'s attention units in every layer (both of one model)."""
+    layers = tuple(
+        {**mine, "attn": theirs["attn"]} for mine, theirs in zip(plan.layers, attention.layers)
+    )
+    return dataclasses.replace(plan, layers=layers)
 
 
 def _balanced(

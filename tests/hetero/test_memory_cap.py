@@ -10,9 +10,9 @@ from tests.utils import run_ranks
 from tests.utils.workers import train_and_count_sharded_weights
 
 MODEL = (
-    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
-    "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
-    "--global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 "
+    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 128 --num-attention-heads 4 "
+    "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 4 "
+    "--global-batch-size 4 --lr 1e-3 --mock-data --vocab-size 255 --hidden-dropout 0 "
     "--attention-dropout 0 --log-interval 100 --eval-iters 0 --train-iters 24 "
     "--het-tp-interval 3 --het-tp-policy hybrid "
     "--het-tp-emulate persistent:rank=1,factor=6"
