@@ -33,7 +33,7 @@ def test_a_capped_migration_keeps_every_rank_within_the_cap(tmp_path):
     capped, decisions = _run(tmp_path, "capped", "--het-tp-memory-cap", str(CAP))
     even = capped[0]["weights"][1]
     assert even == capped[1]["weights"][1] == free[0]["weights"][1]  # the even split
-    # uncapped, the fast rank takes about 1.7x its even share: the cap binds
+    # uncapped, the fast rank takes 1.8-2x its even share: the cap binds
     assert max(free[0]["weights"].values()) > 1.5 * even
     # capped, no rank holds more than the cap on any step, and the fast rank did take units
     for rank in capped:
