@@ -31,6 +31,7 @@ from megatron.core import parallel_state
 from hettp.config import HetTPConfig
 from hettp.exchange import Migration, TransferError
 from hettp.loop import TimingReport, work_of
+from hettp.memory import MemoryCap
 from hettp.plan import PartitionPlan, PlanError
 from hettp.planner import Decision
 from hettp.resize import ResizeError, check_shares
@@ -212,10 +213,12 @@ class HetTPRuntime:
         given = self._stage_of(self.config.partition_plan)
         saved_plan = self._stage_of(saved.plan) if saved is not None else None
         if saved_plan is not None and not self.config.keeps_given_plan and self._fits(saved_plan):
+            self._check_memory(saved.plan, "the checkpoint's plan")
             plan, self._plan_why = saved_plan, RESUMED
             stages = parallel_state.get_pipeline_model_parallel_world_size()
             self._saved_shares = saved.shares_of(self._pipeline_stage(), stages)
         elif given is not None:
+            self._check_memory(self.config.partition_plan, "--het-tp-plan")
             plan = given
         if plan != self.partition.plan:
             self.partition.install(module, plan)
@@ -836,6 +839,26 @@ class HetTPRuntime:
         if self._module is not None and getattr(self._module, RUNTIME_ATTR, None) is self:
             delattr(self._module, RUNTIME_ATTR)
         self._module = None
+
+    def _check_memory(self, plan: PartitionPlan | None, what: str) -> None:
+        """A starting plan (the whole model's, alike on every rank) that puts a rank over
+        --het-tp-memory-cap is refused before anything moves: with pipeline stages, layer by
+        layer (within the cap in every layer, every stage is)."""
+        cap = self.config.memory_cap
+        if cap is None or plan is None or plan.num_layers != self._module.config.num_layers:
+            return
+        memory = MemoryCap(cap, self.partition.unit_params)
+        layers = range(plan.num_layers) if _pipelined() else (None,)
+        for layer in layers:
+            part = plan if layer is None else plan.stage(layer, 1)
+            ratios = memory.ratios(part)
+            rank = max(range(len(ratios)), key=ratios.__getitem__)
+            if ratios[rank] > 1.0 + 1e-9:
+                where = "" if layer is None else f" in layer {layer}"
+                raise PlanError(
+                    f"{what} puts {ratios[rank] * cap:.2f}x the even split's unit state on TP "
+                    f"rank {rank}{where}, over --het-tp-memory-cap {cap:g}"
+                )
 
     def _fits(self, plan: PartitionPlan) -> bool:
         try:

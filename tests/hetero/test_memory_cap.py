@@ -48,3 +48,31 @@ def test_a_capped_migration_keeps_every_rank_within_the_cap(tmp_path):
     assert held.counts(0, "mlp")[0] > held.counts(0, "mlp")[1]
     # uncapped, the move balances by itself: no resize kept
     assert all(not any(d["shares"]) for d in free_decisions if d["action"] == "hybrid-migrate")
+
+
+def test_a_starting_plan_over_the_cap_is_refused_naming_the_flag(tmp_path):
+    """Before anything moves: a --het-tp-plan, or the plan of the checkpoint resumed from,
+    that puts a rank over the cap."""
+    import pytest
+
+    from tests.utils.workers import train
+
+    uneven = ["--het-tp-plan", "attn=3,1;mlp=320,192", "--train-iters", "2"]
+    with pytest.raises(AssertionError) as err:
+        run_ranks(train, 2, MODEL + uneven + ["--het-tp-memory-cap", "1.2"])
+    assert "--het-tp-plan puts 1.33x the even split's unit state on TP rank 0, over " in str(
+        err.value
+    )
+    assert "--het-tp-memory-cap 1.2" in str(err.value)
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(train, 2, MODEL + uneven + ["--save", ckpt, "--save-interval", "2"])
+    with pytest.raises(AssertionError) as err:
+        run_ranks(train, 2, MODEL + ["--load", ckpt, "--het-tp-memory-cap", "1.1"])
+    assert "the checkpoint's plan puts 1.33x the even split's unit state on TP rank 0" in str(
+        err.value
+    )
+    # within the cap, it resumes in its plan
+    resumed = run_ranks(
+        train, 2, MODEL + ["--load", ckpt, "--het-tp-memory-cap", "1.4", "--train-iters", "3"]
+    )[0]
+    assert "het-TP plan at iteration 2 (resumed from the checkpoint)" in resumed["stdout"]
