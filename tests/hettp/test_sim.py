@@ -293,6 +293,25 @@ def test_cli_prints_one_json_line_per_policy_and_refuses_bad_flags():
     assert bad.returncode == 2 and "--het-migration-budget must be within [0, 1]" in bad.stderr
     bad = _cli("--het-tp-attn-granularity", "3")  # llama-70b: 8 query heads per group
     assert bad.returncode == 2 and "--het-tp-attn-granularity 3 does not divide" in bad.stderr
+    bad = _cli("--het-tp-memory-cap", "0.9")
+    assert bad.returncode == 2 and "--het-tp-memory-cap: a memory cap of 0.9" in bad.stderr
+    capped = _cli(
+        "--gpus",
+        "8",
+        "--tp",
+        "8",
+        "--pp",
+        "1",
+        "--trace",
+        "persistent-2x",
+        "--steps",
+        "40",
+        "--het-tp-memory-cap",
+        "1.05",
+        "--json",
+    )
+    assert capped.returncode == 0, capped.stderr
+    assert json.loads(capped.stdout)["memory_cap"] == 1.05
     flat = _cli("--gpus", "64", "--tp", "8", "--pp", "1", "--model", "gpt-13b", "--json")
     assert flat.returncode == 0, flat.stderr
     flat = json.loads(flat.stdout)  # without stages joint runs too, under the default budget
@@ -396,3 +415,30 @@ def test_the_committed_comparison_replays_within_ten_percent():
     }
     predicted = [r for r in rows if not r.fitted]
     assert len(predicted) == 12 and max(r.rel_error for r in predicted) <= 0.10
+
+
+def test_a_memory_cap_bounds_the_simulated_moves_and_hybrid_resizes_the_rest():
+    """Llama-3-70B at TP=8, rank 1 at 4x: balance asks each fast rank for 1.10x its share.
+    Capped at 1.05, every rank stays within it, migrate keeps part of the gain, and hybrid
+    resizes the straggler for the rest (lossy, faster)."""
+    from hettp.memory import MemoryCap
+
+    layout, trace = Layout(8), persistent(8, {1: 4.0})
+    model = dataclasses.replace(LLAMA_70B, mlp_unit=128)
+    costs = _costs(model, layout)
+    cap = MemoryCap(1.05, model.unit_params())
+    e = {}
+    for policy, memory_cap in (("migrate", None), ("migrate", 1.05), ("hybrid", 1.05)):
+        sim = Simulation(model, layout, costs, trace, policy, interval=4, memory_cap=memory_cap)
+        result = sim.run(24)
+        e[policy, memory_cap] = result.ideal_s[-1] / result.step_s[-1]
+        if memory_cap is None:
+            assert not cap.fits(sim.plans[0])
+        else:
+            assert cap.fits(sim.plans[0]) and sim.plans[0] != model.even_plan(8, 80)
+        assert any(sim.shares[0]) == (policy == "hybrid")
+    vanilla = Simulation(model, layout, costs, trace, "none").run(24)
+    assert vanilla.ideal_s[-1] / vanilla.step_s[-1] < e["migrate", 1.05] < e["migrate", None]
+    assert e["migrate", 1.05] < e["hybrid", 1.05]
+    with pytest.raises(SimError, match="--het-tp-memory-cap: a memory cap of 0.5"):
+        Simulation(model, layout, costs, trace, "migrate", memory_cap=0.5)
