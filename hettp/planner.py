@@ -588,7 +588,6 @@ class Planner:
             return None
         unresized = model.step_time(plan_work(plan, self.unit_work))
         after = model.step_time(plan_work(target, self.unit_work))
-        kept = self._capped_resize(target, model, stragglers)
         cost = self.migration_seconds(plan, target)
         remaining = max(1, iteration - self._onset)  # lasted t steps: ~t more predicted
         gain = remaining * (unresized - after)
@@ -601,6 +600,7 @@ class Planner:
         if gain <= cost:
             return None
         self._onset = None  # handled: the next move waits for the detector to see a change
+        kept = self._capped_resize(target, model, stragglers)
         if any(kept):  # by blocks, as the resize was chosen (above the totals' step_time)
             undone = f"resized {list(kept)} for what the memory cap keeps on the stragglers"
             after = model.blocks_time(block_works(target, self.unit_work, kept))
@@ -754,22 +754,27 @@ def capped_target(
     both = _largest_fitting(placed, memory, even, top)
     if both is None:
         return plan
-    within, over, found = both
-    candidates = [found]
-    for ceiling in (within, over):
+    candidates = [both.plan]
+    for ceiling in (both.ceiling, both.over):
         attention = placed(ceiling)
         split = _largest_fitting(
             lambda c, a=attention: _with_attention(placed(c), a), memory, even, top
         )
         if split is not None:
-            candidates.append(split[2])
+            candidates.append(split.plan)
     return min(candidates, key=lambda p: model.blocks_time(block_works(p, unit_work)))
 
 
-def _largest_fitting(place, memory: MemoryCap, low: float, high: float):
-    """(ceiling, the lowest ceiling found over the cap, plan) for the highest ceiling in
-    [low, high] whose `place`d plan fits `memory`, bisected; None where not even `low`'s
-    does."""
+@dataclass(frozen=True)
+class _Fit:
+    ceiling: float  # the highest ceiling found whose plan fits
+    over: float  # the lowest found whose plan does not (or the range's top)
+    plan: PartitionPlan  # the plan placed at `ceiling`
+
+
+def _largest_fitting(place, memory: MemoryCap, low: float, high: float) -> _Fit | None:
+    """The highest ceiling in [low, high] whose `place`d plan fits `memory`, bisected; None
+    where not even `low`'s does."""
     best = place(low)
     if not memory.fits(best):
         return None
@@ -780,7 +785,7 @@ def _largest_fitting(place, memory: MemoryCap, low: float, high: float):
             low, best = mid, trial
         else:
             high = mid
-    return low, high, best
+    return _Fit(low, high, best)
 
 
 def _with_attention(plan: PartitionPlan, attention: PartitionPlan) -> PartitionPlan:

@@ -173,3 +173,42 @@ def test_a_batch_ramp_resplits_on_the_paces_the_counts_came_from():
     assert fresh.load_state_dict({"counts": [3, 0]}) is not None  # refused, by value
     assert fresh.load_state_dict({"counts": [3, 1, 1]}).endswith("3 data-parallel replicas")
     assert fresh.load_state_dict({"counts": [3, 1]}) is None and fresh.split(2) == (3, 1)
+
+
+def test_the_joint_policy_moves_within_a_memory_cap(tmp_path, reference):
+    """TP rank 0 of both replicas 3x slow under --het-tp-memory-cap 1.2: no rebatch helps, and
+    the plan that balances would give TP rank 1 1.5x its share; the joint policy's move stays
+    within 1.2x (each rank's units counted in parameters, as the planner counts them),
+    losslessly."""
+    from hettp.memory import MemoryCap
+    from hettp.plan import PartitionPlan
+
+    metrics = str(tmp_path / "joint-capped.jsonl")
+    ranks = run_ranks(
+        train_with_data_split,
+        4,
+        TRAIN
+        + [
+            "--tensor-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+            "--het-tp-policy",
+            "joint",
+            "--het-tp-memory-cap",
+            "1.2",
+            "--het-tp-emulate",
+            "persistent:global=0/2,factor=3",
+            "--metrics-file",
+            metrics,
+        ],
+    )
+    # hidden 256, 4 heads of 64, ffn 1024: a query group's QKV rows, biases and projection
+    # columns; a neuron's fc1 row, bias and fc2 column
+    cap = MemoryCap(1.2, {"attn": 4 * 64 * 256 + 3 * 64, "mlp": 2 * 256 + 1})
+    moved = [d for d in _decisions(metrics) if d["action"].startswith("migrate")]
+    assert moved and moved[0]["units_moved"] > 0, _decisions(metrics)
+    for d in moved:
+        plan = PartitionPlan.from_json(d["plan"])
+        assert cap.fits(plan) and max(cap.ratios(plan)) > 0.95, cap.ratios(plan)
+    _ran_their_shares(ranks)
+    _same_losses(ranks[0]["losses"], reference, range(1, 11))
