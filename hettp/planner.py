@@ -435,6 +435,12 @@ class Planner:
         )
         if decision is not None or self._leaning == leaning:  # acted, or nothing leaned
             self._leaning = 0
+        if decision is not None and decision.migrates and self.memory is not None:
+            held = self.memory.ratios(decision.plan)  # what each rank will hold, logged
+            of_even = [round(r * self.memory.factor, 3) for r in held]
+            decision = dataclasses.replace(
+                decision, details={**decision.details, "unit_state": of_even}
+            )
         return decision
 
     # ---- policies: one rule per deciding policy of hettp.policy.POLICIES -------------------

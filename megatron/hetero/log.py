@@ -265,6 +265,9 @@ class EventLog:
         )
         if decision.migrates:
             line += f" | plan {decision.plan.summary()}"
+        if "unit_state" in decision.details:  # under --het-tp-memory-cap
+            held = "/".join(f"{x:.2f}" for x in decision.details["unit_state"])
+            line += f" | unit state {held} x the even split's"
         self.info(line + _moved_text(moved))
         if self.metrics is not None:
             self.metrics.write(

@@ -44,6 +44,8 @@ def test_a_capped_migration_keeps_every_rank_within_the_cap(tmp_path):
     assert moves, decisions
     assert moves[0]["shares"][0] == 0.0 and moves[0]["shares"][1] > 0.0
     assert "memory cap" in moves[0]["reason"]
+    assert max(moves[0]["details"]["unit_state"]) <= CAP
+    assert " x the even split's" in capped[0]["stdout"].split("hybrid-migrate", 1)[1]
     held = PartitionPlan.from_json(moves[-1]["plan"])
     assert held.counts(0, "mlp")[0] > held.counts(0, "mlp")[1]
     # uncapped, the move balances by itself: no resize kept

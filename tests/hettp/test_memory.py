@@ -97,6 +97,11 @@ def test_migrate_moves_within_the_cap_and_hybrid_resizes_what_it_keeps_on_the_st
     migrate = Planner("migrate", UNIT_WORK, memory=cap).decide(8, seen, SLOW, EVEN, (0.0, 0.0))
     assert migrate.action == "migrate" and cap.fits(migrate.plan) and not any(migrate.shares)
     assert migrate.plan != EVEN
+    # what each rank will hold, in multiples of the even split's, for the log
+    held = migrate.details["unit_state"]
+    assert held[0] == pytest.approx(1.2 * max(cap.ratios(migrate.plan)), abs=1e-3)
+    assert held[0] <= 1.2
+    assert held[1] < 1.0
     hybrid = Planner(
         "hybrid", UNIT_WORK, cap=0.5, migration_seconds=lambda a, b: 0.0, memory=cap
     ).decide(8, seen, SLOW, EVEN, (0.0, 0.0))
