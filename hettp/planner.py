@@ -763,8 +763,15 @@ def capped_target(
     candidates = [both.plan]
     for ceiling in (both.ceiling, both.over):
         attention = placed(ceiling)
+        # the MLP as any balanced plan splits it (head units change only how attention is
+        # dealt), without dealing attention again at every halving
         split = _largest_fitting(
-            lambda c, a=attention: _with_attention(placed(c), a), memory, even, top
+            lambda c, a=attention: _with_attention(
+                proportional_plan(plan, water_filled(speeds, [c] * n)), a
+            ),
+            memory,
+            even,
+            top,
         )
         if split is not None:
             candidates.append(split.plan)
