@@ -89,28 +89,25 @@ def test_a_slow_replica_runs_fewer_micro_batches_losslessly_and_resumes_its_spli
     _same_losses(resumed[0]["losses"], reference, range(7, 11))
 
 
+def _joint(metrics: str, emulate: str, *extra: str) -> list:
+    """TP=2 x DP=2 under the distributed optimizer and the joint policy, with `emulate`."""
+    return run_ranks(
+        train_with_data_split,
+        4,
+        TRAIN
+        + ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+        + ["--het-tp-policy", "joint", "--het-tp-emulate", emulate, "--metrics-file", metrics]
+        + list(extra),
+    )
+
+
 def test_joint_control_over_replicas_with_stragglers_at_different_tp_positions(tmp_path, reference):
     """TP=2 x DP=2 with the distributed optimizer: TP rank 0 of replica 0 and TP rank 1 of
     replica 1 slow, which no shared plan balances. Whatever the joint policy chooses (a plan
     for one replica and a rebatch around it, a rebatch, a resize), the losses are the whole
     batch's and every rank applies it alike."""
     metrics = str(tmp_path / "joint.jsonl")
-    ranks = run_ranks(
-        train_with_data_split,
-        4,
-        TRAIN
-        + [
-            "--tensor-model-parallel-size",
-            "2",
-            "--use-distributed-optimizer",
-            "--het-tp-policy",
-            "joint",
-            "--het-tp-emulate",
-            "persistent:global=0/3,factor=3",
-            "--metrics-file",
-            metrics,
-        ],
-    )
+    ranks = _joint(metrics, "persistent:global=0/3,factor=3")
     decisions = _decisions(metrics)
     # the plan balanced for one replica, the other replica's share of the batch cut to match
     # (tests/hettp/test_joint.py predicts it); the units move with their distributed-optimizer
@@ -184,24 +181,7 @@ def test_the_joint_policy_moves_within_a_memory_cap(tmp_path, reference):
     from hettp.plan import PartitionPlan
 
     metrics = str(tmp_path / "joint-capped.jsonl")
-    ranks = run_ranks(
-        train_with_data_split,
-        4,
-        TRAIN
-        + [
-            "--tensor-model-parallel-size",
-            "2",
-            "--use-distributed-optimizer",
-            "--het-tp-policy",
-            "joint",
-            "--het-tp-memory-cap",
-            "1.2",
-            "--het-tp-emulate",
-            "persistent:global=0/2,factor=3",
-            "--metrics-file",
-            metrics,
-        ],
-    )
+    ranks = _joint(metrics, "persistent:global=0/2,factor=3", "--het-tp-memory-cap", "1.2")
     # hidden 256, 4 heads of 64, ffn 1024: a query group's QKV rows, biases and projection
     # columns; a neuron's fc1 row, bias and fc2 column
     cap = MemoryCap(1.2, {"attn": 4 * 64 * 256 + 3 * 64, "mlp": 2 * 256 + 1})
