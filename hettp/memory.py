@@ -14,14 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .plan import BLOCKS, PartitionPlan
-
-KV = "kv"  # a query group's K/V rows held as a replica (head units): hettp.transfer.KV_REPLICA
+from .transfer import KV_REPLICA
 
 
 def held_params(plan: PartitionPlan, unit_params: Mapping[str, float]) -> tuple[float, ...]:
     """Per rank, the parameters of the units it holds in every layer, with head units also
     one K/V per query group it holds any head of."""
-    kv = unit_params.get(KV, 0.0) if plan.heads is not None else 0.0
+    kv = unit_params.get(KV_REPLICA, 0.0) if plan.heads is not None else 0.0
     held = [0.0] * plan.tp_size
     for layer in plan.layers:
         for block in BLOCKS:
@@ -36,7 +35,7 @@ def canonical_params(plan: PartitionPlan, unit_params: Mapping[str, float]) -> f
     """The parameters of all of the plan's units, every K/V once (no replicas)."""
     per_layer = plan.attn_units * unit_params["attn"] + plan.mlp_units * unit_params["mlp"]
     if plan.heads is not None:
-        per_layer += plan.heads.groups * unit_params.get(KV, 0.0)
+        per_layer += plan.heads.groups * unit_params.get(KV_REPLICA, 0.0)
     return plan.num_layers * per_layer
 
 
@@ -44,7 +43,7 @@ def canonical_params(plan: PartitionPlan, unit_params: Mapping[str, float]) -> f
 class MemoryCap:
     """No rank may hold more than `factor` times the even split's unit state.
 
-    `unit_params`: one unit's parameters per block, and with head units (key "kv") one
+    `unit_params`: one unit's parameters per block, and with head units (key KV_REPLICA) one
     group's K/V rows, which a rank holding any of the group's heads keeps as a replica."""
 
     factor: float

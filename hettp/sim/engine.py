@@ -191,7 +191,7 @@ class Simulation:
         self.loops: dict[int, ControlLoop] = {}
         self.migration_cost: dict[int, MigrationCost] = {}
         try:
-            memory = MemoryCap(memory_cap, model.unit_params()) if memory_cap else None
+            memory = MemoryCap(memory_cap, model.unit_params()) if memory_cap is not None else None
         except ValueError as err:
             raise SimError(f"--het-tp-memory-cap: {err}") from err
         self.memory = memory

@@ -440,5 +440,6 @@ def test_a_memory_cap_bounds_the_simulated_moves_and_hybrid_resizes_the_rest():
     vanilla = Simulation(model, layout, costs, trace, "none").run(24)
     assert vanilla.ideal_s[-1] / vanilla.step_s[-1] < e["migrate", 1.05] < e["migrate", None]
     assert e["migrate", 1.05] < e["hybrid", 1.05]
-    with pytest.raises(SimError, match="--het-tp-memory-cap: a memory cap of 0.5"):
-        Simulation(model, layout, costs, trace, "migrate", memory_cap=0.5)
+    for bad in (0.5, 0.0):
+        with pytest.raises(SimError, match=f"--het-tp-memory-cap: a memory cap of {bad}"):
+            Simulation(model, layout, costs, trace, "migrate", memory_cap=bad)
