@@ -4,6 +4,8 @@ straggler for what the cap keeps on it."""
 
 from __future__ import annotations
 
+import pytest
+
 from hettp.metrics import read_metrics
 from hettp.plan import PartitionPlan
 from tests.utils import run_ranks
@@ -78,3 +80,34 @@ def test_a_starting_plan_over_the_cap_is_refused_naming_the_flag(tmp_path):
         train, 2, MODEL + ["--load", ckpt, "--het-tp-memory-cap", "1.4", "--train-iters", "3"]
     )[0]
     assert "het-TP plan at iteration 2 (resumed from the checkpoint)" in resumed["stdout"]
+
+
+def test_head_units_count_their_k_v_replicas_against_the_cap(tmp_path):
+    """GQA with one query group of 4 heads per rank, query heads as units: a rank given heads
+    of the other rank's group computes that group's K/V as a replica, which the cap counts.
+    Each rank's weights as allocated (the replicas' rows included) stay within it."""
+    gqa = (
+        "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 128 "
+        "--num-attention-heads 8 --group-query-attention --num-query-groups 2 --swiglu "
+        "--ffn-hidden-size 256 --disable-bias-linear --position-embedding-type rope "
+        "--normalization RMSNorm --seq-length 64 --max-position-embeddings 64 "
+        "--micro-batch-size 4 --global-batch-size 4 --lr 1e-3 --mock-data --vocab-size 255 "
+        "--hidden-dropout 0 --attention-dropout 0 --log-interval 100 --eval-iters 0 "
+        "--train-iters 15 --het-tp-interval 3 --het-tp-policy migrate "
+        "--het-tp-attn-granularity 1 --het-tp-emulate persistent:rank=1,factor=4"
+    ).split()
+    metrics = str(tmp_path / "heads.jsonl")
+    ranks = run_ranks(
+        train_and_count_sharded_weights,
+        2,
+        gqa + ["--het-tp-memory-cap", "1.25", "--metrics-file", metrics],
+    )
+    even = ranks[0]["weights"][1]
+    assert ranks[1]["weights"][1] == even
+    for rank in ranks:
+        assert max(rank["weights"].values()) <= 1.25 * even
+    moves = [d for d in read_metrics(metrics, "decision") if d["action"] == "migrate"]
+    assert moves and max(ranks[0]["weights"].values()) > 1.1 * even
+    # the planner's count of what each rank holds is what the ranks allocated
+    final = ranks[0]["weights"][max(ranks[0]["weights"])] / even
+    assert moves[-1]["details"]["unit_state"][0] == pytest.approx(final, abs=0.01)

@@ -796,8 +796,9 @@ def compressed_sums(kind: str, steps: int) -> dict:
 
 
 def train_and_count_sharded_weights(argv: list[str]) -> dict:
-    """pretrain; after every step, the elements of this rank's sharded linear weights (QKV,
-    projection, fc1, fc2): the unit state it holds, in parameters."""
+    """pretrain; after every step, the elements of this rank's sharded linear weights (QKV
+    with any K/V replicas of head units, projection, fc1, fc2): the unit state it holds, in
+    parameters."""
     counts = {}
     sharded = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -807,7 +808,8 @@ def train_and_count_sharded_weights(argv: list[str]) -> dict:
         counts[iteration] = sum(
             p.numel()
             for name, p in unwrap_model(state.model).named_parameters()
-            if name.endswith("weight") and any(k in name for k in sharded)
+            if (name.endswith("weight") or ".kv_weight." in name)
+            and any(k in name for k in sharded)
         )
 
     result, stdout = _pretrain(argv, hook)
