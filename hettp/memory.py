@@ -68,6 +68,10 @@ class MemoryCap:
     def fits(self, plan: PartitionPlan) -> bool:
         return max(self.ratios(plan)) <= 1.0 + 1e-9
 
+    def of_even(self, plan: PartitionPlan) -> tuple[float, ...]:
+        """Per rank, what it holds in multiples of the even split's share (what is logged)."""
+        return tuple(r * self.factor for r in self.ratios(plan))
+
 
 def water_filled(speeds: Sequence[float], ceilings: Sequence[float]) -> list[float]:
     """Shares of the work in proportion to `speeds`, none above its rank's ceiling (a share

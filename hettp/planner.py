@@ -436,10 +436,9 @@ class Planner:
         if decision is not None or self._leaning == leaning:  # acted, or nothing leaned
             self._leaning = 0
         if decision is not None and decision.migrates and self.memory is not None:
-            held = self.memory.ratios(decision.plan)  # what each rank will hold, logged
-            of_even = [round(r * self.memory.factor, 3) for r in held]
+            held = [round(x, 3) for x in self.memory.of_even(decision.plan)]  # logged
             decision = dataclasses.replace(
-                decision, details={**decision.details, "unit_state": of_even}
+                decision, details={**decision.details, "unit_state": held}
             )
         return decision
 

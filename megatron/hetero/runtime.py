@@ -851,14 +851,15 @@ class HetTPRuntime:
         layers = range(plan.num_layers) if _pipelined() else (None,)
         for layer in layers:
             part = plan if layer is None else plan.stage(layer, 1)
-            ratios = memory.ratios(part)
-            rank = max(range(len(ratios)), key=ratios.__getitem__)
-            if ratios[rank] > 1.0 + 1e-9:
-                where = "" if layer is None else f" in layer {layer}"
-                raise PlanError(
-                    f"{what} puts {ratios[rank] * cap:.2f}x the even split's unit state on TP "
-                    f"rank {rank}{where}, over --het-tp-memory-cap {cap:g}"
-                )
+            if memory.fits(part):
+                continue
+            held = memory.of_even(part)
+            rank = max(range(len(held)), key=held.__getitem__)
+            where = "" if layer is None else f" in layer {layer}"
+            raise PlanError(
+                f"{what} puts {held[rank]:.2f}x the even split's unit state on TP rank "
+                f"{rank}{where}, over --het-tp-memory-cap {cap:g}"
+            )
 
     def _fits(self, plan: PartitionPlan) -> bool:
         try:
