@@ -101,18 +101,24 @@ def block_works(
     plan: PartitionPlan, unit_work: Mapping[str, float], shares: Sequence[float] | None = None
 ) -> list[tuple[float, ...]]:
     """Per layer and block, in the order a step computes them, each rank's work in its active
-    units. Every block ends in a TP collective, so each waits for its slowest rank."""
+    units. Every block ends in a TP collective, so each waits for its slowest rank. With key
+    "call", attention's per-call part on each rank computing any attention unit
+    (hettp.attention_probe)."""
     shares = shares or (0.0,) * plan.tp_size
     kv = unit_work.get("kv", 0.0) if plan.heads is not None else 0.0
+    call = unit_work.get("call", 0.0)
     out = []
     for layer in plan.layers:
         for block in BLOCKS:
-            work = [
-                (len(units) - skipped_count(len(units), shares[rank])) * unit_work[block]
+            active = [
+                len(units) - skipped_count(len(units), shares[rank])
                 for rank, units in enumerate(layer[block])
             ]
+            work = [n * unit_work[block] for n in active]
             if block == "attn" and kv:  # head units: each group a rank holds a head of, K/V
                 work = [w + kv * len(plan.heads.groups_of(u)) for w, u in zip(work, layer[block])]
+            if block == "attn" and call:
+                work = [w + call * (n > 0) for w, n in zip(work, active)]
             out.append(tuple(work))
     return out
 
@@ -142,7 +148,11 @@ def mlp_chunk(plan: PartitionPlan, align: int = MLP_ALIGN) -> int:
 
 
 def proportional_plan(
-    plan: PartitionPlan, speeds: Sequence[float], align: int = MLP_ALIGN, kv: float = 0.0
+    plan: PartitionPlan,
+    speeds: Sequence[float],
+    align: int = MLP_ALIGN,
+    kv: float = 0.0,
+    call: float = 0.0,
 ) -> PartitionPlan:
     """Unit counts proportional to `speeds`, moving the fewest units from `plan`.
 
@@ -161,7 +171,8 @@ def proportional_plan(
     `kv` (head units): a K/V replica's work in attention units. Attention is then dealt unit by
     unit to whoever would finish first with the replicas its units bring (a rank's units taken
     from as few groups as they fill): dealt by count, a slow rank given two heads of a group
-    paid that group's K and V too, and ran its attention 25-30% over the fast rank's."""
+    paid that group's K and V too, and ran its attention 25-30% over the fast rank's. `call`:
+    attention's per-call part in attention units, which a rank's first unit brings."""
     total = sum(speeds)
     if total <= 0 or any(s < 0 for s in speeds):
         raise ValueError(f"speeds must be non-negative with a positive sum, got {list(speeds)}")
@@ -186,7 +197,10 @@ def proportional_plan(
                 if finish is None:  # per rank, when it would finish its first c units
                     per_group = plan.heads.units_per_group
                     finish = [
-                        [_finish(_with_replicas(c, per_group, kv), s, total) for c in range(n + 1)]
+                        [
+                            _finish(_with_replicas(c, per_group, kv, call), s, total)
+                            for c in range(n + 1)
+                        ]
                         for s in speeds
                     ]
                 counts = [0] * plan.tp_size
@@ -280,7 +294,16 @@ def balancing_shares(
     (no migration: everybody else keeps its work), within the cap."""
     work = plan_work(plan, unit_work)
     # head units' K/V replicas are computed whatever a rank skips: not resizable
-    kept = plan_work(plan, {"attn": 0.0, "mlp": 0.0, "kv": unit_work.get("kv", 0.0)})
+    # (nor attention's per-call part)
+    kept = plan_work(
+        plan,
+        {
+            "attn": 0.0,
+            "mlp": 0.0,
+            "kv": unit_work.get("kv", 0.0),
+            "call": unit_work.get("call", 0.0),
+        },
+    )
     others = [model.rank_time(r, w) for r, w in enumerate(work) if r not in stragglers]
     target = max(others) if others else 0.0
     shares = []
@@ -331,12 +354,13 @@ class Decision:
 # range of what an attention unit may cost against its modelled work.
 ATTENTION_COST_RANGE = (1.0, 2.0)
 
-# ... and faster by this share of the step. A split puts a group's per-call attention work
-# (projections, RoPE, softmax, however few its heads) on a rank that held none, and on a slow
-# rank that work is stretched by its slowdown; the model spreads per-call costs evenly over
-# the blocks and misses this: splits it predicted a few per cent faster than whole groups ran
-# slower (results/notes.md). Where whole groups leave a block far out of balance (a rank
-# holding two groups at TP=4) the split's predicted gain clears this margin.
+# ... and faster by this share of the step. Splits the model predicted a few per cent faster
+# than whole groups ran 12-17% slower (results/notes.md). Attention's per-call part, which a
+# split puts on a rank that held no head, is priced now (hettp.attention_probe), and is too
+# small to explain that: about 1 ms a layer on this CPU, a rank's first head 20-30% dearer,
+# leaving the split predicted 2% faster (notes). The margin stands for what is not modelled.
+# Where whole groups leave a block far out of balance (a rank holding two groups at TP=4) the
+# split's predicted gain clears it.
 SPLIT_GAIN = 0.05
 
 # A move at a report, the straggle unchanged, must gain this much of the predicted step: the
@@ -813,7 +837,10 @@ def _balanced(
 ) -> PartitionPlan:
     if plan.heads is None:
         return proportional_plan(plan, speeds)
-    target = proportional_plan(plan, speeds, kv=unit_work.get("kv", 0.0) / unit_work["attn"])
+    attn = unit_work["attn"]
+    target = proportional_plan(
+        plan, speeds, kv=unit_work.get("kv", 0.0) / attn, call=unit_work.get("call", 0.0) / attn
+    )
     whole = grouped_plan(plan, speeds, target)
     for scale in ATTENTION_COST_RANGE:
         work = {**unit_work, "attn": unit_work["attn"] * scale}
@@ -867,9 +894,10 @@ def groups_filled(units: int, per_group: int) -> int:
     return -(-units // per_group)
 
 
-def _with_replicas(units: int, per_group: int, kv: float) -> float:
-    """Attention work of `units` head units taken from as few query groups as they fill."""
-    return units + kv * groups_filled(units, per_group)
+def _with_replicas(units: int, per_group: int, kv: float, call: float = 0.0) -> float:
+    """Attention work of `units` head units taken from as few query groups as they fill, with
+    the per-call part where there is any."""
+    return units + kv * groups_filled(units, per_group) + (call if units else 0.0)
 
 
 def _finish(units: float, speed: float, total: float) -> float:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from hettp.attention_probe import CallPrice, probe
 from hettp.config import HetTPConfig
 from hettp.costfit import BlockSample, core_attention_scale
 from hettp.detect import StragglerDetector
@@ -26,6 +27,7 @@ from hettp.memory import MemoryCap
 from hettp.planner import Planner
 from hettp.transfer import CostModel, MigrationCost
 
+from .model import unwrap_model
 from .partition import comm_device
 from .timing import ComputeTimer
 
@@ -100,6 +102,15 @@ class Controller:
         self._samples: list[BlockSample] = []
         self._steps_timed = 0
         self.priced: tuple[float, float] | None = None  # (FLOP weight, measured) once priced
+        # Attention's per-call part is probed once, after the first step, at the micro-batch
+        # that step ran (hettp.attention_probe): before any block sample is taken in the units
+        # it changes. Only moves deal attention, so only they need it.
+        self.call_price: CallPrice | None = None
+        self._tokens = None  # (sequence, micro-batch, device, dtype) core attention last saw
+        self._probe_hook = None
+        if self.partition is not None and config.migrates:
+            core = unwrap_model(model).decoder.layers[0].self_attention.core_attention
+            self._probe_hook = core.register_forward_pre_hook(self._saw_tokens)
         # Under --het-dp: each replica's micro-batch counts (its reports are scaled to the even
         # split's, so that a rebatch is no change of speed to the TP loop) and its last step.
         self.counts: tuple[int, ...] | None = None
@@ -132,6 +143,8 @@ class Controller:
         `work()` is this TP group's per-rank active work (called when the split changed) and
         `unit_bytes()` what one unit carries (called only where a decision is taken). Returns
         the report and the verdict every rank agrees on, where the planner ran."""
+        if self._probe_hook is not None:
+            self._price_attention_call()
         if self._work is None or self._work.plan is not plan or self._work.shares != shares:
             kinds = (
                 self.partition.block_work(plan, shares)[self.tp_rank]
@@ -187,6 +200,31 @@ class Controller:
         self.priced = (before, self.partition.core_scale)
         self._samples = []
 
+    def _saw_tokens(self, module, args) -> None:
+        query = args[0]
+        self._tokens = (query.shape[0], query.shape[1], query.device, query.dtype)
+
+    def _price_attention_call(self) -> None:
+        """Probe attention's per-call part on the deciding rank (a rank of each TP group's
+        stage would do; the decider's is the one the plans are made with), and give every rank
+        the same price: they all weigh the work they report in the same units."""
+        self._probe_hook.remove()
+        self._probe_hook = None
+        price = [None]
+        if dist.get_rank(self.decider_group) == 0:
+            if self._tokens is None:
+                raise RuntimeError("het-TP: the first step ran no attention to probe the shape of")
+            seq, batch, device, dtype = self._tokens
+            price = [probe(self.partition.probe_shape(seq, batch, device, dtype))]
+        if dist.get_world_size(self.decider_group) > 1:
+            dist.broadcast_object_list(
+                price, src=dist.get_global_rank(self.decider_group, 0), group=self.decider_group
+            )
+        self.call_price = price[0]
+        self.partition.price_attention_call(self.call_price.work)
+        self.loop.planner.unit_work.update(self.partition.unit_work)
+        self._work = None
+
     @property
     def _pricing(self) -> bool:
         """Core attention is still to be priced (the block samples are still wanted)."""
@@ -219,14 +257,25 @@ class Controller:
     def state_dict(self) -> dict:
         core = self.partition.core_scale if self.partition is not None else None
         priced = list(self.priced) if self.priced is not None else None
-        return {"loop": self.loop.state_dict(), "core_scale": core, "priced": priced}
+        call = dataclasses.asdict(self.call_price) if self.call_price is not None else None
+        return {"loop": self.loop.state_dict(), "core_scale": core, "priced": priced, "call": call}
 
     def load_state_dict(self, state: dict) -> None:
-        """A resumed run keeps the saved run's price of core attention (its fit is in those
-        units); one saved before it was priced prices it again."""
+        """A resumed run keeps the saved run's prices of core attention and of attention's
+        per-call part (its fit is in those units); one saved before they were priced prices
+        them again."""
         if self.partition is not None and state.get("priced") is not None:
             self._reweigh(state["core_scale"])
             self.priced = tuple(state["priced"])
+        if self._probe_hook is not None and state.get("call") is not None:
+            call = state["call"]
+            self.call_price = CallPrice(
+                call["call_s"], call["gemm_s_per_param"], tuple(call["sizes_s"])
+            )
+            self._probe_hook.remove()
+            self._probe_hook = None
+            self.partition.price_attention_call(self.call_price.work)
+            self.loop.planner.unit_work.update(self.partition.unit_work)
         self.loop.load_state_dict(state["loop"])
 
     def _gather(self, iteration, row, extra) -> TimingReport:

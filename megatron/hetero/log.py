@@ -114,16 +114,24 @@ class EventLog:
         if self.metrics is not None:
             self.metrics.write("plan", iteration=iteration, why=why, plan=plan.to_json())
 
-    def priced(self, iteration, before, after, unit_work) -> None:
-        """Core attention priced from the first steps' timings (megatron/hetero/control.py)."""
+    def priced(self, iteration, before, after, unit_work, call=None) -> None:
+        """Core attention priced from the first steps' timings, and attention's per-call part
+        as probed (`call`: hettp.attention_probe.CallPrice; megatron/hetero/control.py)."""
+        probed = ""
+        if call is not None:
+            probed = (
+                f"; its per-call part {call.call_s * 1e3:.2f} ms a layer (probed), weighs "
+                f"{unit_work['call']:.0f}"
+            )
         self.info(
             f"> het-TP at iteration {iteration}: core attention costs {after:.2f}x its FLOPs at "
             f"the GEMMs' rate (was taken as {before:.2f}x); an attention unit weighs "
-            f"{unit_work['attn']:.0f}"
+            f"{unit_work['attn']:.0f}{probed}"
         )
         if self.metrics is not None:
+            extra = {"call_s": call.call_s} if call is not None else {}
             self.metrics.write(
-                "priced", iteration=iteration, core_scale=after, unit_work=dict(unit_work)
+                "priced", iteration=iteration, core_scale=after, unit_work=dict(unit_work), **extra
             )
 
     def repartition(self, iteration, plan, moves) -> None:

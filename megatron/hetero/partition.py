@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 
+from hettp.attention_probe import ProbeShape
 from hettp.exchange import Migration, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan, PlanError
 from hettp.planner import core_attention_work, plan_work
@@ -105,12 +106,24 @@ class HetPartition:
         self._core = core_attention_work(
             heads_per_unit, module.max_sequence_length, config.kv_channels
         )
+        self._probe_dims = {
+            "hidden": config.hidden_size,
+            "head_dim": config.kv_channels,
+            "heads_per_unit": heads_per_unit,
+            "mlp_rows": config.ffn_hidden_size
+            // dist.get_world_size(self.group)
+            * (2 if config.gated_linear_unit else 1),
+            "rope": getattr(module, "position_embedding_type", None) == "rope",
+        }
         self.core_scale = 1.0  # core attention's cost per FLOP against the GEMMs'
         self.unit_work["attn"] += self._core
         # head units: one group's K/V replica, which a rank holding any of its heads computes
         self.unit_work["kv"] = sum(
             math.prod(shape) for _, _, shape in blocks[(0, "attn")].replica_tensors()
         )
+        # attention's per-call part on a rank holding any head (hettp.attention_probe),
+        # priced once the run's micro-batch is known
+        self.unit_work["call"] = 0.0
 
     @property
     def unit_params(self) -> dict[str, float]:
@@ -125,12 +138,26 @@ class HetPartition:
         self.core_scale = scale
         self.unit_work["attn"] = self._attn_params + scale * self._core
 
+    def probe_shape(self, seq: int, batch: int, device, dtype) -> ProbeShape:
+        """This model's attention and MLP on one rank, at a micro-batch of `seq` x `batch`
+        tokens: what hettp.attention_probe times."""
+        return ProbeShape(seq, batch, device=device, dtype=dtype, **self._probe_dims)
+
+    def price_attention_call(self, work: float) -> None:
+        """Weigh attention's per-call part, paid by a rank holding any of a layer's attention
+        units, at `work` (hettp.attention_probe.CallPrice.work). In place, as
+        price_core_attention."""
+        if not math.isfinite(work) or work < 0:
+            raise ValueError(f"attention's per-call work must be finite and >= 0, got {work}")
+        self.unit_work["call"] = work
+
     def block_work(self, plan: PartitionPlan, shares) -> list[tuple[float, float, float]]:
         """Per rank, the work of its active units by kind: attention's GEMMs (its query
-        groups' or heads' parameters and its K/V replicas), its core attention (FLOPs in
-        parameters' terms, unscaled) and the MLP's."""
+        groups' or heads' parameters, its K/V replicas and its per-call part), its core
+        attention (FLOPs in parameters' terms, unscaled) and the MLP's."""
+        call = self.unit_work["call"]
         kinds = (
-            {"attn": self._attn_params, "mlp": 0.0, "kv": self.unit_work["kv"]},
+            {"attn": self._attn_params, "mlp": 0.0, "kv": self.unit_work["kv"], "call": call},
             {"attn": self._core, "mlp": 0.0, "kv": 0.0},
             {"attn": 0.0, "mlp": self.unit_work["mlp"], "kv": 0.0},
         )

@@ -443,7 +443,12 @@ class HetTPRuntime:
             )
             if self.controller.priced is not None and not self._priced_logged:
                 self._priced_logged = True
-                self.events.priced(iteration, *self.controller.priced, self.partition.unit_work)
+                self.events.priced(
+                    iteration,
+                    *self.controller.priced,
+                    self.partition.unit_work,
+                    self.controller.call_price,
+                )
             verdicts = self._over_pipeline(out)
             for v in verdicts:
                 self.events.timing(v.report, v.verdict, v.stage)

@@ -223,6 +223,17 @@ def test_an_attention_unit_weighs_its_linears_and_its_priced_core_attention(stea
     assert ranks[0]["stdout"].count("core attention costs") == 1
 
 
+def test_attention_s_per_call_part_is_probed_once_and_weighed_alike_on_every_rank(steady):
+    """At the end of the first step the deciding rank probes attention's per-call part at the
+    shape that step ran (hettp.attention_probe); every rank weighs a unit alike from then on."""
+    ranks, records = steady
+    [priced] = [r for r in records if r["kind"] == "priced"]
+    call = priced["unit_work"]["call"]
+    assert priced["call_s"] >= 0 and call >= 0 and (call > 0) == (priced["call_s"] > 0)
+    assert all(ranks[r]["unit_work"][i]["call"] == call for r in (0, 1) for i in (1, 3, 40))
+    assert ranks[0]["stdout"].count("per-call part") == 1
+
+
 def test_a_steady_cluster_sees_no_decision(steady):
     ranks, records = steady
     assert not [r for r in records if r["kind"] == "decision"]

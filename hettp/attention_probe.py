@@ -1,0 +1,159 @@
+"""What attention costs a rank per call, whatever heads it holds: timed once, in plain torch,
+at the run's shapes.
+
+A rank that holds any query head runs attention's per-call work (the split of the QKV output,
+RoPE, the K/V gather, the attention kernel's launch and softmax set-up, the reshapes), forward
+and backward, however few its heads; a rank holding none skips it. The step model weighs
+units by their parameters and FLOPs, so a split that gives a slow rank its first head looked
+cheaper than it ran (results/notes.md). Timings of the run itself cannot price this part:
+until a move, every rank holds the same heads, and a per-call cost and a per-head one read the
+same. So the probe times attention at three sizes, none, one unit (one group's K/V), two units
+(in two groups), and the part the second unit did not add again is the call's:
+`call = 2 t(1) - t(0) - t(2)`. A GEMM of the MLP's shape gives the rate that turns seconds into
+the planner's unit of work (parameters).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Rounds of the three sizes and the GEMM, interleaved so that a slow spell of a shared machine
+# falls on all of them; each size keeps its fastest round.
+ROUNDS = 12
+WARMUP_ROUNDS = 2
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    """One micro-batch's attention on one rank: `seq` x `batch` tokens of `hidden`, query
+    heads of `head_dim` in units of `heads_per_unit` (a unit's heads share one group's K/V),
+    and the rank's MLP rows (`mlp_rows` x `hidden`, the GEMM the rate is read from)."""
+
+    seq: int
+    batch: int
+    hidden: int
+    head_dim: int
+    heads_per_unit: int
+    mlp_rows: int
+    rope: bool = True
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        for name in ("seq", "batch", "hidden", "head_dim", "heads_per_unit", "mlp_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ProbeShape.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CallPrice:
+    """Seconds of attention's per-call part (forward and backward, one layer), and seconds per
+    parameter of a GEMM's forward and backward at the same tokens."""
+
+    call_s: float
+    gemm_s_per_param: float
+    sizes_s: tuple[float, float, float]  # none, one unit, two units: what the call came from
+
+    @property
+    def work(self) -> float:
+        """The call in the planner's unit of work (a GEMM's parameters)."""
+        return self.call_s / self.gemm_s_per_param
+
+
+def call_seconds(none: float, one: float, two: float) -> float:
+    """The per-call part of timings of attention with no unit, one, and two (each unit with its
+    own group's K/V): what the first unit cost beyond what the second added. Never negative:
+    timings that noise inverted price the call at nothing, not at a saving."""
+    return max(0.0, 2.0 * one - none - two)
+
+
+class _Attention:
+    """Tensors for one size: `units` units, each in its own group."""
+
+    def __init__(self, shape: ProbeShape, units: int):
+        s = shape
+        self.shape, self.heads, self.groups = s, units * s.heads_per_unit, units
+        kw = {"device": s.device, "dtype": s.dtype}
+        rows = (self.heads + 2 * self.groups) * s.head_dim
+        self.x = torch.randn(s.seq, s.batch, s.hidden, **kw, requires_grad=True)
+        self.qkv = torch.randn(rows, s.hidden, **kw).mul_(0.02).requires_grad_()
+        self.proj = torch.randn(s.hidden, self.heads * s.head_dim, **kw).mul_(0.02)
+        self.proj.requires_grad_()
+        angle = torch.arange(s.seq, **kw)[:, None] * torch.ones(s.head_dim // 2, **kw)
+        self.cos = angle.cos().repeat(1, 2)[:, None, None, :]
+        self.sin = angle.sin().repeat(1, 2)[:, None, None, :]
+        self.index = torch.arange(self.groups, device=s.device).repeat_interleave(s.heads_per_unit)
+
+    def _rope(self, t):
+        half = t.size(-1) // 2
+        rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+        return t * self.cos + rotated * self.sin
+
+    def step(self) -> None:
+        s = self.shape
+        mixed = F.linear(self.x, self.qkv)
+        if self.heads == 0:
+            out = F.linear(mixed.reshape(s.seq, s.batch, 0), self.proj)
+        else:
+            query, kv = torch.split(
+                mixed, [self.heads * s.head_dim, 2 * self.groups * s.head_dim], dim=2
+            )
+            query = query.reshape(s.seq, s.batch, self.heads, s.head_dim)
+            kv = kv.reshape(s.seq, s.batch, self.groups, 2, s.head_dim)
+            key, value = kv[:, :, :, 0], kv[:, :, :, 1]
+            if s.rope:
+                query, key = self._rope(query), self._rope(key)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            k, v = k.index_select(1, self.index), v.index_select(1, self.index)
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            context = context.permute(2, 0, 1, 3).reshape(s.seq, s.batch, -1)
+            out = F.linear(context, self.proj)
+        out.sum().backward()
+        for t in (self.x, self.qkv, self.proj):
+            t.grad = None
+
+
+class _Gemm:
+    def __init__(self, shape: ProbeShape):
+        kw = {"device": shape.device, "dtype": shape.dtype}
+        self.x = torch.randn(shape.seq * shape.batch, shape.hidden, **kw, requires_grad=True)
+        self.weight = torch.randn(shape.mlp_rows, shape.hidden, **kw).mul_(0.02)
+        self.weight.requires_grad_()
+        self.params = shape.mlp_rows * shape.hidden
+
+    def step(self) -> None:
+        F.linear(self.x, self.weight).sum().backward()
+        self.x.grad = self.weight.grad = None
+
+
+def _timed(run, device) -> float:
+    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+    if synchronize:
+        synchronize()
+    start = time.perf_counter()
+    run()
+    if synchronize:
+        synchronize()
+    return time.perf_counter() - start
+
+
+def probe(shape: ProbeShape, rounds: int = ROUNDS) -> CallPrice:
+    """Time attention at none, one and two units and the MLP's GEMM, interleaved, and price
+    the call (each size's fastest round)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    sizes = [_Attention(shape, units) for units in (0, 1, 2)]
+    gemm = _Gemm(shape)
+    runs = [size.step for size in sizes] + [gemm.step]
+    best = [float("inf")] * len(runs)
+    for round_ in range(WARMUP_ROUNDS + rounds):
+        for i, run in enumerate(runs):
+            seconds = _timed(run, shape.device)
+            if round_ >= WARMUP_ROUNDS:
+                best[i] = min(best[i], seconds)
+    none, one, two, gemm_s = best
+    return CallPrice(call_seconds(none, one, two), gemm_s / gemm.params, (none, one, two))

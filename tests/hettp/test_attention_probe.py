@@ -1,0 +1,86 @@
+"""Attention's per-call part: the probe that prices it and how the planner weighs it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hettp import attention_probe
+from hettp.attention_probe import CallPrice, ProbeShape, call_seconds, probe
+from hettp.plan import HeadUnits, PartitionPlan
+from hettp.planner import block_works, plan_work, proportional_plan
+
+SHAPE = ProbeShape(seq=32, batch=2, hidden=128, head_dim=32, heads_per_unit=2, mlp_rows=256)
+
+
+def test_the_call_is_what_the_first_unit_cost_beyond_what_the_second_added():
+    # none 1, one unit 4 (call 1 + unit 2), two units 6: the call is 1
+    assert call_seconds(1.0, 4.0, 6.0) == pytest.approx(1.0)
+    assert call_seconds(1.0, 3.0, 5.0) == 0.0  # no per-call part: units cost the same
+    assert call_seconds(1.0, 3.0, 5.5) == 0.0  # inverted by noise: nothing, not a saving
+    price = CallPrice(call_s=2e-3, gemm_s_per_param=1e-8, sizes_s=(0.0, 0.0, 0.0))
+    assert price.work == pytest.approx(2e5)
+
+
+def test_a_shape_is_checked():
+    with pytest.raises(ValueError, match=r"ProbeShape.heads_per_unit must be >= 1, got 0"):
+        ProbeShape(seq=8, batch=1, hidden=64, head_dim=16, heads_per_unit=0, mlp_rows=64)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        probe(SHAPE, rounds=0)
+
+
+def test_the_probe_finds_a_per_call_cost_that_is_there(monkeypatch):
+    """A rank holding any unit pays 8 ms more a step, whatever its units: the probe prices
+    the call at about that (a plain attention's own call adds a little)."""
+    step = attention_probe._Attention.step
+
+    def with_a_call(self):
+        if self.heads:
+            time.sleep(0.008)
+        step(self)
+
+    monkeypatch.setattr(attention_probe._Attention, "step", with_a_call)
+    price = probe(SHAPE, rounds=4)
+    none, one, two = price.sizes_s
+    assert none < one < two
+    assert 0.006 < price.call_s < 0.03
+    assert price.gemm_s_per_param > 0
+    assert price.work == pytest.approx(price.call_s / price.gemm_s_per_param)
+
+
+def test_the_probe_runs_every_size_the_model_has():
+    """One query head a unit without RoPE, and the MLP's GEMM; sizes grow with the units."""
+    shape = ProbeShape(
+        seq=16, batch=1, hidden=64, head_dim=16, heads_per_unit=1, mlp_rows=64, rope=False
+    )
+    price = probe(shape, rounds=3)
+    assert price.call_s >= 0 and price.gemm_s_per_param > 0
+    assert price.sizes_s[0] < price.sizes_s[2]
+
+
+HEADS = HeadUnits(1, 4, 2)
+
+
+def _plan(attn, mlp=(64, 64)):
+    return PartitionPlan.from_counts(2, 2, HEADS.units, sum(mlp), attn, mlp, 4, HEADS)
+
+
+def test_a_rank_computing_any_attention_unit_pays_the_call():
+    work = {"attn": 2.0, "mlp": 1.0, "kv": 2.0, "call": 5.0}
+    # rank 0 holds no attention: no call there; rank 1 holds all 8 heads (2 groups' K/V)
+    assert block_works(_plan((0, 8)), work)[0] == (0.0, 8 * 2.0 + 2 * 2.0 + 5.0)
+    assert plan_work(_plan((4, 4)), work) == (2 * (8 + 2 + 5 + 64),) * 2
+    # resized to one of its two heads: the call stays with it (as its group's K/V)
+    assert block_works(_plan((2, 6)), work, shares=(0.5, 0.0))[0][0] == 2.0 + 2.0 + 5.0
+    assert block_works(_plan((2, 6)), {**work, "call": 0.0})[0][0] == 2 * 2.0 + 2.0
+
+
+def test_a_slow_rank_s_first_head_is_dealt_with_its_call():
+    """Rank 0 a quarter as fast: dealt by finish time with its group's K/V, it takes a head;
+    with a per-call part as large as a head, that head would finish after rank 1's eight,
+    and it takes none."""
+    even = _plan((4, 4))
+    speeds = (1.0, 4.0)
+    assert proportional_plan(even, speeds, kv=1.0).counts(0, "attn") == (1, 7)
+    assert proportional_plan(even, speeds, kv=1.0, call=1.0).counts(0, "attn") == (0, 8)
