@@ -7,10 +7,10 @@ and backward, however few its heads; a rank holding none skips it. The step mode
 units by their parameters and FLOPs, so a split that gives a slow rank its first head looked
 cheaper than it ran (results/notes.md). Timings of the run itself cannot price this part:
 until a move, every rank holds the same heads, and a per-call cost and a per-head one read the
-same. So the probe times attention at three sizes, none, one unit (one group's K/V), two units
-(in two groups), and the part the second unit did not add again is the call's:
-`call = 2 t(1) - t(0) - t(2)`. A GEMM of the MLP's shape gives the rate that turns seconds into
-the planner's unit of work (parameters).
+same. So the probe times attention at three sizes, none, one unit (with its group's K/V) and
+1 + MORE_UNITS units (each in its own group), and what the first unit cost beyond the others'
+average is the call's: `call = t(1) - t(0) - (t(1 + k) - t(1)) / k`. A GEMM of the MLP's shape
+gives the rate that turns seconds into the planner's unit of work (parameters).
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ import torch.nn.functional as F
 # falls on all of them; each size keeps its fastest round.
 ROUNDS = 12
 WARMUP_ROUNDS = 2
+
+# Units past the first that a unit's own cost is averaged over. A unit's marginal cost grows
+# with the units (larger GEMMs): the average over several is nearer what the cost fit's
+# per-unit rate sees, and it divides the larger size's noise by as many (results/notes.md).
+MORE_UNITS = 4
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class CallPrice:
 
     call_s: float
     gemm_s_per_param: float
-    sizes_s: tuple[float, float, float]  # none, one unit, two units: what the call came from
+    sizes_s: tuple[float, float, float]  # none, one unit, 1 + MORE_UNITS: the call's source
 
     @property
     def work(self) -> float:
@@ -64,11 +69,13 @@ class CallPrice:
         return self.call_s / self.gemm_s_per_param
 
 
-def call_seconds(none: float, one: float, two: float) -> float:
-    """The per-call part of timings of attention with no unit, one, and two (each unit with its
-    own group's K/V): what the first unit cost beyond what the second added. Never negative:
-    timings that noise inverted price the call at nothing, not at a saving."""
-    return max(0.0, 2.0 * one - none - two)
+def call_seconds(none: float, one: float, more: float, units: int = MORE_UNITS) -> float:
+    """The per-call part of timings of attention with no unit, one, and `units` more (each
+    unit with its own group's K/V): what the first unit cost beyond the others' average.
+    Never negative: timings that noise inverted price the call at nothing, not at a saving."""
+    if units < 1:
+        raise ValueError(f"units must be >= 1, got {units}")
+    return max(0.0, one - none - (more - one) / units)
 
 
 class _Attention:
@@ -142,11 +149,11 @@ def _timed(run, device) -> float:
 
 
 def probe(shape: ProbeShape, rounds: int = ROUNDS) -> CallPrice:
-    """Time attention at none, one and two units and the MLP's GEMM, interleaved, and price
-    the call (each size's fastest round)."""
+    """Time attention at none, one and 1 + MORE_UNITS units and the MLP's GEMM, interleaved,
+    and price the call (each size's fastest round)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    sizes = [_Attention(shape, units) for units in (0, 1, 2)]
+    sizes = [_Attention(shape, units) for units in (0, 1, 1 + MORE_UNITS)]
     gemm = _Gemm(shape)
     runs = [size.step for size in sizes] + [gemm.step]
     best = [float("inf")] * len(runs)
@@ -155,5 +162,5 @@ def probe(shape: ProbeShape, rounds: int = ROUNDS) -> CallPrice:
             seconds = _timed(run, shape.device)
             if round_ >= WARMUP_ROUNDS:
                 best[i] = min(best[i], seconds)
-    none, one, two, gemm_s = best
-    return CallPrice(call_seconds(none, one, two), gemm_s / gemm.params, (none, one, two))
+    none, one, more, gemm_s = best
+    return CallPrice(call_seconds(none, one, more), gemm_s / gemm.params, (none, one, more))

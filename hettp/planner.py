@@ -356,9 +356,10 @@ ATTENTION_COST_RANGE = (1.0, 2.0)
 
 # ... and faster by this share of the step. Splits the model predicted a few per cent faster
 # than whole groups ran 12-17% slower (results/notes.md). Attention's per-call part, which a
-# split puts on a rank that held no head, is priced now (hettp.attention_probe), and is too
-# small to explain that: about 1 ms a layer on this CPU, a rank's first head 20-30% dearer,
-# leaving the split predicted 2% faster (notes). The margin stands for what is not modelled.
+# split puts on a rank that held no head, is priced now (hettp.attention_probe), and does not
+# explain that: the fast rank bounds attention in both plans and pays the call in both, and
+# the split stays predicted a few per cent faster (notes). The margin stands for what is
+# still not modelled.
 # Where whole groups leave a block far out of balance (a rank holding two groups at TP=4) the
 # split's predicted gain clears it.
 SPLIT_GAIN = 0.05

@@ -143,6 +143,7 @@ class Controller:
         `work()` is this TP group's per-rank active work (called when the split changed) and
         `unit_bytes()` what one unit carries (called only where a decision is taken). Returns
         the report and the verdict every rank agrees on, where the planner ran."""
+        self.timer.end_step()
         if self._probe_hook is not None:
             self._price_attention_call()
         if self._work is None or self._work.plan is not plan or self._work.shares != shares:
@@ -152,7 +153,6 @@ class Controller:
                 else (0.0, 0.0, 0.0)
             )
             self._work = _SplitWork(plan, tuple(shares), work()[self.tp_rank], kinds)
-        self.timer.end_step()
         step = self._gather(
             iteration,
             [self.timer.read(), self._work.work, wall_seconds, self.timer.read_fixed()],
@@ -208,20 +208,23 @@ class Controller:
         """Probe attention's per-call part on the deciding rank (a rank of each TP group's
         stage would do; the decider's is the one the plans are made with), and give every rank
         the same price: they all weigh the work they report in the same units."""
-        self._probe_hook.remove()
-        self._probe_hook = None
+        if self._tokens is None:  # every rank ran the same layers: all raise, none waits
+            raise RuntimeError("het-TP: the first step ran no attention to probe the shape of")
         price = [None]
         if dist.get_rank(self.decider_group) == 0:
-            if self._tokens is None:
-                raise RuntimeError("het-TP: the first step ran no attention to probe the shape of")
             seq, batch, device, dtype = self._tokens
             price = [probe(self.partition.probe_shape(seq, batch, device, dtype))]
         if dist.get_world_size(self.decider_group) > 1:
             dist.broadcast_object_list(
                 price, src=dist.get_global_rank(self.decider_group, 0), group=self.decider_group
             )
-        self.call_price = price[0]
-        self.partition.price_attention_call(self.call_price.work)
+        self._set_call_price(price[0])
+
+    def _set_call_price(self, price: CallPrice) -> None:
+        self._probe_hook.remove()
+        self._probe_hook = None
+        self.call_price = price
+        self.partition.price_attention_call(price.work)
         self.loop.planner.unit_work.update(self.partition.unit_work)
         self._work = None
 
@@ -269,13 +272,9 @@ class Controller:
             self.priced = tuple(state["priced"])
         if self._probe_hook is not None and state.get("call") is not None:
             call = state["call"]
-            self.call_price = CallPrice(
-                call["call_s"], call["gemm_s_per_param"], tuple(call["sizes_s"])
+            self._set_call_price(
+                CallPrice(call["call_s"], call["gemm_s_per_param"], tuple(call["sizes_s"]))
             )
-            self._probe_hook.remove()
-            self._probe_hook = None
-            self.partition.price_attention_call(self.call_price.work)
-            self.loop.planner.unit_work.update(self.partition.unit_work)
         self.loop.load_state_dict(state["loop"])
 
     def _gather(self, iteration, row, extra) -> TimingReport:

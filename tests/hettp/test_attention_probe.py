@@ -14,11 +14,14 @@ from hettp.planner import block_works, plan_work, proportional_plan
 SHAPE = ProbeShape(seq=32, batch=2, hidden=128, head_dim=32, heads_per_unit=2, mlp_rows=256)
 
 
-def test_the_call_is_what_the_first_unit_cost_beyond_what_the_second_added():
-    # none 1, one unit 4 (call 1 + unit 2), two units 6: the call is 1
-    assert call_seconds(1.0, 4.0, 6.0) == pytest.approx(1.0)
-    assert call_seconds(1.0, 3.0, 5.0) == 0.0  # no per-call part: units cost the same
-    assert call_seconds(1.0, 3.0, 5.5) == 0.0  # inverted by noise: nothing, not a saving
+def test_the_call_is_what_the_first_unit_cost_beyond_the_others_average():
+    # none 1, one unit 4 (call 1 + unit 2), five units 12: the call is 1
+    assert call_seconds(1.0, 4.0, 12.0, units=4) == pytest.approx(1.0)
+    assert call_seconds(1.0, 4.0, 6.0, units=1) == pytest.approx(1.0)
+    assert call_seconds(1.0, 3.0, 11.0, units=4) == 0.0  # no per-call part
+    assert call_seconds(1.0, 3.0, 13.0, units=4) == 0.0  # inverted by noise: not a saving
+    with pytest.raises(ValueError, match="units must be >= 1"):
+        call_seconds(1.0, 3.0, 5.0, units=0)
     price = CallPrice(call_s=2e-3, gemm_s_per_param=1e-8, sizes_s=(0.0, 0.0, 0.0))
     assert price.work == pytest.approx(2e5)
 
@@ -42,8 +45,8 @@ def test_the_probe_finds_a_per_call_cost_that_is_there(monkeypatch):
 
     monkeypatch.setattr(attention_probe._Attention, "step", with_a_call)
     price = probe(SHAPE, rounds=4)
-    none, one, two = price.sizes_s
-    assert none < one < two
+    none, one, more = price.sizes_s
+    assert none < one < more
     assert 0.006 < price.call_s < 0.03
     assert price.gemm_s_per_param > 0
     assert price.work == pytest.approx(price.call_s / price.gemm_s_per_param)
