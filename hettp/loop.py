@@ -39,7 +39,9 @@ class TimingReport:
     def measured(self) -> Measured:
         """What the planner judges by: the step, and each rank's compute (all of it, and in
         the blocks)."""
-        return Measured(self.step, tuple(self.compute), tuple(self.fixed or ()))
+        return Measured(
+            self.step, tuple(self.compute), tuple(self.fixed or ()), tuple(self.attention or ())
+        )
 
     @classmethod
     def from_dict(cls, saved: dict) -> TimingReport:

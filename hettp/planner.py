@@ -324,12 +324,20 @@ class Measured:
     step: float  # wall seconds per step
     compute: tuple[float, ...] = ()  # per rank, all of its timed compute (empty: not known)
     fixed: tuple[float, ...] = ()  # per rank, of that, the part no split changes (empty: 0)
+    attention: tuple[float, ...] = ()  # per rank, of the blocks, attention's (empty: unknown)
 
     @property
     def blocks(self) -> tuple[float, ...]:
         """Per rank, seconds per step in the blocks: its timed compute less the fixed part."""
         fixed = self.fixed or (0.0,) * len(self.compute)
         return tuple(max(0.0, c - f) for c, f in zip(self.compute, fixed))
+
+    @property
+    def mlp(self) -> tuple[float, ...]:
+        """Per rank, seconds per step in the MLP blocks (empty where attention's are unknown)."""
+        if len(self.attention) != len(self.compute):
+            return ()
+        return tuple(max(0.0, b - a) for b, a in zip(self.blocks, self.attention))
 
 
 @dataclass(frozen=True)
@@ -506,6 +514,8 @@ class Planner:
         a row. The model learns after a move (the cost of the units a rank was left with, the
         per-call part), so the first move's split is corrected."""
         decision = self._migrate(plan, model, before, detection, action, shares)
+        if decision is None and detection.stragglers:  # a steady cluster's rates are noise
+            return self._measured_rebalance(plan, before, action, shares)
         if decision is None:
             return None
         missed = self._model_missed(plan, model)
@@ -522,6 +532,36 @@ class Planner:
         else:
             why = "rebalance"
         return dataclasses.replace(decision, reason=f"{why}: {decision.reason}")
+
+    def _measured_rebalance(self, plan, before, action, shares) -> Decision | None:
+        """Where the model sees nothing to gain: the MLP split by what the report measured
+        (measured_mlp_split), where that shortens the MLP blocks by min_gain of the step. The
+        model prices a rank's units at one slowdown and one rate; a small GEMM's lower rate
+        and the emulation's overshoot on the slow rank are in no term, and after the first
+        move a 3.8x rank's MLP ran 21% over the fast rank's while the model saw the split
+        balanced (results/notes.md)."""
+        seen = self._seen
+        if seen is None or any(shares):
+            return None
+        split = measured_mlp_split(plan, seen)
+        if split is None or split.gain <= self.min_gain * seen.step:
+            return None
+        if self.memory is not None and not self.memory.fits(split.plan):
+            return None
+        if not self._measured_faster(split.plan, plan):
+            return None
+        now = ", ".join(f"{t:.3f}" for t in seen.mlp)
+        then = ", ".join(f"{t:.3f}" for t in split.predicted)
+        return Decision(
+            action,
+            split.plan,
+            (0.0,) * plan.tp_size,
+            f"rebalance (measured): the MLP blocks took [{now}] s a step by rank, [{then}] "
+            "at the rates measured",
+            before,
+            before - split.gain,
+            {"migration_s": self.migration_seconds(plan, split.plan)},
+        )
 
     def _model_missed(self, plan: PartitionPlan, model: StepModel) -> str | None:
         """Why the model is not trusted to rebalance (MODEL_ERROR), or None: a rank whose
@@ -849,6 +889,38 @@ def _balanced(
         if split > (1.0 - SPLIT_GAIN) * model.blocks_time(block_works(whole, work)):
             return whole
     return target
+
+
+@dataclass(frozen=True)
+class MeasuredSplit:
+    plan: PartitionPlan
+    predicted: tuple[float, ...]  # per rank, its MLP blocks' seconds a step at the rates seen
+    gain: float  # seconds a step the slowest rank's MLP blocks shorten by
+
+
+def measured_mlp_split(plan: PartitionPlan, seen: Measured) -> MeasuredSplit | None:
+    """`plan` with each layer's MLP split in proportion to the ranks' measured MLP speeds (MLP
+    units a second, from `seen`'s MLP block seconds over the units held), attention as it is;
+    None where a rank holds no MLP unit or attention's seconds are unknown. Every MLP block
+    ends in a TP collective, so the slowest rank's MLP seconds are the step's. Read through
+    the origin, a rate charges the per-call part to the units: at the new split the rank that
+    gave units away is read faster than it will run and the one that took them slower, so the
+    move falls short of balance, never past it, and the next report's rates take it further."""
+    mlp = seen.mlp
+    held = [
+        sum(plan.counts(i, "mlp")[r] for i in range(plan.num_layers)) for r in range(plan.tp_size)
+    ]
+    if not mlp or min(held) == 0 or min(mlp) <= 0:
+        return None
+    rates = [t / n for t, n in zip(mlp, held)]  # seconds per MLP unit
+    target = _with_attention(proportional_plan(plan, [1.0 / r for r in rates]), plan)
+    if _counts(target) == _counts(plan):
+        return None
+    new = [
+        sum(target.counts(i, "mlp")[r] for i in range(plan.num_layers)) for r in range(plan.tp_size)
+    ]
+    predicted = tuple(r * n for r, n in zip(rates, new))
+    return MeasuredSplit(target, predicted, max(mlp) - max(predicted))
 
 
 def measured_against(

@@ -780,3 +780,48 @@ def test_the_loop_hands_the_planner_the_reports_block_compute():
     assert report.measured == Measured(2.5, (1.0, 2.0), (0.25, 0.5))
     assert report.measured.blocks == (0.75, 1.5)
     assert TimingReport(8, (1.0, 2.0), (1.0, 1.0), 2.5).measured.blocks == (1.0, 2.0)
+
+
+def test_a_split_the_model_calls_balanced_is_rebalanced_by_the_mlp_s_measured_rates():
+    """Generalize seed 47486 (4 layers, 2 query groups, rank 1 at 3.8x): after the first move
+    (both groups on rank 0, MLP 1064 : 280) the model saw the split balanced, while rank 1's
+    MLP blocks took 0.136 s a step against rank 0's 0.113 and the step waited on them. Split
+    by the measured rates (through the origin, short of balance), the MLP goes 1104 : 240;
+    attention stays as it is."""
+    from hettp.detect import Detection
+    from hettp.planner import measured_mlp_split
+
+    work = {"attn": 494586.0, "mlp": 1536.0}
+    plan = PartitionPlan.from_counts(2, 4, 2, 1344, (2, 0), (1064, 280), 1)
+    seen = Measured(0.35, (0.236, 0.197), (0.047, 0.046), (0.076, 0.015))
+    assert seen.mlp == pytest.approx((0.113, 0.136))
+    split = measured_mlp_split(plan, seen)
+    assert split.plan.counts(0, "mlp") == (1104, 240) and split.plan.counts(3, "attn") == (2, 0)
+    assert split.predicted[0] > seen.mlp[0] and split.predicted[1] < seen.mlp[1]
+    assert split.gain == pytest.approx(seen.mlp[1] - max(split.predicted))
+    # the planner takes it where its model sees nothing to gain (the model's own split)
+    steady = Detection((1.0, 3.8), frozenset({1}), False, frozenset(), frozenset())
+    model = StepModel(rest=0.09, factors=(1.0, 3.8), slope=1.0e-8, apart=0.03)
+    planner = Planner("migrate", work)
+    assert planner._target(plan, model) == plan
+    decision = planner.decide(13, steady, model, plan, (0.0, 0.0), seen)
+    assert decision is not None and decision.plan == split.plan
+    assert decision.reason.startswith("rebalance (measured)")
+    # ... as hybrid does once its move is made; not under a resize (a resized rank's MLP
+    # seconds understate its units), nor where the gain is under min_gain of the step
+    assert Planner("hybrid", work).decide(13, steady, model, plan, (0.0, 0.0), seen).plan == (
+        split.plan
+    )
+    assert planner.decide(17, steady, model, plan, (0.0, 0.2), seen) is None
+    near = Measured(0.35, (0.236, 0.183), (0.047, 0.046), (0.076, 0.015))  # MLP 0.113 : 0.122
+    assert 0 < measured_mlp_split(plan, near).gain < 0.03 * 0.35
+    assert Planner("migrate", work).decide(13, steady, model, plan, (0.0, 0.0), near) is None
+    # with no straggler, ranks' rates differ by noise only: no move on them
+    calm = Detection((1.0, 1.0), frozenset(), False, frozenset(), frozenset())
+    even = PartitionPlan.from_counts(2, 4, 2, 1344, (1, 1), (672, 672), 1)
+    noisy = Measured(0.30, (0.19, 0.215), (0.03, 0.03), (0.04, 0.04))  # MLP 0.12 : 0.145
+    assert measured_mlp_split(even, noisy).gain > 0.03 * 0.30
+    flat = StepModel(rest=0.09, factors=(1.0, 1.0), slope=1.0e-8, apart=0.03)
+    assert Planner("migrate", work).decide(13, calm, flat, even, (0.0, 0.0), noisy) is None
+    # without attention's seconds there is nothing to split by
+    assert measured_mlp_split(plan, Measured(0.35, (0.236, 0.197), (0.047, 0.046))) is None
