@@ -515,7 +515,7 @@ class Planner:
         per-call part), so the first move's split is corrected."""
         decision = self._migrate(plan, model, before, detection, action, shares)
         if decision is None and detection.stragglers:  # a steady cluster's rates are noise
-            return self._measured_rebalance(plan, before, action, shares)
+            return self._measured_rebalance(plan, before, detection, action, shares)
         if decision is None:
             return None
         missed = self._model_missed(plan, model)
@@ -533,7 +533,7 @@ class Planner:
             why = "rebalance"
         return dataclasses.replace(decision, reason=f"{why}: {decision.reason}")
 
-    def _measured_rebalance(self, plan, before, action, shares) -> Decision | None:
+    def _measured_rebalance(self, plan, before, detection, action, shares) -> Decision | None:
         """Where the model sees nothing to gain: the MLP split by what the report measured
         (measured_mlp_split), where that shortens the MLP blocks by min_gain of the step. The
         model prices a rank's units at one slowdown and one rate; a small GEMM's lower rate
@@ -556,8 +556,8 @@ class Planner:
             action,
             split.plan,
             (0.0,) * plan.tp_size,
-            f"rebalance (measured): the MLP blocks took [{now}] s a step by rank, [{then}] "
-            "at the rates measured",
+            f"rebalance (measured): ranks {sorted(detection.stragglers)} slow; the MLP blocks "
+            f"took [{now}] s a step by rank, [{then}] at the rates measured",
             before,
             before - split.gain,
             {"migration_s": self.migration_seconds(plan, split.plan)},

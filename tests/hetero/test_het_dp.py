@@ -25,6 +25,12 @@ def reference():
     return run_ranks(train, 1, TRAIN)[0]["losses"]
 
 
+@pytest.fixture(scope="module")
+def reference14():
+    """The same, over 14 steps (the learning-rate schedule follows --train-iters)."""
+    return run_ranks(train, 1, TRAIN + ["--train-iters", "14"])[0]["losses"]
+
+
 def _decisions(path):
     return [r for r in read_metrics(path) if r["kind"] == "decision"]
 
@@ -101,13 +107,18 @@ def _joint(metrics: str, emulate: str, *extra: str) -> list:
     )
 
 
-def test_joint_control_over_replicas_with_stragglers_at_different_tp_positions(tmp_path, reference):
+def test_joint_control_over_replicas_with_stragglers_at_different_tp_positions(
+    tmp_path, reference14
+):
     """TP=2 x DP=2 with the distributed optimizer: TP rank 0 of replica 0 and TP rank 1 of
     replica 1 slow, which no shared plan balances. Whatever the joint policy chooses (a plan
     for one replica and a rebatch around it, a rebatch, a resize), the losses are the whole
     batch's and every rank applies it alike."""
     metrics = str(tmp_path / "joint.jsonl")
-    ranks = _joint(metrics, "persistent:global=0/3,factor=3")
+    # 14 steps: attention's per-call part stays on both TP ranks whatever moves, so the move
+    # gains less a step than the units' work alone says, and the joint policy waits for a
+    # longer horizon to repay it (it moved at 5 before the part was priced, at 9 or later since)
+    ranks = _joint(metrics, "persistent:global=0/3,factor=3", "--train-iters", "14")
     decisions = _decisions(metrics)
     # the plan balanced for one replica, the other replica's share of the batch cut to match
     # (tests/hettp/test_joint.py predicts it); the units move with their distributed-optimizer
@@ -120,7 +131,7 @@ def test_joint_control_over_replicas_with_stragglers_at_different_tp_positions(t
         assert d["details"]["horizon"] >= 2
         assert not any(d["shares"] or ())  # no resize against stragglers a move balances
     _ran_their_shares(ranks)
-    _same_losses(ranks[0]["losses"], reference, range(1, 11))
+    _same_losses(ranks[0]["losses"], reference14, range(1, 15))
 
 
 def test_replicas_of_pipeline_stages_rebatch_losslessly(tmp_path):

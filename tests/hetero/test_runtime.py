@@ -134,4 +134,6 @@ def test_a_resized_run_resumes_with_its_shares_and_priorities(tmp_path):
         "flags" in other["stdout"]
     )
     assert _records(other, "resize") == []
-    assert [d["action"] for d in _records(other, "decision")] == ["migrate"]
+    # (a move, and where its measured MLP blocks stay uneven a rebalance)
+    actions = [d["action"] for d in _records(other, "decision")]
+    assert actions and set(actions) == {"migrate"}, actions
