@@ -367,9 +367,8 @@ ATTENTION_COST_RANGE = (1.0, 2.0)
 # split puts on a rank that held no head, is priced now (hettp.attention_probe), and does not
 # explain that: the fast rank bounds attention in both plans and pays the call in both, and
 # the split stays predicted a few per cent faster (notes). The margin stands for what is
-# still not modelled.
-# Where whole groups leave a block far out of balance (a rank holding two groups at TP=4) the
-# split's predicted gain clears it.
+# still not modelled. Where whole groups leave a block far out of balance (a rank holding two
+# groups at TP=4) the split's predicted gain clears it.
 SPLIT_GAIN = 0.05
 
 # A move at a report, the straggle unchanged, must gain this much of the predicted step: the
@@ -893,6 +892,8 @@ def _balanced(
 
 @dataclass(frozen=True)
 class MeasuredSplit:
+    """A plan whose MLP split follows the measured rates, and what it is predicted to save."""
+
     plan: PartitionPlan
     predicted: tuple[float, ...]  # per rank, its MLP blocks' seconds a step at the rates seen
     gain: float  # seconds a step the slowest rank's MLP blocks shorten by
