@@ -908,19 +908,15 @@ def measured_mlp_split(plan: PartitionPlan, seen: Measured) -> MeasuredSplit | N
     gave units away is read faster than it will run and the one that took them slower, so the
     move falls short of balance, never past it, and the next report's rates take it further."""
     mlp = seen.mlp
-    held = [
-        sum(plan.counts(i, "mlp")[r] for i in range(plan.num_layers)) for r in range(plan.tp_size)
-    ]
+    units = {"attn": 0.0, "mlp": 1.0}  # plan_work in MLP units
+    held = plan_work(plan, units)
     if not mlp or min(held) == 0 or min(mlp) <= 0:
         return None
     rates = [t / n for t, n in zip(mlp, held)]  # seconds per MLP unit
     target = _with_attention(proportional_plan(plan, [1.0 / r for r in rates]), plan)
     if _counts(target) == _counts(plan):
         return None
-    new = [
-        sum(target.counts(i, "mlp")[r] for i in range(plan.num_layers)) for r in range(plan.tp_size)
-    ]
-    predicted = tuple(r * n for r, n in zip(rates, new))
+    predicted = tuple(r * n for r, n in zip(rates, plan_work(target, units)))
     return MeasuredSplit(target, predicted, max(mlp) - max(predicted))
 
 
