@@ -29,7 +29,6 @@ from megatron.core.parallel_state import (
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -120,8 +119,8 @@ class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if self.active is None:
             return super().forward(input_, weight, runtime_gather_output)
-        # Resized: the same math on the active prefix, with plain autograd ops. The weight
-        # gradient of the skipped suffix stays zero; each SwiGLU half is its own GEMM.
+        # Resized: the same math on the active prefix (each SwiGLU half's, joined). The weight
+        # gradient of the skipped suffix stays zero.
         if weight is not None or runtime_gather_output or self.gather_output:
             raise NotImplementedError(
                 "a resized het-TP column linear takes its own weight and does not gather its output"
@@ -129,18 +128,12 @@ class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
         weights = self._active_views("weight")
         biases = self._active_views("bias") or [None] * len(weights)
         add = [None] * len(weights) if self.skip_bias_add else biases
-        if self.sequence_parallel:
-            # megatron-core's own SP GEMM, so this rank runs the same collectives in the same
-            # order as its unresized peers (in the backward it all-gathers the input again
-            # before reduce-scattering the input's gradient): the active rows as one weight
-            weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-            output = _column_gemm(self, input_, weight)
-            if add[0] is not None:
-                output = output + (add[0] if len(add) == 1 else torch.cat(add))
-        else:
-            x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-            outputs = [F.linear(x, w, b) for w, b in zip(weights, add)]
-            output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        # megatron-core's own GEMM, so this rank runs the same collectives in the same order
+        # as its unresized peers: the active rows as one weight
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        output = _column_gemm(self, input_, weight)
+        if add[0] is not None:
+            output = output + (add[0] if len(add) == 1 else torch.cat(add))
         output_bias = None
         if self.skip_bias_add and biases[0] is not None:
             output_bias = biases[0] if len(biases) == 1 else torch.cat(biases)
@@ -148,20 +141,20 @@ class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
 
 
 def _column_gemm(linear, input_, weight):
-    """A column-parallel GEMM with megatron-core's collectives (the input all-gathered under
-    sequence parallelism, else its gradient all-reduced over the TP group) on a weight the
-    caller assembled."""
-    if linear.sequence_parallel:
-        return linear_with_grad_accumulation_and_async_allreduce(
-            input_,
-            weight,
-            None,
-            gradient_accumulation_fusion=False,
-            allreduce_dgrad=False,
-            sequence_parallel=True,
-            tp_group=linear.tp_group,
-        )
-    return F.linear(copy_to_tensor_model_parallel_region(input_, group=linear.tp_group), weight)
+    """A column-parallel GEMM on a weight the caller assembled, through megatron-core's own
+    function with ColumnParallelLinear's choice of collectives: the input all-gathered under
+    sequence parallelism, else its gradient all-reduced asynchronously while the weight
+    gradient's GEMM runs (a plain autograd all-reduce after both left the slow rank's wait
+    on the critical path)."""
+    return linear_with_grad_accumulation_and_async_allreduce(
+        input_,
+        weight,
+        None,
+        gradient_accumulation_fusion=False,
+        allreduce_dgrad=linear.allreduce_dgrad,
+        sequence_parallel=linear.sequence_parallel,
+        tp_group=linear.tp_group,
+    )
 
 
 def _param_like(tensor, template) -> torch.nn.Parameter:

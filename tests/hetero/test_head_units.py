@@ -15,6 +15,7 @@ from hettp.policy import ZERO_IMPUTED_GRAD
 from hettp.resize import skipped_units
 from tests.utils import (
     COMMON,
+    GEMM_BACKWARD,
     close,
     het_numerics,
     run_ranks,
@@ -58,6 +59,8 @@ def test_split_groups_match_the_dense_reference(references, case):
     results = run_ranks(het_numerics, tp, argv, plans)[0]
     reference = references[model.replace(" --sequence-parallel", "")]
     for plan, result in zip(plans, results):
+        # megatron-core's GEMM: its input-gradient all-reduce overlaps the weight gradient's
+        assert result.pop("column_backward") == {GEMM_BACKWARD}, plan
         assert set(result) == set(reference)
         for key, want in reference.items():
             close(result[key], want, f"{case} plan {plan} {key}")
@@ -79,7 +82,9 @@ def test_resized_heads_equal_the_reference_with_those_heads_zeroed():
     )[0][0]
     reference = run_ranks(het_numerics, 1, argv, [None], None, zeroed, zeroed)[0][0]
     assert resized.pop("skipped_grads_zero") is True
+    assert resized.pop("column_backward") == {GEMM_BACKWARD}  # resized, too
     reference.pop("skipped_grads_zero")
+    reference.pop("column_backward")
     for key, want in reference.items():
         close(resized[key], want, key)
 

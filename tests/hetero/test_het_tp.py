@@ -8,7 +8,16 @@ import json
 
 import pytest
 
-from tests.utils import GQA, MHA, close, het_numerics, run_ranks, train, train_with_repartitions
+from tests.utils import (
+    GEMM_BACKWARD,
+    GQA,
+    MHA,
+    close,
+    het_numerics,
+    run_ranks,
+    train,
+    train_with_repartitions,
+)
 
 CASES = {
     "tp2-mha": (MHA, 2, 2, [None, "attn=3,1;mlp=200,56", "attn=4,0;mlp=0,256"]),
@@ -43,6 +52,7 @@ def test_forward_and_gradients_match_dense_reference(references, case):
     reference = references[model.replace(" --sequence-parallel", "")]  # TP=1: no SP
     assert len(results) == len(plans)
     for plan, result in zip(plans, results):
+        assert result.pop("column_backward") == {GEMM_BACKWARD}, plan
         assert set(result) == set(reference)
         for key, want in reference.items():
             close(result[key], want, f"{case} plan {plan} {key}")

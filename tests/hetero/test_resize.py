@@ -11,7 +11,16 @@ import torch
 
 from hettp.plan import PartitionPlan
 from hettp.resize import skipped_count, skipped_units
-from tests.utils import GQA, MHA, close, het_numerics, run_ranks, train, train_with_resizes
+from tests.utils import (
+    GEMM_BACKWARD,
+    GQA,
+    MHA,
+    close,
+    het_numerics,
+    run_ranks,
+    train,
+    train_with_resizes,
+)
 
 # ---- numerics on real groups ------------------------------------------------------------
 
@@ -58,6 +67,9 @@ def test_resized_forward_equals_dense_reference_with_skipped_units_zeroed(case):
     reference = run_ranks(het_numerics, 1, argv, [None], None, zeroed, zeroed)[0][0]
     assert resized.pop("skipped_grads_zero") is True  # skipped units get no gradient
     reference.pop("skipped_grads_zero")
+    # resized column linears run megatron-core's GEMM, as their unresized peers do
+    assert resized.pop("column_backward") == {GEMM_BACKWARD}
+    reference.pop("column_backward")
     assert set(resized) == set(reference)
     for key, want in reference.items():
         close(resized[key], want, f"{case} {key}")

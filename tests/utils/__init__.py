@@ -6,7 +6,7 @@ tests.utils.workers (the fork server preloads it; ranks unpickle them by that na
 from tests.utils import workers
 from tests.utils.files import damage, make_corpus
 from tests.utils.jobs import Job, run_job
-from tests.utils.models import BASE, COMMON, GQA, MHA, close
+from tests.utils.models import BASE, COMMON, GEMM_BACKWARD, GQA, MHA, close
 from tests.utils.paths import ROOT
 from tests.utils.ranks import PRELOAD, run_ranks
 from tests.utils.scripts import load_script
@@ -28,6 +28,7 @@ from tests.utils.workers import (
 )
 
 __all__ = [
+    "GEMM_BACKWARD",
     "BASE",
     "Job",
     "COMMON",

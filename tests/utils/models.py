@@ -24,6 +24,10 @@ GQA = (
     " --normalization RMSNorm --het-tp-granularity 2"
 )
 
+# The autograd node of megatron-core's column-parallel GEMM (its input-gradient all-reduce runs
+# while the weight gradient's GEMM does)
+GEMM_BACKWARD = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+
 
 def close(got, want, what):
     scale = want.abs().max().item() or 1.0

@@ -439,6 +439,18 @@ def _num_units(module, name):
     return het_blocks(module)[(layer, block)].num_units
 
 
+def _gemm_backward(output) -> str:
+    """The autograd node of the GEMM that made a column linear's output (under a bias add
+    or a reshape, if any)."""
+    node = output.grad_fn
+    for _ in range(3):
+        name = type(node).__name__
+        if "Linear" in name or "Mm" in name or node is None or not node.next_functions:
+            return name
+        node = node.next_functions[0][0]
+    return type(node).__name__
+
+
 def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=None) -> list:
     """Forward + backward of one fixed batch under each plan; per-token losses and every
     parameter and gradient in the canonical full layout (from rank 0).
@@ -519,7 +531,22 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
                                         layout.width,
                                     ).zero_()
             module.zero_grad(set_to_none=True)
+            backward_fns, hooks = set(), []
+            if partition is not None:
+                from megatron.hetero.layers import HetColumnParallelLinear
+
+                for sub in module.modules():
+                    if isinstance(sub, HetColumnParallelLinear):
+                        hooks.append(
+                            sub.register_forward_hook(
+                                lambda _m, _i, out, seen=backward_fns: seen.add(
+                                    _gemm_backward(out[0])
+                                )
+                            )
+                        )
             losses = module(mine, position, mask, labels=labels)
+            for hook in hooks:
+                hook.remove()
             losses.mean().backward()
             if partition is not None:  # what the runtime does: K/V replicas' sum
                 partition.sum_replica_grads(module, attr="grad")
@@ -533,6 +560,8 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
                     dist.all_reduce(param.grad, group=dp_group)
                     param.grad /= dp
             full = _gather_full(module, tp_group)
+            if partition is not None:
+                full["column_backward"] = backward_fns
             if masked is not None:
                 full["skipped_grads_zero"] = _mask_units(full, module, masked)
             all_losses = [torch.empty_like(losses) for _ in range(dp)]
