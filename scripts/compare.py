@@ -8,7 +8,8 @@
                               [--dilation auto] [--quick] [-- MEGATRON MODEL FLAGS]
 
 Each (scenario, policy) is a pretrain_gpt.py run on the same seed and mock data; runs are
-interleaved (round after round of every configuration) so machine drift hits all alike. The
+interleaved (round after round of every configuration, each round in another order:
+`round_order`) so machine drift hits all alike. The
 baseline, `vanilla`, is plain megatron-core: pretrain_gpt.py with no het-TP flag beyond the
 scenario's emulation; its no-straggler runs give T_fast. Policy `none` is the same layers,
 timed: its no-straggler runs give C, its real-contention runs the measured speeds, and its
@@ -488,6 +489,16 @@ def _dilation(p, value: str, world: int, cores: int) -> float:
     return dilation
 
 
+def round_order(configs: list, repeat: int, repeats: int) -> list:
+    """Round `repeat`'s order of `configs`: the list rotated by that round's share of its
+    length, and reversed in odd rounds. Each configuration takes another place, and runs
+    after another one, from one round to the next: a drift within rounds, or what one run
+    leaves the next, falls on all alike over the rounds."""
+    shift = repeat * len(configs) // max(repeats, 1)
+    order = configs[shift:] + configs[:shift]
+    return order[::-1] if repeat % 2 else order
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     command = " ".join(
@@ -533,7 +544,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     runs = []
     for repeat in range(a.repeats):  # interleaved: every configuration once per round
-        for scenario, policy in configs:
+        for scenario, policy in round_order(configs, repeat, a.repeats):
             # plain vanilla: static, no het-TP layers; timed only where its emulation needs it
             het_policy = "static" if policy == PLAIN else _base(policy)
             flags = [*common, "--het-tp-policy", het_policy, "--het-tp-timer", _timer(scenario)]

@@ -284,3 +284,23 @@ def test_capped_variants_run_their_policy_within_the_memory_cap():
         compare.parse(
             ["--scenarios", "none", "--policies", "migrate-capped", "--memory-cap", "0.9"]
         )
+
+
+def test_rounds_start_at_different_configurations():
+    compare = load_script("compare")
+    configs = list("abcdefg")
+    orders = [compare.round_order(configs, r, 3) for r in range(3)]
+    assert orders[0] == configs
+    for order in orders:
+        assert sorted(order) == configs  # every configuration once a round
+    # a third of the list further each round, odd rounds reversed: each round starts with
+    # another configuration, and none keeps its place in every round
+    assert orders[1] == list("bagfedc") and orders[2] == list("efgabcd")
+    assert len({order[0] for order in orders}) == 3
+    for place in range(len(configs)):
+        assert len({order[place] for order in orders}) > 1
+    # and from one round to the next no configuration runs after the same one
+    for one, other in zip(orders, orders[1:]):
+        pairs = [{(o[i], o[i + 1]) for i in range(len(o) - 1)} for o in (one, other)]
+        assert not pairs[0] & pairs[1]
+    assert compare.round_order(configs, 0, 1) == configs
