@@ -143,9 +143,8 @@ class HetColumnParallelLinear(UnitShardedLinear, ColumnParallelLinear):
 def _column_gemm(linear, input_, weight):
     """A column-parallel GEMM on a weight the caller assembled, through megatron-core's own
     function with ColumnParallelLinear's choice of collectives: the input all-gathered under
-    sequence parallelism, else its gradient all-reduced asynchronously while the weight
-    gradient's GEMM runs (a plain autograd all-reduce after both left the slow rank's wait
-    on the critical path)."""
+    sequence parallelism, else its gradient all-reduced while the weight gradient's GEMM
+    runs. (As F.linear after a copy to the TP region, that all-reduce waited for both GEMMs.)"""
     return linear_with_grad_accumulation_and_async_allreduce(
         input_,
         weight,
