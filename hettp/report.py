@@ -86,7 +86,7 @@ class Run:
                 args = r["args"]
                 run.tokens_per_step = args["global_batch_size"] * args["seq_length"]
                 stages = args.get("pipeline_model_parallel_size") or 1
-                run.heads = _head_units(args)
+                run.heads = run_head_units(args)
         # per rank: the stages' TP ranks in turn, at every report, each stage's latest (a stage
         # reports on its own when its detection changes, and a decision restarts its interval)
         run.stages = stages
@@ -160,7 +160,7 @@ def ideal_step(
     return max(steps)
 
 
-def _head_units(args: dict) -> HeadUnits | None:
+def run_head_units(args: dict) -> HeadUnits | None:
     """The run's head units, from its flags (as hettp.config.HetTPConfig.head_units reads)."""
     heads = args.get("num_attention_heads") or 0
     groups = (args.get("group_query_attention") and args.get("num_query_groups")) or heads

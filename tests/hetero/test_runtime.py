@@ -9,6 +9,7 @@ from hettp.metrics import read_metrics
 from hettp.plan import PartitionPlan
 from megatron.hetero.checkpointing import TRACKER_FILE
 from tests.utils import run_ranks, train
+from tests.utils.scripts import load_script
 
 MODEL = (
     "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
@@ -92,6 +93,14 @@ def test_a_migrated_run_resumes_in_its_plan_without_moving_again(tmp_path):
             record["compute_s"], record["fixed_s"], record["attention_s"]
         ):
             assert 0 < attention < compute - fixed
+    # scripts/attention_call.py reads the per-call part from these records: the unslowed
+    # rank's attention seconds of the intervals after the cold first one, at its works under
+    # the plans the run held (here too few to price it: a line wants 4 pairs)
+    call = load_script("attention_call").run_call(straight["metrics_file"])
+    [unit] = {p["unit_work"]["attn"] for p in _records(straight, "priced")}
+    held = [_records(straight, "plan")[0], *_records(straight, "repartition")]
+    works = {len(PartitionPlan.from_json(p["plan"]).layers[0]["attn"][0]) * unit for p in held}
+    assert call.samples >= 2 and set(call.works) <= {round(w, 1) for w in works}
     # core attention keeps the price the first run put on it (its fit is in those units)
     [priced] = _records(first, "priced")
     assert priced["iteration"] == 3

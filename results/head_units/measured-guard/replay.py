@@ -13,7 +13,7 @@ import sys
 
 from hettp.plan import PartitionPlan
 from hettp.planner import Measured, measured_against
-from hettp.report import _head_units
+from hettp.report import run_head_units
 
 judged = refused = 0
 paths = sorted({p for pattern in sys.argv[1:] for p in glob.glob(pattern, recursive=True)})
@@ -24,7 +24,7 @@ for path in paths:
         r = json.loads(line)
         kind = r.get("kind")
         if kind == "run":
-            heads = _head_units(r["args"])
+            heads = run_head_units(r["args"])
         elif kind == "plan" and plan is None:
             plan = r["plan"]
         elif kind == "priced":
