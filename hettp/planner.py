@@ -363,12 +363,12 @@ class Decision:
 ATTENTION_COST_RANGE = (1.0, 2.0)
 
 # ... and faster by this share of the step. Splits the model predicted a few per cent faster
-# than whole groups ran 12-17% slower (results/notes.md). Attention's per-call part, which a
-# split puts on a rank that held no head, is priced now (hettp.attention_probe), and does not
-# explain that: the fast rank bounds attention in both plans and pays the call in both, and
-# the split stays predicted a few per cent faster (notes). The margin stands for what is
-# still not modelled. Where whole groups leave a block far out of balance (a rank holding two
-# groups at TP=4) the split's predicted gain clears it.
+# than whole groups ran 7-17% slower (results/notes.md). The margin stands for attention's
+# per-call part, which a split puts on a rank that held no head: the probe
+# (hettp.attention_probe) prices it at about 1/2.3 of what runs measure once a move spreads
+# their ranks' work (hettp.attention_fit, results/attention_call/), and at the runs' own price
+# the model predicts those splits slower. Where whole groups leave a block far out of balance
+# (a rank holding two groups at TP=4) the split's predicted gain clears it.
 SPLIT_GAIN = 0.05
 
 # A move at a report, the straggle unchanged, must gain this much of the predicted step: the
