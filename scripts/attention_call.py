@@ -9,7 +9,7 @@ under one plan (hettp.attention_fit), the line they give per layer, and its inte
 call) in the planner's unit of work, next to the call the probe priced at the run's start (its
 `priced` record). A run whose reports all held the same attention work cannot price it (no
 move yet): it says so. Intervals with resized units are left out (a skipped unit still holds
-its place in the plan).
+its place in the plan). TP runs: with pipeline stages the records are the first stage's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hettp.attention_fit import attention_samples, measured_call  # noqa: E402
+from hettp.attention_fit import MeasuredCall, attention_samples, measured_call  # noqa: E402
 from hettp.metrics import read_metrics  # noqa: E402
 from hettp.plan import PartitionPlan  # noqa: E402
 from hettp.report import run_head_units  # noqa: E402
@@ -36,7 +36,7 @@ class RunCall:
     probed: float | None  # unit_work["call"] of the run's `priced` record
     probed_s: float | None  # ... and the probe's seconds for it a step (all micro-batches)
     attn_unit: float  # one attention unit's work, to say the call in units
-    measured: object  # hettp.attention_fit.MeasuredCall | None
+    measured: MeasuredCall | None
     samples: int  # unslowed ranks' report intervals read
     works: tuple[float, ...]  # the distinct attention works a layer sampled, ascending
 
@@ -67,7 +67,7 @@ def run_call(path: str) -> RunCall:
     for r in records:
         if r["kind"] == "plan" or (r["kind"] == "repartition" and r.get("plan")):
             changes.append((r["iteration"], r["plan"], None))
-        elif r["kind"] == "decision" and r.get("shares") is not None:
+        elif r["kind"] in ("decision", "resize") and r.get("shares") is not None:
             changes.append((r["iteration"], None, any(r["shares"])))
     samples, start = [], None
     for t in (r for r in records if r["kind"] == "timing"):

@@ -110,8 +110,9 @@ def _metrics(path, plan_before, plan_after, reports, heads=None, call=5.0):
             records.append(
                 {"kind": "repartition", "iteration": iteration, "plan": plan_after.to_json()}
             )
-        elif change == "resize":
-            records.append({"kind": "decision", "iteration": iteration, "shares": [0.3, 0.0]})
+        elif change in ("resize", "resumed resized"):  # decided, or restored by a resume
+            kind = "decision" if change == "resize" else "resize"
+            records.append({"kind": kind, "iteration": iteration, "shares": [0.3, 0.0]})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
 
@@ -133,6 +134,8 @@ def test_the_script_reads_the_call_from_a_run_and_sets_it_against_the_probe(tmp_
     # a run that resized at its straggle's onset: its resized intervals say nothing
     resized = [*reports[:2], (9, even, slow, "resize"), *reports[3:]]
     assert script.run_call(_metrics(tmp_path / "resized.jsonl", even, even, resized)).samples == 3
+    resumed = [*reports[:2], (9, even, slow, "resumed resized"), *reports[3:]]
+    assert script.run_call(_metrics(tmp_path / "resumed.jsonl", even, even, resumed)).samples == 3
 
     unmoved = _metrics(tmp_path / "even.jsonl", even, even, reports[:2])
     vanilla = tmp_path / "vanilla.jsonl"
