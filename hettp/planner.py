@@ -395,6 +395,18 @@ MEASURED_REPORTS = 3
 # one report), and the plan then gave a 1.8x rank a ninth of the work.
 MODEL_ERROR = 0.2
 
+# A move the measurements say lost this much of the step is undone: where the plan now has
+# measured slower than one measured earlier in the straggle by this share (medians of at least
+# REVERT_READINGS reports each), the planner moves back to the faster one, whatever the model
+# predicts. The model stands for costs it has seen only in part (a split's per-call part, a
+# small GEMM's rate); a move it called a gain that lost is evidence it missed one. Medians of
+# 2-3 reports of plans that ran alike differ by up to 6% on this VM: replayed over the report
+# records of the 42 runs with decisions in 2026-12-05's benchmarks, a 3% bar undid 3 moves, a
+# 5% bar 2, this one none; over 208 older runs it undid 4, two of them moves that cost 14% of
+# the step (results/revert/).
+REVERT_GAIN = 0.08
+REVERT_READINGS = 2
+
 
 class Planner:
     """Decides for one TP group. `migration_seconds(old, new)` predicts a transfer's time."""
@@ -421,6 +433,8 @@ class Planner:
         self._leaning = 0  # reports in a row whose rebalance gains above min_gain only
         # per plan's unit counts, its latest measured steps since the straggle last changed
         self._measured: dict[tuple, list[float]] = {}
+        self._visited: dict[tuple, PartitionPlan] = {}  # those plans, to move back to
+        self._reverted: set[tuple] = set()  # plans left by a revert, not returned to by one
         self._seen: Measured | None = None  # the report being decided on
         self._work: tuple[float, ...] = ()  # per rank, its work at the plan being decided on
         self.refused: str | None = None  # the last decide's move refused by what it measured
@@ -430,6 +444,8 @@ class Planner:
             "onset": self._onset,
             "leaning": self._leaning,
             "measured": [[list(map(list, k)), v] for k, v in self._measured.items()],
+            "visited": [p.to_json() for p in self._visited.values()],
+            "reverted": [list(map(list, k)) for k in self._reverted],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -438,6 +454,9 @@ class Planner:
         self._measured = {
             tuple(map(tuple, k)): list(v) for k, v in state.get("measured", ())
         }  # absent before it: nothing measured yet
+        plans = (PartitionPlan.from_json(text) for text in state.get("visited", ()))
+        self._visited = {_counts(p): p for p in plans}  # absent before it: none to move back to
+        self._reverted = {tuple(map(tuple, k)) for k in state.get("reverted", ())}
 
     def decide(
         self,
@@ -455,10 +474,11 @@ class Planner:
         shares = tuple(shares)
         self._seen, self.refused = measured, None
         if detection.changed:
-            self._measured = {}
+            self._measured, self._visited, self._reverted = {}, {}, set()
         if measured is not None and measured.step > 0 and not any(shares):
             seen = self._measured.setdefault(_counts(plan), [])
             seen[:] = [*seen, measured.step][-MEASURED_REPORTS:]
+            self._visited[_counts(plan)] = plan
         self._work = plan_work(plan, self.unit_work, shares)
         before = model.step_time(self._work)
         leaning = self._leaning
@@ -511,7 +531,11 @@ class Planner:
         """At a report with the straggle unchanged: the plan the model balances now, where it
         gains more than REBALANCE_GAIN, or more than min_gain at REBALANCE_REPORTS reports in
         a row. The model learns after a move (the cost of the units a rank was left with, the
-        per-call part), so the first move's split is corrected."""
+        per-call part), so the first move's split is corrected. First, a move the
+        measurements say lost is undone (_measured_revert)."""
+        revert = self._measured_revert(plan, before, action, shares)
+        if revert is not None:
+            return revert
         decision = self._migrate(plan, model, before, detection, action, shares)
         if decision is None and detection.stragglers:  # a steady cluster's rates are noise
             return self._measured_rebalance(plan, before, detection, action, shares)
@@ -531,6 +555,43 @@ class Planner:
         else:
             why = "rebalance"
         return dataclasses.replace(decision, reason=f"{why}: {decision.reason}")
+
+    def _measured_revert(self, plan, before, action, shares) -> Decision | None:
+        """Back to the plan measured fastest this straggle, where `plan` has measured slower
+        than it by REVERT_GAIN (both over REVERT_READINGS reports or more); not to a plan a
+        revert left, so that two plans that measure alike are not alternated. The model that
+        chose `plan` is then not asked: _measured_faster keeps it from moving there again."""
+        here = self._measured.get(_counts(plan))
+        if any(shares) or not here or len(here) < REVERT_READINGS:
+            return None
+        options = [
+            (statistics.median(steps), key)
+            for key, steps in self._measured.items()
+            if key != _counts(plan)
+            and key in self._visited
+            and key not in self._reverted
+            and len(steps) >= REVERT_READINGS
+        ]
+        if not options:
+            return None
+        there, key = min(options)
+        now = statistics.median(here)
+        target = self._visited[key]
+        if there >= (1.0 - REVERT_GAIN) * now:
+            return None
+        if self.memory is not None and not self.memory.fits(target):
+            return None
+        self._reverted.add(_counts(plan))
+        return Decision(
+            action,
+            target,
+            (0.0,) * plan.tp_size,
+            f"revert (measured): this plan stepped {now * 1e3:.1f} ms (median of {len(here)} "
+            f"reports), {target.summary()} {there * 1e3:.1f} ms this straggle",
+            before,
+            before * there / now,
+            {"migration_s": self.migration_seconds(plan, target)},
+        )
 
     def _measured_rebalance(self, plan, before, detection, action, shares) -> Decision | None:
         """Where the model sees nothing to gain: the MLP split by what the report measured

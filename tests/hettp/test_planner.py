@@ -686,6 +686,64 @@ def test_a_rebalance_back_to_a_plan_measured_this_straggle_needs_its_measured_st
         assert planner._measured == {_counts(b): [0.95]}
 
 
+def test_a_move_measured_slower_than_the_plan_it_left_is_undone():
+    """The model moved to b; b then measured REVERT_GAIN slower than a (two reports each): the
+    planner moves back to a whatever the model says, and does not return to b. Noise under
+    the bar, a resize in effect, a single reading or a new straggle undo nothing."""
+    from hettp.detect import Detection
+    from hettp.planner import REVERT_GAIN
+
+    even = PartitionPlan.even(2, 1, 4, 2048)
+    slower = StepModel(rest=0.0, factors=(1.0, 2.0), slope=1.0)  # the model: b is better
+    milder = StepModel(rest=0.0, factors=(1.0, 1.4), slope=1.0)  # ... or a
+    a = balanced_target(even, milder, UNIT_WORK)
+    b = balanced_target(a, slower, UNIT_WORK)
+    assert a != b and balanced_target(b, slower, UNIT_WORK) == b
+    assert balanced_target(a, milder, UNIT_WORK) == a
+    steady = Detection((1.0, 2.0), frozenset({1}), False, frozenset(), frozenset())
+    lost = 1.0 / (1.0 - REVERT_GAIN) + 0.02  # b's step against a's 1.0
+    for policy in ("migrate", "hybrid"):
+        planner = Planner(policy, UNIT_WORK, migration_seconds=lambda old, new: 0.01)
+        planner._measured[_counts(a)] = [1.0]  # a measured once already ...
+        planner._visited[_counts(a)] = a
+        moved = planner.decide(10, steady, slower, a, (0.0, 0.0), Measured(1.0))  # ... twice
+        assert moved is not None and moved.plan == b
+        assert planner.decide(14, steady, slower, b, (0.0, 0.0), Measured(lost)) is None  # once
+        resumed = Planner(policy, UNIT_WORK)
+        resumed.load_state_dict(planner.state_dict())
+        back = resumed.decide(18, steady, slower, b, (0.0, 0.0), Measured(lost))
+        assert back is not None and back.migrates and back.plan == a, back
+        assert back.reason.startswith("revert (measured)"), back.reason
+        assert back.predicted_after == pytest.approx(back.predicted_before / lost)
+        # at a, the model still calls b better: b measured slower, so a stays
+        for it in (22, 26, 30):
+            assert resumed.decide(it, steady, slower, a, (0.0, 0.0), Measured(1.0)) is None
+        # ... and where a then measures slower than b did, no revert goes back to b (a model
+        # that calls a balanced asks for no move either): two plans are not alternated
+        for it in (34, 38, 42):
+            assert resumed.decide(it, steady, milder, a, (0.0, 0.0), Measured(1.4)) is None
+    # b under the bar, a single reading of b, a resize in effect: nothing undone
+    under = 1.0 / (1.0 - REVERT_GAIN) - 0.02
+    for step, readings, shares in (
+        (under, 2, (0.0, 0.0)),
+        (lost, 1, (0.0, 0.0)),
+        (lost, 2, (0.0, 0.3)),
+    ):
+        planner = Planner("migrate", UNIT_WORK)
+        planner._measured[_counts(a)], planner._visited[_counts(a)] = [1.0, 1.0], a
+        planner._measured[_counts(b)] = [step] * (readings - 1)
+        planner._visited[_counts(b)] = b
+        decision = planner.decide(18, steady, slower, b, shares, Measured(step))
+        assert decision is None or not decision.reason.startswith("revert"), decision
+    # a new straggle forgets the plans measured in the last one
+    planner = Planner("migrate", UNIT_WORK)
+    planner._measured[_counts(a)], planner._visited[_counts(a)] = [1.0, 1.0], a
+    planner._measured[_counts(b)], planner._visited[_counts(b)] = [lost], b
+    onset = Detection((1.0, 2.0), frozenset({1}), True, frozenset({1}), frozenset())
+    planner.decide(18, onset, slower, b, (0.0, 0.0), Measured(lost))
+    assert set(planner._visited) == {_counts(b)} and planner._measured == {_counts(b): [lost]}
+
+
 def _modelled(plan, model, scale=(1.0, 1.0)):
     """What the report would measure if `model` were right (each rank's compute at `plan`,
     all of it in the blocks), times `scale`."""
