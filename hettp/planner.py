@@ -533,7 +533,7 @@ class Planner:
         a row. The model learns after a move (the cost of the units a rank was left with, the
         per-call part), so the first move's split is corrected. First, a move the
         measurements say lost is undone (_measured_revert)."""
-        revert = self._measured_revert(plan, before, action, shares)
+        revert = self._measured_revert(plan, before, detection, action, shares)
         if revert is not None:
             return revert
         decision = self._migrate(plan, model, before, detection, action, shares)
@@ -556,7 +556,7 @@ class Planner:
             why = "rebalance"
         return dataclasses.replace(decision, reason=f"{why}: {decision.reason}")
 
-    def _measured_revert(self, plan, before, action, shares) -> Decision | None:
+    def _measured_revert(self, plan, before, detection, action, shares) -> Decision | None:
         """Back to the plan measured fastest this straggle, where `plan` has measured slower
         than it by REVERT_GAIN (both over REVERT_READINGS reports or more); not to a plan a
         revert left, so that two plans that measure alike are not alternated. The model that
@@ -586,8 +586,9 @@ class Planner:
             action,
             target,
             (0.0,) * plan.tp_size,
-            f"revert (measured): this plan stepped {now * 1e3:.1f} ms (median of {len(here)} "
-            f"reports), {target.summary()} {there * 1e3:.1f} ms this straggle",
+            f"revert (measured): ranks {sorted(detection.stragglers)} slow; this plan stepped "
+            f"{now * 1e3:.1f} ms (median of {len(here)} reports), {target.summary()} "
+            f"{there * 1e3:.1f} ms this straggle",
             before,
             before * there / now,
             {"migration_s": self.migration_seconds(plan, target)},

@@ -713,7 +713,7 @@ def test_a_move_measured_slower_than_the_plan_it_left_is_undone():
         resumed.load_state_dict(planner.state_dict())
         back = resumed.decide(18, steady, slower, b, (0.0, 0.0), Measured(lost))
         assert back is not None and back.migrates and back.plan == a, back
-        assert back.reason.startswith("revert (measured)"), back.reason
+        assert back.reason.startswith("revert (measured): ranks [1] slow"), back.reason
         assert back.predicted_after == pytest.approx(back.predicted_before / lost)
         # at a, the model still calls b better: b measured slower, so a stays
         for it in (22, 26, 30):
