@@ -42,8 +42,10 @@ for pattern in patterns:
             if options and min(options)[0] < (1 - bar) * here:
                 reverts += 1
                 there = min(options)[0]
-                print(f"{path}: iteration {r['iteration']}: {here:.3f} s against {there:.3f} s "
-                      f"({here / there:.3f}x)")
+                print(
+                    f"{path}: iteration {r['iteration']}: {here:.3f} s against {there:.3f} s "
+                    f"({here / there:.3f}x)"
+                )
                 left.add(plan)
                 plan = min(options)[1]
 print(f"bar {bar:.0%}: {runs} runs with decisions, {reverts} reverts")
