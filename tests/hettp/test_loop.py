@@ -312,3 +312,31 @@ def test_the_planner_is_given_each_reports_measured_compute():
     refusing.decide = lambda *args, **kwargs: setattr(refusing, "refused", "move refused") or None
     loop = ControlLoop(refusing, StragglerDetector(2, patience=1, window=1))
     assert loop.report(report, even, (0.0, 0.0)).refused == "move refused"
+
+
+def test_a_rebalance_that_ran_slower_than_predicted_is_undone_and_not_made_again():
+    """Each rank's compute carries a per-call part, so after the first move off a 3x rank the
+    model rebalances further (to no attention on it). That plan's steps run 30% slower than
+    its compute says (a cost no term of the model holds): two reports later the loop moves
+    back to the plan it left, and stays there while the model still calls the other better."""
+    even = PartitionPlan.even(2, 2, 4, 64)
+    loop, plan, shares = _loop("migrate"), even, (0.0, 0.0)
+    decisions, plans = [], []
+    for n in range(1, 17):
+        factors = (1.0, 1.0) if n <= 2 else (1.0, 3.0)
+        work = plan_work(plan, UNIT_WORK, shares)
+        compute = tuple(1e-3 * f * (w + 20.0 * (w > 0)) for f, w in zip(factors, work))
+        step = 0.05 + max(compute)
+        if len(decisions) >= 2 and plan == decisions[1].plan:  # the rebalance's plan
+            step *= 1.3
+        verdict = loop.report(TimingReport(4 * n, compute, work, step), plan, shares)
+        if verdict.decision is not None:
+            decisions.append(verdict.decision)
+            plan = verdict.decision.plan
+            loop.applied()
+        plans.append(plan)
+    reasons = [d.reason for d in decisions]
+    assert len(decisions) == 3, reasons
+    assert reasons[1].startswith("rebalance") and reasons[2].startswith("revert (measured)")
+    assert decisions[2].plan == decisions[0].plan and decisions[1].plan != decisions[0].plan
+    assert plans[-1] == decisions[0].plan  # not made again
