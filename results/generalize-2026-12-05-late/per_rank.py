@@ -6,9 +6,10 @@ rank's busy time ("rest": collectives and waits). Medians of the records.
 """
 
 import glob
-import json
 import statistics
 import sys
+
+from hettp.metrics import read_metrics
 
 
 def per_rank(records, key):
@@ -18,8 +19,7 @@ def per_rank(records, key):
 
 
 for path in sorted(glob.glob(sys.argv[1] + "/*.jsonl")):
-    records = [json.loads(line) for line in open(path)]
-    timing = [r for r in records if r["kind"] == "timing"]
+    timing = list(read_metrics(path, "timing"))
     if not timing:
         continue
     half = timing[len(timing) // 2 :]

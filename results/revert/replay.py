@@ -13,12 +13,13 @@ import json
 import statistics
 import sys
 
+from hettp.metrics import read_metrics
+
 bar, patterns = float(sys.argv[1]), sys.argv[2:]
 runs = reverts = 0
 for pattern in patterns:
     for path in sorted(glob.glob(pattern)):
-        records = [json.loads(line) for line in open(path)]
-        records = [r for r in records if r["kind"] in ("timing", "decision")]
+        records = [r for r in read_metrics(path) if r["kind"] in ("timing", "decision")]
         if not any(r["kind"] == "decision" for r in records):
             continue
         runs += 1
