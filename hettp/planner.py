@@ -17,6 +17,7 @@ the ffn size allows (mlp_chunk); resized ranks' active widths are not aligned.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -362,14 +363,17 @@ class Decision:
 # range of what an attention unit may cost against its modelled work.
 ATTENTION_COST_RANGE = (1.0, 2.0)
 
-# ... and faster by this share of the step. Splits the model predicted a few per cent faster
-# than whole groups ran 7-17% slower (results/notes.md). The margin stands for attention's
-# per-call part, which a split puts on a rank that held no head: the probe
-# (hettp.attention_probe) prices it at about 1/2.3 of what runs measure once a move spreads
-# their ranks' work (hettp.attention_fit, results/attention_call/), and at the runs' own price
-# the model predicts those splits slower. Where whole groups leave a block far out of balance
-# (a rank holding two groups at TP=4) the split's predicted gain clears it.
-SPLIT_GAIN = 0.05
+# ... and at every price of attention's per-call part in this range, in multiples of the
+# probe's (hettp.attention_probe): a split gives a rank that held no head its first, and the
+# call with it. Runs' own reports price the call above the probe (medians of 2.3-5.1x over
+# sets of runs, results/attention_call/): the probe leaves out megatron-core's modules and
+# autograd nodes. Where the call is a large share of a head's work (hidden 512: 0.5-0.7 of a
+# one-head unit), splits the probe's price called faster ran slower; where it is a small one
+# (hidden 1536: 0.1), a split ran faster than whole groups (results/notes.md).
+CALL_PRICE_RANGE = (1.0, 5.0)
+
+# ... and faster by this share of the step, a move's least gain.
+SPLIT_GAIN = 0.03
 
 # A move at a report, the straggle unchanged, must gain this much of the predicted step: the
 # model's noise between reports stays below it, a first move made before the model knew the
@@ -839,10 +843,10 @@ def balanced_target(
     units, attention dealt with the K/V replicas it brings). With head units, the plan keeping
     attention in whole query groups (no K/V replicas) unless the model predicts the split
     faster by SPLIT_GAIN of the step, block by block, at every attention cost in
-    ATTENTION_COST_RANGE: the split's K/V replicas and per-call work against the imbalance
-    whole groups leave in attention. Under `memory`, no rank holds more unit state than the
-    cap allows (capped_target). The planner and the joint controller (hettp/joint.py) both
-    migrate to it."""
+    ATTENTION_COST_RANGE and every price of the per-call part in CALL_PRICE_RANGE: the split's
+    K/V replicas and per-call work against the imbalance whole groups leave in attention.
+    Under `memory`, no rank holds more unit state than the cap allows (capped_target). The
+    planner and the joint controller (hettp/joint.py) both migrate to it."""
     speeds = _speeds(model, plan, unit_work)
     if memory is not None:
         return capped_target(plan, model, unit_work, speeds, memory)
@@ -944,8 +948,9 @@ def _balanced(
         plan, speeds, kv=unit_work.get("kv", 0.0) / attn, call=unit_work.get("call", 0.0) / attn
     )
     whole = grouped_plan(plan, speeds, target)
-    for scale in ATTENTION_COST_RANGE:
-        work = {**unit_work, "attn": unit_work["attn"] * scale}
+    call = unit_work.get("call", 0.0)
+    for scale, price in itertools.product(ATTENTION_COST_RANGE, CALL_PRICE_RANGE):
+        work = {**unit_work, "attn": unit_work["attn"] * scale, "call": call * price}
         split = model.blocks_time(block_works(target, work))
         if split > (1.0 - SPLIT_GAIN) * model.blocks_time(block_works(whole, work)):
             return whole
