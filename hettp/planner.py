@@ -365,12 +365,14 @@ ATTENTION_COST_RANGE = (1.0, 2.0)
 
 # ... and at every price of attention's per-call part in this range, in multiples of the
 # probe's (hettp.attention_probe): a split gives a rank that held no head its first, and the
-# call with it. Runs' own reports price the call above the probe (medians of 2.3-5.1x over
-# sets of runs, results/attention_call/): the probe leaves out megatron-core's modules and
-# autograd nodes. Where the call is a large share of a head's work (hidden 512: 0.5-0.7 of a
-# one-head unit), splits the probe's price called faster ran slower; where it is a small one
-# (hidden 1536: 0.1), a split ran faster than whole groups (results/notes.md).
-CALL_PRICE_RANGE = (1.0, 5.0)
+# call with it, at that rank's pace. The probe leaves out megatron-core's modules and autograd
+# nodes, and runs' own reports price the call higher: 2.3x the probe's in the median of 75
+# runs over ten generalize draws, one run's reading anywhere from 0.2x to 12x
+# (results/attention_call/). Where the call is a large share of a one-head unit's work (0.5-0.7
+# at head dim 64), splits the probe's price called faster ran slower, and at 2.3x it calls
+# them slower; where it is a small one (0.1-0.25 at head dim 128-192), splits ran 4-10% faster
+# than whole groups, and at 5x the planner left some of them untaken (results/notes.md).
+CALL_PRICE_RANGE = (1.0, 2.3)
 
 # ... and faster by this share of the step, a move's least gain.
 SPLIT_GAIN = 0.03

@@ -207,12 +207,12 @@ def test_a_split_that_gains_less_than_its_unmodelled_cost_keeps_whole_groups():
 
 
 def test_a_split_must_gain_at_every_price_of_attention_s_per_call_part():
-    """Unit works as two runs priced them (8 heads in 2 groups, one-head units). At hidden 512
-    the probe's call is 0.45 of a head's work, and a split that gives the slow rank its first
-    heads is predicted 4-9% faster at the probe's price and slower at five times it, which is
-    within what runs' own reports measure: whole groups (such splits ran 7% slower,
-    results/notes.md). At hidden 1536 the call is 0.09 of a head: the split is 4.5-8% faster
-    at every price, and taken (it ran 5% faster at 2x)."""
+    """Unit works as three runs priced them (8 heads in 2 groups, one-head units). At head dim
+    64 the probe's call is 0.45 of a head's work: a split that gives the slow rank its first
+    heads is predicted 4-9% faster at the probe's price and 1% at the runs' (2.3x it), so whole
+    groups (such splits ran 7% slower, results/notes.md). At head dim 128 (0.21 of a head) the
+    split gains 4.7% at 2.3x and would not at 5x (it ran 10% faster); at head dim 192 (0.09),
+    4.5-8% at every price, under the 5% margin the planner had before (it ran 4-5% faster)."""
     heads = HeadUnits(1, 4, 2)
 
     def even(mlp):
@@ -237,8 +237,18 @@ def test_a_split_must_gain_at_every_price_of_attention_s_per_call_part():
     split, whole, gain = gains(even(704), slow, small)
     assert split.counts(0, "attn") == (2, 6) and whole.counts(0, "attn") == (0, 8)
     assert min(gain[scale, 1.0] for scale in ATTENTION_COST_RANGE) > SPLIT_GAIN
-    assert gain[1.0, max(CALL_PRICE_RANGE)] < 0
+    assert gain[1.0, max(CALL_PRICE_RANGE)] < SPLIT_GAIN
     assert Planner("migrate", small)._target(even(704), slow) == whole
+
+    mid = {"attn": 356730.0, "mlp": 3072.0, "kv": 262144.0, "call": 74684.0}
+    slow = StepModel(0.042, (1.0, 2.5), slope=1.95e-8, apart=0.06)
+    split, whole, gain = gains(even(1408), slow, mid)
+    assert split.counts(0, "attn") == (6, 2) and whole.counts(0, "attn") == (8, 0)
+    assert min(gain.values()) > SPLIT_GAIN
+    assert Planner("migrate", mid)._target(even(1408), slow) == split
+    five = {**mid, "call": 5 * mid["call"]}  # priced at 5x the probe's: whole groups
+    assert gains(even(1408), slow, five)[2][1.0, 1.0] < SPLIT_GAIN
+    assert Planner("migrate", five)._target(even(1408), slow) == whole
 
     large = {"attn": 781915.0, "mlp": 4608.0, "kv": 589824.0, "call": 68824.0}
     slow = StepModel(0.054, (1.0, 1.7), slope=1.83e-8, fixed=0.05, apart=0.138)
