@@ -365,13 +365,11 @@ ATTENTION_COST_RANGE = (1.0, 2.0)
 
 # ... and at every price of attention's per-call part in this range, in multiples of the
 # probe's (hettp.attention_probe): a split gives a rank that held no head its first, and the
-# call with it, at that rank's pace. The probe leaves out megatron-core's modules and autograd
-# nodes, and runs' own reports price the call higher: 2.3x the probe's in the median of 75
-# runs over ten generalize draws, one run's reading anywhere from 0.2x to 12x
-# (results/attention_call/). Where the call is a large share of a one-head unit's work (0.5-0.7
-# at head dim 64), splits the probe's price called faster ran slower, and at 2.3x it calls
-# them slower; where it is a small one (0.1-0.25 at head dim 128-192), splits ran 4-10% faster
-# than whole groups, and at 5x the planner left some of them untaken (results/notes.md).
+# call with it, at that rank's pace. Runs' own reports price the call above the probe, which
+# leaves out megatron-core's modules and autograd nodes; the top of the range is their median
+# (results/attention_call/). Where the call is a large share of a head's work, splits the
+# probe's price called faster ran slower; where it is a small one, splits ran faster than
+# whole groups, and a higher top left some of them untaken (results/notes.md).
 CALL_PRICE_RANGE = (1.0, 2.3)
 
 # ... and faster by this share of the step, a move's least gain.
