@@ -68,6 +68,22 @@ def _plan(attn, mlp=(64, 64), heads=LLAMA, tp=2):
     return groups_plan
 
 
+def _split_gains(plan, model, work):
+    """The split the planner deals at `model`'s speeds, whole groups, and the split's gain over
+    them (a share of the step) at each attention cost and per-call price the planner checks."""
+    speeds = model.balanced_work(sum(plan_work(plan, work)))
+    attn, call = work["attn"], work.get("call", 0.0)
+    split = proportional_plan(plan, speeds, kv=work.get("kv", 0.0) / attn, call=call / attn)
+    whole = grouped_plan(plan, speeds, split)
+    gains = {}
+    for scale, price in itertools.product(ATTENTION_COST_RANGE, CALL_PRICE_RANGE):
+        w = {**work, "attn": attn * scale, "call": call * price}
+        gains[scale, price] = 1 - (
+            model.blocks_time(block_works(split, w)) / model.blocks_time(block_works(whole, w))
+        )
+    return split, whole, gains
+
+
 def test_work_counts_the_replicas_a_split_brings():
     heads = HeadUnits(1, 4, 2)
     work = {"attn": 2.0, "mlp": 1.0, "kv": 2.0}
@@ -151,13 +167,9 @@ def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
     at_1_6 = StepModel(rest=0.0, factors=(1.6, 1.0), slope=1.0)
     target = planner._target(even, at_1_6)
     assert target.counts(0, "attn") == (4, 4)
-    split = proportional_plan(even, at_1_6.balanced_work(sum(plan_work(even, work))), kv=1.0)
-    assert split.counts(0, "attn") == (3, 5)
-    gains = [
-        1 - at_1_6.blocks_time(block_works(split, w)) / at_1_6.blocks_time(block_works(target, w))
-        for w in (work, {**work, "attn": 2 * work["attn"]})
-    ]
-    assert 0 < gains[0] < SPLIT_GAIN < gains[1]
+    split, whole, gains = _split_gains(even, at_1_6, work)
+    assert split.counts(0, "attn") == (3, 5) and whole.counts(0, "attn") == (4, 4)
+    assert 0 < gains[1.0, 1.0] < SPLIT_GAIN < gains[2.0, 1.0]
     # at 2x, 4% and 7%: the split
     at_2x = StepModel(rest=0.0, factors=(2.0, 1.0), slope=1.0)
     assert planner._target(even, at_2x).counts(0, "attn") == (3, 5)
@@ -183,17 +195,9 @@ def test_a_split_that_gains_less_than_its_unmodelled_cost_keeps_whole_groups():
     work = {"attn": 107074.0, "mlp": 1536.0, "kv": 65536.0}
     even = _plan((4, 4), mlp=(704, 704), heads=heads)
     slow = StepModel(rest=0.08, factors=(3.5, 1.0), slope=4.1e-8, fixed=0.02, apart=0.013)
-    speeds = slow.balanced_work(sum(plan_work(even, work)))
-    split = proportional_plan(even, speeds, kv=work["kv"] / work["attn"])
-    whole = grouped_plan(even, speeds, split)
+    split, whole, gains = _split_gains(even, slow, work)
     assert split.counts(0, "attn") == (1, 7) and whole.counts(0, "attn") == (0, 8)
-    gains = []
-    for scale in ATTENTION_COST_RANGE:
-        w = {**work, "attn": work["attn"] * scale}
-        gains.append(
-            1 - slow.blocks_time(block_works(split, w)) / slow.blocks_time(block_works(whole, w))
-        )
-    assert 0 < min(gains) < SPLIT_GAIN and max(gains) < 0.05
+    assert 0 < min(gains.values()) < SPLIT_GAIN and max(gains.values()) < 0.05
     assert Planner("migrate", work)._target(even, slow) == whole
     # TP=4, one group of 4 heads (dimension 32) per rank, rank 1 at 3x: whole groups put two
     # groups on one rank, the split is predicted 6-16% faster, and taken
@@ -218,23 +222,9 @@ def test_a_split_must_gain_at_every_price_of_attention_s_per_call_part():
     def even(mlp):
         return PartitionPlan.from_counts(2, 2, 8, 2 * mlp, (4, 4), (mlp, mlp), 1, heads)
 
-    def gains(plan, model, work):
-        speeds = model.balanced_work(sum(plan_work(plan, work)))
-        split = proportional_plan(
-            plan, speeds, kv=work["kv"] / work["attn"], call=work["call"] / work["attn"]
-        )
-        whole = grouped_plan(plan, speeds, split)
-        out = {}
-        for scale, price in itertools.product(ATTENTION_COST_RANGE, CALL_PRICE_RANGE):
-            w = {**work, "attn": work["attn"] * scale, "call": work["call"] * price}
-            out[scale, price] = 1 - (
-                model.blocks_time(block_works(split, w)) / model.blocks_time(block_works(whole, w))
-            )
-        return split, whole, out
-
     small = {"attn": 115728.0, "mlp": 1536.0, "kv": 65536.0, "call": 52283.0}
     slow = StepModel(0.08, (2.7, 1.0), slope=4.1e-8, apart=0.013)
-    split, whole, gain = gains(even(704), slow, small)
+    split, whole, gain = _split_gains(even(704), slow, small)
     assert split.counts(0, "attn") == (2, 6) and whole.counts(0, "attn") == (0, 8)
     assert min(gain[scale, 1.0] for scale in ATTENTION_COST_RANGE) > SPLIT_GAIN
     assert gain[1.0, max(CALL_PRICE_RANGE)] < SPLIT_GAIN
@@ -242,17 +232,17 @@ def test_a_split_must_gain_at_every_price_of_attention_s_per_call_part():
 
     mid = {"attn": 356730.0, "mlp": 3072.0, "kv": 262144.0, "call": 74684.0}
     slow = StepModel(0.042, (1.0, 2.5), slope=1.95e-8, apart=0.06)
-    split, whole, gain = gains(even(1408), slow, mid)
+    split, whole, gain = _split_gains(even(1408), slow, mid)
     assert split.counts(0, "attn") == (6, 2) and whole.counts(0, "attn") == (8, 0)
     assert min(gain.values()) > SPLIT_GAIN
     assert Planner("migrate", mid)._target(even(1408), slow) == split
     five = {**mid, "call": 5 * mid["call"]}  # priced at 5x the probe's: whole groups
-    assert gains(even(1408), slow, five)[2][1.0, 1.0] < SPLIT_GAIN
+    assert _split_gains(even(1408), slow, five)[2][1.0, 1.0] < SPLIT_GAIN
     assert Planner("migrate", five)._target(even(1408), slow) == whole
 
     large = {"attn": 781915.0, "mlp": 4608.0, "kv": 589824.0, "call": 68824.0}
     slow = StepModel(0.054, (1.0, 1.7), slope=1.83e-8, fixed=0.05, apart=0.138)
-    split, whole, gain = gains(even(2112), slow, large)
+    split, whole, gain = _split_gains(even(2112), slow, large)
     assert split.counts(0, "attn") == (5, 3) and whole.counts(0, "attn") == (4, 4)
     assert SPLIT_GAIN < min(gain.values()) < 0.05  # under the margin of before
     assert Planner("migrate", large)._target(even(2112), slow) == split
