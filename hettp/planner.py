@@ -943,18 +943,40 @@ def _balanced(
 ) -> PartitionPlan:
     if plan.heads is None:
         return proportional_plan(plan, speeds)
-    attn = unit_work["attn"]
-    target = proportional_plan(
-        plan, speeds, kv=unit_work.get("kv", 0.0) / attn, call=unit_work.get("call", 0.0) / attn
-    )
-    whole = grouped_plan(plan, speeds, target)
-    call = unit_work.get("call", 0.0)
+    check = split_check(plan, model, unit_work, speeds)
+    return check.split if check.taken else check.whole
+
+
+@dataclass(frozen=True)
+class SplitCheck:
+    """Head units' split (proportional_plan's) against whole query groups (grouped_plan's),
+    and the split's gain, a share of whole groups' step, at each attention cost in
+    ATTENTION_COST_RANGE and per-call price in CALL_PRICE_RANGE."""
+
+    split: PartitionPlan
+    whole: PartitionPlan
+    gains: dict[tuple[float, float], float]  # (attention cost, call price): gain
+
+    @property
+    def taken(self) -> bool:
+        """The split gains SPLIT_GAIN at every cost and price."""
+        return min(self.gains.values()) >= SPLIT_GAIN
+
+
+def split_check(
+    plan: PartitionPlan, model: StepModel, unit_work: Mapping[str, float], speeds
+) -> SplitCheck:
+    """The split and whole groups at `speeds`, block by block (blocks_time)."""
+    attn, call = unit_work["attn"], unit_work.get("call", 0.0)
+    split = proportional_plan(plan, speeds, kv=unit_work.get("kv", 0.0) / attn, call=call / attn)
+    whole = grouped_plan(plan, speeds, split)
+    gains = {}
     for scale, price in itertools.product(ATTENTION_COST_RANGE, CALL_PRICE_RANGE):
-        work = {**unit_work, "attn": unit_work["attn"] * scale, "call": call * price}
-        split = model.blocks_time(block_works(target, work))
-        if split > (1.0 - SPLIT_GAIN) * model.blocks_time(block_works(whole, work)):
-            return whole
-    return target
+        work = {**unit_work, "attn": attn * scale, "call": call * price}
+        gains[scale, price] = 1.0 - model.blocks_time(block_works(split, work)) / (
+            model.blocks_time(block_works(whole, work))
+        )
+    return SplitCheck(split, whole, gains)
 
 
 @dataclass(frozen=True)

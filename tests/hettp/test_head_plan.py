@@ -4,7 +4,6 @@ megatron-core's QKV tensor, the flag, and how the planner weighs K/V replicas (m
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 
@@ -21,6 +20,7 @@ from hettp.planner import (
     grouped_plan,
     plan_work,
     proportional_plan,
+    split_check,
 )
 
 # Llama-3-70B's attention at TP=8: 64 heads in 8 groups, one head per unit
@@ -68,20 +68,9 @@ def _plan(attn, mlp=(64, 64), heads=LLAMA, tp=2):
     return groups_plan
 
 
-def _split_gains(plan, model, work):
-    """The split the planner deals at `model`'s speeds, whole groups, and the split's gain over
-    them (a share of the step) at each attention cost and per-call price the planner checks."""
-    speeds = model.balanced_work(sum(plan_work(plan, work)))
-    attn, call = work["attn"], work.get("call", 0.0)
-    split = proportional_plan(plan, speeds, kv=work.get("kv", 0.0) / attn, call=call / attn)
-    whole = grouped_plan(plan, speeds, split)
-    gains = {}
-    for scale, price in itertools.product(ATTENTION_COST_RANGE, CALL_PRICE_RANGE):
-        w = {**work, "attn": attn * scale, "call": call * price}
-        gains[scale, price] = 1 - (
-            model.blocks_time(block_works(split, w)) / model.blocks_time(block_works(whole, w))
-        )
-    return split, whole, gains
+def _split_check(plan, model, work):
+    """The planner's split check at the speeds that balance `model`."""
+    return split_check(plan, model, work, model.balanced_work(sum(plan_work(plan, work))))
 
 
 def test_work_counts_the_replicas_a_split_brings():
@@ -167,9 +156,9 @@ def test_planner_splits_a_group_only_where_whole_groups_cannot_balance():
     at_1_6 = StepModel(rest=0.0, factors=(1.6, 1.0), slope=1.0)
     target = planner._target(even, at_1_6)
     assert target.counts(0, "attn") == (4, 4)
-    split, whole, gains = _split_gains(even, at_1_6, work)
-    assert split.counts(0, "attn") == (3, 5) and whole.counts(0, "attn") == (4, 4)
-    assert 0 < gains[1.0, 1.0] < SPLIT_GAIN < gains[2.0, 1.0]
+    check = _split_check(even, at_1_6, work)
+    assert check.split.counts(0, "attn") == (3, 5) and check.whole.counts(0, "attn") == (4, 4)
+    assert 0 < check.gains[1.0, 1.0] < SPLIT_GAIN < check.gains[2.0, 1.0]
     # at 2x, 4% and 7%: the split
     at_2x = StepModel(rest=0.0, factors=(2.0, 1.0), slope=1.0)
     assert planner._target(even, at_2x).counts(0, "attn") == (3, 5)
@@ -195,10 +184,10 @@ def test_a_split_that_gains_less_than_its_unmodelled_cost_keeps_whole_groups():
     work = {"attn": 107074.0, "mlp": 1536.0, "kv": 65536.0}
     even = _plan((4, 4), mlp=(704, 704), heads=heads)
     slow = StepModel(rest=0.08, factors=(3.5, 1.0), slope=4.1e-8, fixed=0.02, apart=0.013)
-    split, whole, gains = _split_gains(even, slow, work)
-    assert split.counts(0, "attn") == (1, 7) and whole.counts(0, "attn") == (0, 8)
-    assert 0 < min(gains.values()) < SPLIT_GAIN and max(gains.values()) < 0.05
-    assert Planner("migrate", work)._target(even, slow) == whole
+    check = _split_check(even, slow, work)
+    assert check.split.counts(0, "attn") == (1, 7) and check.whole.counts(0, "attn") == (0, 8)
+    assert 0 < min(check.gains.values()) < SPLIT_GAIN and max(check.gains.values()) < 0.05
+    assert Planner("migrate", work)._target(even, slow) == check.whole
     # TP=4, one group of 4 heads (dimension 32) per rank, rank 1 at 3x: whole groups put two
     # groups on one rank, the split is predicted 6-16% faster, and taken
     heads4 = HeadUnits(1, 4, 4)
@@ -224,28 +213,28 @@ def test_a_split_must_gain_at_every_price_of_attention_s_per_call_part():
 
     small = {"attn": 115728.0, "mlp": 1536.0, "kv": 65536.0, "call": 52283.0}
     slow = StepModel(0.08, (2.7, 1.0), slope=4.1e-8, apart=0.013)
-    split, whole, gain = _split_gains(even(704), slow, small)
-    assert split.counts(0, "attn") == (2, 6) and whole.counts(0, "attn") == (0, 8)
-    assert min(gain[scale, 1.0] for scale in ATTENTION_COST_RANGE) > SPLIT_GAIN
-    assert gain[1.0, max(CALL_PRICE_RANGE)] < SPLIT_GAIN
-    assert Planner("migrate", small)._target(even(704), slow) == whole
+    check = _split_check(even(704), slow, small)
+    assert check.split.counts(0, "attn") == (2, 6) and check.whole.counts(0, "attn") == (0, 8)
+    assert min(check.gains[scale, 1.0] for scale in ATTENTION_COST_RANGE) > SPLIT_GAIN
+    assert check.gains[1.0, max(CALL_PRICE_RANGE)] < SPLIT_GAIN
+    assert Planner("migrate", small)._target(even(704), slow) == check.whole
 
     mid = {"attn": 356730.0, "mlp": 3072.0, "kv": 262144.0, "call": 74684.0}
     slow = StepModel(0.042, (1.0, 2.5), slope=1.95e-8, apart=0.06)
-    split, whole, gain = _split_gains(even(1408), slow, mid)
-    assert split.counts(0, "attn") == (6, 2) and whole.counts(0, "attn") == (8, 0)
-    assert min(gain.values()) > SPLIT_GAIN
-    assert Planner("migrate", mid)._target(even(1408), slow) == split
+    check = _split_check(even(1408), slow, mid)
+    assert check.split.counts(0, "attn") == (6, 2) and check.whole.counts(0, "attn") == (8, 0)
+    assert min(check.gains.values()) > SPLIT_GAIN
+    assert Planner("migrate", mid)._target(even(1408), slow) == check.split
     five = {**mid, "call": 5 * mid["call"]}  # priced at 5x the probe's: whole groups
-    assert _split_gains(even(1408), slow, five)[2][1.0, 1.0] < SPLIT_GAIN
-    assert Planner("migrate", five)._target(even(1408), slow) == whole
+    assert _split_check(even(1408), slow, five).gains[1.0, 1.0] < SPLIT_GAIN
+    assert Planner("migrate", five)._target(even(1408), slow) == check.whole
 
     large = {"attn": 781915.0, "mlp": 4608.0, "kv": 589824.0, "call": 68824.0}
     slow = StepModel(0.054, (1.0, 1.7), slope=1.83e-8, fixed=0.05, apart=0.138)
-    split, whole, gain = _split_gains(even(2112), slow, large)
-    assert split.counts(0, "attn") == (5, 3) and whole.counts(0, "attn") == (4, 4)
-    assert SPLIT_GAIN < min(gain.values()) < 0.05  # under the margin of before
-    assert Planner("migrate", large)._target(even(2112), slow) == split
+    check = _split_check(even(2112), slow, large)
+    assert check.split.counts(0, "attn") == (5, 3) and check.whole.counts(0, "attn") == (4, 4)
+    assert SPLIT_GAIN < min(check.gains.values()) < 0.05  # under the margin of before
+    assert Planner("migrate", large)._target(even(2112), slow) == check.split
 
 
 def test_the_joint_controller_migrates_to_the_planners_target():
