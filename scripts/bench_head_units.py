@@ -1,7 +1,8 @@
 """Query heads against query groups as attention units, side by side in one invocation.
 
-    python scripts/bench_head_units.py [--tp 2] [--factor 3] [--rank 0] [--repeats 2]
-                                       [--iters 24] [--mode sharded] [--out results/head_units]
+    python scripts/bench_head_units.py [--tp 2] [--factor 3] [--rank 0] [--hidden-size 512]
+                                       [--seq-length 128] [--repeats 2] [--iters 24]
+                                       [--mode sharded] [--out results/head_units]
 
 A GQA model with one query group per TP rank (Llama-style: SwiGLU, RoPE, RMSNorm), a persistent
 straggler of --factor on TP rank --rank (--mode: what the emulation slows, `sharded` the work the
@@ -24,15 +25,18 @@ import sys
 COMPARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare.py")
 
 
-def model(tp: int, hidden: int) -> list[str]:
-    """One query group per TP rank, four query heads per group."""
+TOKENS = 512  # per step: --micro-batch-size is TOKENS / --seq-length
+
+
+def model(tp: int, hidden: int, seq: int = 128) -> list[str]:
+    """One query group per TP rank, four query heads per group, TOKENS tokens a step."""
     return (
         f"--num-layers 2 --hidden-size {hidden} --num-attention-heads {4 * tp} "
         f"--group-query-attention --num-query-groups {tp} --swiglu "
         f"--ffn-hidden-size {hidden * 11 // 4} --position-embedding-type rope "
-        "--normalization RMSNorm --disable-bias-linear --seq-length 128 "
-        "--max-position-embeddings 128 --micro-batch-size 4 --lr 1e-4 --mock-data "
-        "--vocab-size 255 --hidden-dropout 0 --attention-dropout 0"
+        f"--normalization RMSNorm --disable-bias-linear --seq-length {seq} "
+        f"--max-position-embeddings {seq} --micro-batch-size {TOKENS // seq} --lr 1e-4 "
+        "--mock-data --vocab-size 255 --hidden-dropout 0 --attention-dropout 0"
     ).split()
 
 
@@ -42,6 +46,13 @@ def main(argv=None) -> int:
     p.add_argument("--factor", type=float, default=3.0, help="the straggler's slowdown")
     p.add_argument("--rank", type=int, default=0, help="the straggling TP rank")
     p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=128,
+        help=f"tokens a sequence; a step holds {TOKENS} tokens, so core attention's share of a "
+        "step grows with it while its per-call part does not",
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--iters", type=int, default=24)
     p.add_argument(
@@ -54,8 +65,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not 0 <= a.rank < a.tp:
         p.error(f"--rank {a.rank} is not a TP rank of --tp {a.tp}")
+    if a.seq_length < 1 or TOKENS % a.seq_length:
+        p.error(f"--seq-length {a.seq_length} must divide the {TOKENS} tokens of a step")
     device = "-device" if a.mode == "device" else ""
-    out = os.path.join(a.out, f"tp{a.tp}-{a.factor:g}x-rank{a.rank}{device}")
+    seq = f"-seq{a.seq_length}" if a.seq_length != 128 else ""
+    out = os.path.join(a.out, f"tp{a.tp}-{a.factor:g}x-rank{a.rank}{seq}{device}")
     os.makedirs(out, exist_ok=True)
     scenario = os.path.join(out, "scenario.json")
     name = f"persistent-{a.factor:g}x-rank{a.rank}"
@@ -79,7 +93,7 @@ def main(argv=None) -> int:
             "--out",
             out,
             "--",
-            *model(a.tp, a.hidden_size),
+            *model(a.tp, a.hidden_size, a.seq_length),
         ]
     )
     if code:
@@ -87,9 +101,10 @@ def main(argv=None) -> int:
     with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
         rows = {(r["scenario"], r["policy"]): r for r in json.load(f)["rows"]}
     lines = [
-        f"head units vs group units: TP={a.tp}, one query group per rank, rank {a.rank} "
-        f"{a.factor:g}x slower ({a.mode} emulation); steady E (1.0 = the bound) and step ms, "
-        f"medians of {a.repeats} interleaved rounds",
+        f"head units vs group units: TP={a.tp}, one query group per rank, hidden "
+        f"{a.hidden_size}, sequence {a.seq_length}, rank {a.rank} {a.factor:g}x slower "
+        f"({a.mode} emulation); steady E (1.0 = the bound) and step ms, medians of "
+        f"{a.repeats} interleaved rounds",
         f"{'policy':<8} {'groups E':>9} {'heads E':>8} {'groups ms':>10} {'heads ms':>9} "
         f"{'heads/groups step':>18}",
     ]
