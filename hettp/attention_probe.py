@@ -2,8 +2,10 @@
 at the run's shapes.
 
 A rank that holds any query head runs attention's per-call work (the split of the QKV output,
-RoPE, the K/V gather, the attention kernel's launch and softmax set-up, the reshapes), forward
-and backward, however few its heads; a rank holding none skips it. The step model weighs
+RoPE, the K/V gather, the score buffer, mask and softmax set-up, the reshapes), forward and
+backward, however few its heads; a rank holding none skips it. The probe runs core attention
+the way het-TP's layers do, megatron-core's unfused DotProductAttention (scaled scores by
+baddbmm, masked softmax, bmm), written here in plain torch. The step model weighs
 units by their parameters and FLOPs, so a split that gives a slow rank its first head looked
 cheaper than it ran (results/notes.md). Timings of the run itself cannot price this part:
 until a move, every rank holds the same heads, and a per-call cost and a per-head one read the
@@ -94,6 +96,7 @@ class _Attention:
         self.cos = angle.cos().repeat(1, 2)[:, None, None, :]
         self.sin = angle.sin().repeat(1, 2)[:, None, None, :]
         self.index = torch.arange(self.groups, device=s.device).repeat_interleave(s.heads_per_unit)
+        self.causal = torch.ones(s.seq, s.seq, device=s.device, dtype=torch.bool).triu(1)
 
     def _rope(self, t):
         half = t.size(-1) // 2
@@ -114,14 +117,26 @@ class _Attention:
             key, value = kv[:, :, :, 0], kv[:, :, :, 1]
             if s.rope:
                 query, key = self._rope(query), self._rope(key)
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            k, v = k.index_select(1, self.index), v.index_select(1, self.index)
-            context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            context = context.permute(2, 0, 1, 3).reshape(s.seq, s.batch, -1)
-            out = F.linear(context, self.proj)
+            key, value = key.index_select(2, self.index), value.index_select(2, self.index)
+            out = F.linear(self._core(query, key, value), self.proj)
         out.sum().backward()
         for t in (self.x, self.qkv, self.proj):
             t.grad = None
+
+    def _core(self, query, key, value):
+        """[s, b, heads, dim] -> [s, b, heads * dim], as megatron-core's DotProductAttention."""
+        s, b, heads, dim = query.shape
+        rows = b * heads
+        scores = torch.baddbmm(
+            torch.empty(rows, s, s, device=query.device, dtype=query.dtype),
+            query.reshape(s, rows, dim).transpose(0, 1),
+            key.reshape(s, rows, dim).transpose(0, 1).transpose(1, 2),
+            beta=0.0,
+            alpha=dim**-0.5,
+        )
+        probs = scores.view(b, heads, s, s).masked_fill(self.causal, -10000.0).softmax(-1)
+        context = torch.bmm(probs.view(rows, s, s), value.reshape(s, rows, dim).transpose(0, 1))
+        return context.view(b, heads, s, dim).permute(2, 0, 1, 3).reshape(s, b, heads * dim)
 
 
 class _Gemm:

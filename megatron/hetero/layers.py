@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.parallel_state import (
     get_tensor_model_parallel_rank,
@@ -33,6 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 
@@ -477,75 +477,39 @@ def _non_main(replica_id):
     return (1, *replica_id[1:]) if replica_id else 1
 
 
-class SDPACoreAttention(MegatronModule):
-    """Core attention over however many heads this rank holds (zero included), with torch SDPA.
-
-    Takes megatron's [s, b, heads, dim] query/key/value and returns [s, b, heads * dim].
-    With head units, `head_groups` says which of the key/value heads each query head reads.
-    """
+class HetDotProductAttention(DotProductAttention):
+    """megatron-core's DotProductAttention over however many query heads this rank holds (zero
+    included). It runs vanilla's own kernels, mask, softmax and dropout, so that a het-TP run
+    and the vanilla one it is compared with differ only in how the heads are split (a faster
+    kernel here would pass for het-TP's gain). With head units, `head_groups` says which of the
+    rank's K/V heads each query head reads."""
 
     head_groups: torch.Tensor | None = None
 
-    def __init__(
-        self,
-        config,
-        layer_number,
-        attn_mask_type,
-        attention_type,
-        attention_dropout=None,
-        softmax_scale=None,
-        cp_comm_type=None,
-        pg_collection=None,
-    ):
-        super().__init__(config=config)
-        self.attn_mask_type = attn_mask_type
-        self.dropout_p = (
-            config.attention_dropout if attention_dropout is None else attention_dropout
-        )
-        self.softmax_scale = softmax_scale
-
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        attention_mask,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-    ):
-        if packed_seq_params is not None or attention_bias is not None:
+    def __init__(self, config, *args, **kwargs):
+        if config.softmax_type != "vanilla":
             raise NotImplementedError(
-                "SDPACoreAttention: packed sequences and attention bias are not supported"
+                f"het-TP: --softmax-type {config.softmax_type} keeps a per-head offset that "
+                "het-TP does not shard; use the vanilla softmax"
             )
+        super().__init__(config, *args, **kwargs)
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
         sq, b, heads, dim = query.shape
         if heads == 0:
             # Stay on the autograd graph: linear_qkv's backward all-reduce must run on every rank.
             return query.reshape(sq, b, 0)
-        q = query.permute(1, 2, 0, 3)
-        k = key.permute(1, 2, 0, 3)
-        v = value.permute(1, 2, 0, 3)
+        groups = key.size(2)
         if self.head_groups is not None:  # head units: each query head reads its group's K/V
             index = self.head_groups
-            if index.device != k.device:  # the module moved after the units last changed
-                index = self.head_groups = index.to(k.device)
-            k, v = k.index_select(1, index), v.index_select(1, index)
-        elif heads != k.size(1):
-            k = k.repeat_interleave(heads // k.size(1), dim=1)
-            v = v.repeat_interleave(heads // v.size(1), dim=1)
-        mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked
-        dropout = self.dropout_p if self.training else 0.0
-        with tensor_parallel.get_cuda_rng_tracker().fork():
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=dropout,
-                is_causal=attention_mask is None,
-                scale=self.softmax_scale,
-            )
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+            if index.device != key.device:  # the module moved after the units last changed
+                index = self.head_groups = index.to(key.device)
+            key, value, groups = key.index_select(2, index), value.index_select(2, index), heads
+        # megatron-core sizes its reshapes from these, fixed at build for an even split
+        self.num_attention_heads_per_partition = heads
+        self.num_query_groups_per_partition = groups
+        self.hidden_size_per_partition = heads * dim
+        return super().forward(query, key, value, attention_mask, *args, **kwargs)
 
 
 def _even_units(num_units):

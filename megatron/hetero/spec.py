@@ -16,11 +16,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from .layers import (
     HetColumnParallelLinear,
+    HetDotProductAttention,
     HetMLP,
     HetQKVLinear,
     HetRowParallelLinear,
     HetSelfAttention,
-    SDPACoreAttention,
 )
 
 
@@ -130,7 +130,7 @@ def get_het_gpt_layer_spec(
     attention.module = HetSelfAttention
     attention.params = {**(attention.params or {}), "head_units": attn_head_units}
     attention.submodules.linear_qkv = HetQKVLinear
-    attention.submodules.core_attention = SDPACoreAttention
+    attention.submodules.core_attention = HetDotProductAttention
     attention.submodules.linear_proj = HetRowParallelLinear
     mlp = spec.submodules.mlp
     mlp.module = HetMLP
