@@ -165,6 +165,9 @@ def step_model(
 
 
 WARMUP_STEPS = 3  # steps after a start or resume that detection leaves out
+# Works this close (largest over smallest) read as an even split: the ranks' compute ratios are
+# their speed ratios to within the works' difference, with no model and no anchor to carry.
+NEAR_EVEN = 1.05
 
 
 @dataclass(frozen=True)
@@ -259,8 +262,14 @@ class ControlLoop:
     def detect(self, step: TimingReport) -> Detection:
         """One step's timings into the detector (every rank, every step). While the anchor
         after a change fills, the detector waits; then it takes the anchor's steps at once."""
-        if self.anchor.active and len(set(step.work)) == 1:
-            self.anchor.clear()  # an even split again: the ranks' ratios need no anchor
+        if self.anchor.active and _near_even(step.work):
+            # An even split again (or within NEAR_EVEN of one, where a move back after a
+            # straggle lands on the MLP's chunks): the ranks' ratios need no anchor, and the
+            # slowdown it carried across the change may be stale. A move back read rank 1 at
+            # 1.25x from a one-step report there; the anchor kept that for the rest of the
+            # run, and the next burst's rebalance was refused as the model's error
+            # (results/compare-fair-attention/runs/transient.migrate.1.log).
+            self.anchor.clear()
         if self.anchor.active:
             modelled = None
             if self.fit.fitted:
@@ -429,3 +438,8 @@ def work_of(
     if plan is None or unit_work is None:
         return (1.0,) * tp_size
     return plan_work(plan, unit_work, shares)
+
+
+def _near_even(work) -> bool:
+    """Every rank has work, the largest within NEAR_EVEN of the smallest."""
+    return len(set(work)) == 1 or (min(work) > 0 and max(work) <= NEAR_EVEN * min(work))

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from hettp.detect import StragglerDetector
-from hettp.loop import ControlLoop, TimingReport, Verdict, step_model, work_of
+from hettp.loop import NEAR_EVEN, ControlLoop, TimingReport, Verdict, step_model, work_of
 from hettp.plan import PartitionPlan
 from hettp.planner import Planner, plan_work
 from hettp.transfer import REBUILD_FACTOR, CostModel, MigrationCost, plan_transfer
@@ -340,3 +340,24 @@ def test_a_rebalance_that_ran_slower_than_predicted_is_undone_and_not_made_again
     assert reasons[1].startswith("rebalance") and reasons[2].startswith("revert (measured)")
     assert decisions[2].plan == decisions[0].plan and decisions[1].plan != decisions[0].plan
     assert plans[-1] == decisions[0].plan  # not made again
+
+
+def test_a_move_back_to_a_near_even_split_drops_the_slowdown_the_anchor_carried():
+    """A move back after a straggle lands on the MLP's chunks, a few per cent off even. The
+    slowdown the anchor carries across that change may be stale (a run read 1.25x from a
+    one-step report at it, kept it, and then refused the next burst's rebalance as the model's
+    error): within NEAR_EVEN of an even split the ranks' ratios are read directly. Further
+    from even, the anchor stands."""
+    near = PartitionPlan.from_counts(2, 2, 4, 128, (2, 2), (65, 63))
+    far = PartitionPlan.from_counts(2, 2, 4, 128, (2, 2), (80, 48))
+    near_spread, far_spread = (
+        max(w) / min(w) for w in (plan_work(p, UNIT_WORK) for p in (near, far))
+    )
+    assert 1.0 < near_spread <= NEAR_EVEN < far_spread
+    for plan, reads in ((near, 1.0), (far, 1.25)):
+        loop = _loop("migrate")
+        loop.anchor.rebase((1.0, 1.25))  # the stale reading, carried across the change
+        work = plan_work(plan, UNIT_WORK)
+        for i in range(1, 5):  # both ranks at full speed
+            detection = loop.detect(TimingReport(i, tuple(1e-3 * w for w in work), work, 0.2))
+        assert detection.slowdown[1] == pytest.approx(reads, rel=0.02), plan.summary()
