@@ -263,12 +263,9 @@ class ControlLoop:
         """One step's timings into the detector (every rank, every step). While the anchor
         after a change fills, the detector waits; then it takes the anchor's steps at once."""
         if self.anchor.active and _near_even(step.work):
-            # An even split again (or within NEAR_EVEN of one, where a move back after a
-            # straggle lands on the MLP's chunks): the ranks' ratios need no anchor, and the
-            # slowdown it carried across the change may be stale. A move back read rank 1 at
-            # 1.25x from a one-step report there; the anchor kept that for the rest of the
-            # run, and the next burst's rebalance was refused as the model's error
-            # (results/compare-fair-attention/runs/transient.migrate.1.log).
+            # An even split again, or within NEAR_EVEN of one (a move back after a straggle
+            # lands on the MLP's chunks): the ranks' ratios need no anchor, and a slowdown it
+            # carried across the change may be stale, read from one step at it.
             self.anchor.clear()
         if self.anchor.active:
             modelled = None
@@ -441,5 +438,6 @@ def work_of(
 
 
 def _near_even(work) -> bool:
-    """Every rank has work, the largest within NEAR_EVEN of the smallest."""
+    """All works equal, or every rank has work and the largest is within NEAR_EVEN of the
+    smallest."""
     return len(set(work)) == 1 or (min(work) > 0 and max(work) <= NEAR_EVEN * min(work))
