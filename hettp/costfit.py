@@ -2,7 +2,7 @@
 
 A rank's slowdown factor is its measured compute over that cost at its own work, so factors
 stay honest after a migration or resize changed the split. The intercept is real: per-call
-overheads of the sharded modules and the optimizer's per-tensor work do not shrink with the
+overheads of the timed blocks and the optimizer's per-tensor work do not shrink with the
 units, so a rank left with a quarter of the units computes well over a quarter of the time.
 Taken as zero, it reads a recovered rank with few units as still slow (an ended straggle kept
 open) and gives a straggler more units than it can finish in time.

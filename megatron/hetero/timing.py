@@ -1,12 +1,16 @@
-"""Each rank's own compute time in the work its units carry, per step: the TP-sharded linears
-(QKV, projection, fc1, fc2), the core attention over the rank's heads, and (started and stopped
-by the runtime around optimizer.step()) the update of the rank's parameters.
+"""Each rank's own compute time in the work its units carry, per step: each layer's attention
+and MLP blocks, entry to exit (the TP-sharded linears and what runs between them: core attention
+over the rank's heads, the rotary embedding, the MLP's activation), and (started and stopped by
+the runtime around optimizer.step()) the update of the rank's parameters.
 
 What a slow GPU stretches is its share of the sharded work, not its wall time: collectives make
 every rank wait for the slowest, so wall times look equal. Identity autograd functions mark each
-sharded module's input and output, so the timer runs from entry to exit in the forward and from
-exit to entry in the backward. That time scales with the units a rank computes
-(hettp/costfit.py says how closely).
+block's input and output, so the timer runs from entry to exit in the forward and from exit to
+entry in the backward, the block's collectives' waits left out. That time scales with the units
+a rank computes (hettp/costfit.py says how closely). Timed per linear instead, the activation and
+the rotary embedding were left out: the fast rank that took a
+straggler's units spent time the planner did not see, and an emulated straggler's share of it
+was not slowed.
 
 On CPU the timer reads the thread's CPU time by default: waiting in a gloo collective costs
 none, and time-sharing a core with other ranks does not inflate it, but neither does real
@@ -15,7 +19,7 @@ waits out (it sees a noisy neighbour; use it with no more ranks than cores). On 
 events on the current stream.
 
 Emulation: with a slowdown factor f, the rank sleeps (f - 1) x the compute it just did in
-each sharded region, and that delay counts as compute: a rank with less work is delayed less.
+each timed region, and that delay counts as compute: a rank with less work is delayed less.
 Where a region holds a collective (a row-parallel linear's all-reduce in the forward, a
 column-parallel one's in the backward), the delay for the work before it is slept just before
 it: a slow device reaches the collective late, and its peers wait there. Slept at the region's
@@ -162,12 +166,6 @@ def _unregister(timer) -> None:
         _PATCH = None
 
 
-# The modules whose work is split by units, so moves with them: the TP-sharded linears, and the
-# core attention over the rank's own heads (with few query groups, the largest part of the
-# attention that is not a linear; left out, it stays on a rank that took units unseen).
-SHARDED_MODULES = ("linear_qkv", "core_attention", "linear_proj", "linear_fc1", "linear_fc2")
-
-
 class ComputeTimer:
     """Seconds this rank spent computing since `reset()`: in the work its units carry, and of
     that, in regions started with `fixed=True`; and all of its compute in the step (`busy`).
@@ -244,17 +242,14 @@ class ComputeTimer:
     def _hook(self, model) -> None:
         for layer in unwrap_model(model).decoder.layers:
             for block, start in ((layer.self_attention, "start_attention"), (layer.mlp, "start")):
-                for name in SHARDED_MODULES:
-                    module = getattr(block, name, None)
-                    if module is not None:
-                        self._handles.append(
-                            module.register_forward_pre_hook(
-                                functools.partial(self._enter, start=start), with_kwargs=True
-                            )
-                        )
-                        self._handles.append(
-                            module.register_forward_hook(functools.partial(self._exit, start=start))
-                        )
+                self._handles.append(
+                    block.register_forward_pre_hook(
+                        functools.partial(self._enter, start=start), with_kwargs=True
+                    )
+                )
+                self._handles.append(
+                    block.register_forward_hook(functools.partial(self._exit, start=start))
+                )
 
     def reset(self, factor: float = 1.0) -> None:
         if factor != 1.0 and self.cuda:
@@ -407,8 +402,8 @@ class ComputeTimer:
             return None
         if args:
             return (_Mark.apply(args[0], self, start, "stop"), *args[1:]), kwargs
-        kwargs = dict(kwargs, input_=_Mark.apply(kwargs["input_"], self, start, "stop"))
-        return args, kwargs
+        name = "hidden_states" if "hidden_states" in kwargs else "input_"
+        return args, dict(kwargs, **{name: _Mark.apply(kwargs[name], self, start, "stop")})
 
     def _exit(self, module, args, output, start="start"):
         if not (module.training and torch.is_grad_enabled()):

@@ -4,6 +4,7 @@ collective waits left out (no process group, no model, no real sleeping)."""
 from __future__ import annotations
 
 import importlib
+import time
 import types
 
 import pytest
@@ -296,8 +297,7 @@ def test_unhook_stops_timing_the_layers_and_keeps_collectives_wrapped():
     """What a benchmark of the timer's own cost toggles: hooks off (nothing is timed) while
     the wall clock's collective patch stays; rehook times the layers again."""
     layer = torch.nn.Module()
-    layer.self_attention, layer.mlp = torch.nn.Module(), torch.nn.Module()
-    layer.self_attention.linear_qkv = torch.nn.Linear(4, 4)
+    layer.self_attention, layer.mlp = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[layer]))
     original = dist.all_reduce
     timer = ComputeTimer(model, "wall")
@@ -306,7 +306,7 @@ def test_unhook_stops_timing_the_layers_and_keeps_collectives_wrapped():
 
         def timed() -> float:
             timer.reset()
-            layer.self_attention.linear_qkv(x).sum().backward()
+            layer.self_attention(x).sum().backward()
             return timer.read()
 
         assert timed() > 0.0
@@ -357,3 +357,56 @@ def test_a_regions_delay_comes_before_the_collective_inside_it(clock, collective
     assert len(clock.slept) == 4
     timer.remove()
     assert timing._PATCH is None
+
+
+def _burn(seconds: float) -> None:
+    """Compute (thread CPU time) for `seconds`."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class _Burn(torch.autograd.Function):
+    """Identity that computes for `seconds` in the forward and again in the backward: the
+    work a block does between its linears (an activation, a rotary embedding)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        _burn(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _burn(ctx.seconds)
+        return grad, None
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear_fc1, self.linear_fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, hidden_states, padding_mask=None):
+        hidden = _Burn.apply(self.linear_fc1(hidden_states), 0.02)  # the activation
+        return self.linear_fc2(hidden), None
+
+
+def test_the_work_between_a_blocks_linears_is_timed():
+    """The MLP's activation and attention's rotary embedding run between the sharded linears
+    and scale with the units a rank holds, so the timed region is the whole block (forward
+    and backward): timed per linear, the fast rank that took a straggler's units spent time
+    the planner did not see, and the slow rank's share of that work was not slowed."""
+    layer = torch.nn.Module()
+    layer.self_attention, layer.mlp = torch.nn.Linear(4, 4), _MLP()
+    model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[layer]))
+    timer = ComputeTimer(model)
+    try:
+        timer.reset()
+        out, _ = layer.mlp(torch.randn(2, 4, requires_grad=True), padding_mask=None)
+        assert 0.02 <= timer.read() < 0.035  # the forward's activation
+        out.sum().backward()
+        assert 0.04 <= timer.read() < 0.07  # and its backward
+        assert timer.read_attention() == 0.0
+    finally:
+        timer.remove()
