@@ -102,9 +102,10 @@ class HetTPConfig:
     window, so the default 3 acts on the second slow (or normal) step in a row."""
 
     timer: str = _flag("cpu", choices=("cpu", "wall"))
-    """CPU runs: time the sharded GEMMs by thread CPU time (blind to waits and to time-sharing)
-    or by wall time minus TP collective waits (sees real contention; no more ranks than
-    cores). GPUs use CUDA events."""
+    """CPU runs: time the work the rank's units carry (each layer's attention and MLP blocks)
+    by thread CPU time (blind to waits and to time-sharing) or by wall time minus TP
+    collective waits (sees real contention; no more ranks than cores). GPUs use CUDA
+    events."""
 
     pipeline_moves: str = _flag("both", choices=("units", "layers", "both"))
     """With pipeline stages, what a migrating policy may move: TP units inside a stage (a slow
@@ -119,7 +120,7 @@ class HetTPConfig:
     is slowed) or mode=device (all of its compute, as a slow GPU)."""
 
     emulate_dilation: float = _flag(1.0, metavar="D")
-    """CPU runs with more ranks than cores: stretch every sharded GEMM to D x its CPU time (x
+    """CPU runs with more ranks than cores: stretch every timed block to D x its CPU time (x
     its emulated slowdown) by sleeping, so ranks no longer take turns on a core and each
     behaves as if it had its own device. D must exceed ranks per core; needs --het-tp-timer
     cpu."""
