@@ -16,9 +16,9 @@ cannot help). Any of them takes
 `mode=sharded` (the default) or `mode=device`. A slowed rank waits (factor - 1) x the compute
 it just did (megatron/hetero/timing.py), so its injected delay shrinks when its work does, as
 a slow GPU's would: in `sharded` mode after each region of the work its units carry (the
-attention and MLP blocks and the optimizer step: what het-TP can move), in `device` mode before each
-collective and at the end of the step, for all the compute since the last one (the embedding,
-norms and loss too, as a slow GPU is slow at everything). Iterations count from 1.
+attention and MLP blocks and the optimizer step: what het-TP can move), in `device` mode
+before each collective and at the end of the step, for all the compute since the last one (the
+embedding, norms and loss too, as a slow GPU is slow at everything). Iterations count from 1.
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ every rank wait for the slowest, so wall times look equal. Identity autograd fun
 block's input and output, so the timer runs from entry to exit in the forward and from exit to
 entry in the backward, the block's collectives' waits left out. That time scales with the units
 a rank computes (hettp/costfit.py says how closely). Timed per linear instead, the activation and
-the rotary embedding were left out: the fast rank that took a
-straggler's units spent time the planner did not see, and an emulated straggler's share of it
-was not slowed.
+the rotary embedding were left out: the fast rank that took a straggler's units spent time the
+planner did not see, and an emulated straggler's share of it was not slowed.
 
 On CPU the timer reads the thread's CPU time by default: waiting in a gloo collective costs
 none, and time-sharing a core with other ranks does not inflate it, but neither does real
