@@ -401,8 +401,8 @@ class ComputeTimer:
             return None
         if args:
             return (_Mark.apply(args[0], self, start, "stop"), *args[1:]), kwargs
-        name = "hidden_states" if "hidden_states" in kwargs else "input_"
-        return args, dict(kwargs, **{name: _Mark.apply(kwargs[name], self, start, "stop")})
+        marked = _Mark.apply(kwargs["hidden_states"], self, start, "stop")
+        return args, dict(kwargs, hidden_states=marked)
 
     def _exit(self, module, args, output, start="start"):
         if not (module.training and torch.is_grad_enabled()):
