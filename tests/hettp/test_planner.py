@@ -9,7 +9,7 @@ import pytest
 
 from hettp.detect import DetectError, StragglerDetector
 from hettp.loop import ControlLoop, TimingReport, step_model
-from hettp.plan import PartitionPlan
+from hettp.plan import HeadUnits, PartitionPlan
 from hettp.planner import (
     Measured,
     Planner,
@@ -17,6 +17,7 @@ from hettp.planner import (
     _counts,
     balanced_target,
     balancing_shares,
+    measured_mlp_split,
     mlp_chunk,
     plan_work,
     proportional_plan,
@@ -847,7 +848,6 @@ def test_a_split_the_model_calls_balanced_is_rebalanced_by_the_mlp_s_measured_ra
     by the measured rates (through the origin, short of balance), the MLP goes 1104 : 240;
     attention stays as it is."""
     from hettp.detect import Detection
-    from hettp.planner import measured_mlp_split
 
     work = {"attn": 494586.0, "mlp": 1536.0}
     plan = PartitionPlan.from_counts(2, 4, 2, 1344, (2, 0), (1064, 280), 1)
@@ -883,3 +883,81 @@ def test_a_split_the_model_calls_balanced_is_rebalanced_by_the_mlp_s_measured_ra
     assert Planner("migrate", work).decide(13, calm, flat, even, (0.0, 0.0), noisy) is None
     # without attention's seconds there is nothing to split by
     assert measured_mlp_split(plan, Measured(0.35, (0.236, 0.197), (0.047, 0.046))) is None
+
+
+def test_query_groups_are_dealt_by_the_attention_seconds_measured():
+    """Generalize seed 15019 (MHA, 8 groups, 4 layers, rank 0 at 2.8x): the first move left
+    rank 0 two groups a layer, and its attention blocks took 0.136 s a step against rank 1's
+    0.109 for six. Fitted over the two ranks, the per-call part is 4.5 ms a layer and a group
+    3.8 ms, so one group on rank 0 (0.093 s) and seven on rank 1 (0.124 s) shortens every
+    layer; the model, on the probe's lower per-call price, kept two."""
+    from hettp.detect import Detection
+    from hettp.planner import measured_attention_split
+
+    plan = PartitionPlan.from_counts(2, 4, 8, 1344, (2, 6), (344, 1000), 1)
+    seen = Measured(0.461, (0.36, 0.299), (0.075, 0.06), (0.136, 0.109))
+    split = measured_attention_split(plan, seen, (2.81, 1.0))
+    assert [split.plan.counts(i, "attn") for i in range(4)] == [(1, 7)] * 4
+    assert split.plan.counts(2, "mlp") == (344, 1000)  # the MLP as it was
+    assert split.predicted == pytest.approx((0.0934, 0.1242), abs=5e-4)
+    assert split.gain == pytest.approx(0.136 - 0.1242, abs=5e-4)
+    # the rank holding fewer groups reads the per-call part: without one, the same seconds
+    # are proportional to the groups, and two stay (2.81 x 2 : 6 balances best)
+    flat = Measured(0.461, (0.36, 0.299), (0.075, 0.06), (2.81 * 0.034, 0.102))
+    assert measured_attention_split(plan, flat, (2.81, 1.0)) is None
+    # what cannot be fitted: an even split, one rank holding every group, head units
+    even = PartitionPlan.from_counts(2, 4, 8, 1344, (4, 4), (672, 672), 1)
+    assert measured_attention_split(even, seen, (2.81, 1.0)) is None
+    alone = PartitionPlan.from_counts(2, 4, 8, 1344, (0, 8), (344, 1000), 1)
+    assert measured_attention_split(alone, seen, (2.81, 1.0)) is None
+    heads = PartitionPlan.from_counts(2, 4, 8, 1344, (2, 6), (344, 1000), 1, HeadUnits(1, 4, 2))
+    assert measured_attention_split(heads, seen, (2.81, 1.0)) is None
+    # ... and ranks whose groups a layer are too close to part the per-call cost from a
+    # group's (ATTENTION_FIT_SPREAD): the 3x rank holding none, the others 6, 5 and 5
+    bunched = PartitionPlan.from_counts(4, 4, 16, 1344, (6, 0, 5, 5), (400, 144, 400, 400), 1)
+    four = Measured(0.4, (0.3,) * 4, (0.05,) * 4, (0.064, 0.0, 0.055, 0.056))
+    assert measured_attention_split(bunched, four, (1.0, 3.0, 1.0, 1.0)) is None
+    # from 5 : 1 : 5 : 5 it may take the slow rank's group, whose per-call part is large
+    spread = PartitionPlan.from_counts(4, 4, 16, 1344, (5, 1, 5, 5), (400, 144, 400, 400), 1)
+    slow = Measured(0.4, (0.3,) * 4, (0.05,) * 4, (0.056, 0.07, 0.055, 0.056))
+    taken = measured_attention_split(spread, slow, (1.0, 3.0, 1.0, 1.0))
+    assert taken.plan.counts(0, "attn")[1] == 0
+    # the planner moves both blocks at once where its model sees its own split balanced
+    work = {"attn": 183734.0, "mlp": 1536.0, "call": 112947.0}
+    steady = Detection((2.81, 1.0), frozenset({0}), False, frozenset(), frozenset())
+    model = StepModel(rest=0.09, factors=(2.81, 1.0), slope=2.3e-8, apart=0.04)
+    planner = Planner("migrate", work)
+    assert planner._target(plan, model).counts(0, "attn") == (2, 6)
+    decision = planner.decide(15, steady, model, plan, (0.0, 0.0), seen)
+    assert decision.plan.counts(1, "attn") == (1, 7)
+    assert decision.plan.counts(1, "mlp") == measured_mlp_split(plan, seen).plan.counts(1, "mlp")
+    assert "the attention blocks took [0.136, 0.109]" in decision.reason
+    gain = split.gain + measured_mlp_split(plan, seen).gain
+    assert decision.predicted_after == pytest.approx(decision.predicted_before - gain)
+
+
+def test_a_measured_gain_under_min_gain_is_made_where_two_reports_in_a_row_see_it():
+    """Between MEASURED_LEAN x min_gain and min_gain of the step, a measured rebalance may be
+    one report's noise: made at the second report in a row that asks for it, not the first,
+    and not where a report in between does not."""
+    from hettp.detect import Detection
+    from hettp.planner import MEASURED_LEAN, REBALANCE_REPORTS
+
+    assert REBALANCE_REPORTS == 2
+    work = {"attn": 183734.0, "mlp": 1536.0, "call": 112947.0}
+    plan = PartitionPlan.from_counts(2, 4, 8, 1344, (1, 7), (312, 1032), 1)
+    steady = Detection((2.8, 1.0), frozenset({0}), False, frozenset(), frozenset())
+    model = StepModel(rest=0.09, factors=(2.8, 1.0), slope=2.3e-8, apart=0.04)
+    # rank 1's MLP 0.162 s against rank 0's 0.127: splitting by the rates gains 2% of 0.43
+    leaning = Measured(0.43, (0.32, 0.345), (0.064, 0.06), (0.129, 0.123))
+    level = Measured(0.43, (0.32, 0.311), (0.064, 0.06), (0.129, 0.123))  # MLP 0.127 : 0.128
+    gain = measured_mlp_split(plan, leaning).gain
+    assert MEASURED_LEAN * 0.03 * 0.43 < gain < 0.03 * 0.43
+    planner = Planner("migrate", work)
+    assert planner.decide(19, steady, model, plan, (0.0, 0.0), leaning) is None
+    assert planner.decide(23, steady, model, plan, (0.0, 0.0), level) is None
+    assert planner.decide(27, steady, model, plan, (0.0, 0.0), leaning) is None
+    decision = planner.decide(31, steady, model, plan, (0.0, 0.0), leaning)
+    assert decision is not None
+    assert decision.reason.startswith("rebalance (measured) at 2 reports in a row")
+    assert decision.plan == measured_mlp_split(plan, leaning).plan
