@@ -393,11 +393,11 @@ REBALANCE_REPORTS = 2
 MEASURED_LEAN = 0.5
 
 # measured_attention_split fits a per-call and a per-group part to the ranks' attention seconds:
-# only where the groups a rank holds a layer differ this much between two ranks. Closer, the
-# per-call part is the intercept of a line through points bunched far from the origin, and
-# replayed over the reports of a TP=4 run (results/head_units/fair-attention/h512-tp4-3x-rank1,
-# migrate-heads.1), the fit asked at 5 : 1 : 5 : 5 groups to leave the 3x rank none, and at
-# 6 : 0 : 5 : 5, read from the fast ranks' 6 and 5 alone, to give it one back.
+# only where the groups a rank holds a layer differ by this ratio between two ranks. The
+# per-call part is the intercept of a line through two points at n and k x n groups, which
+# carries each point's noise times k / (k - 1) and 1 / (k - 1): at 1.5x, 3 and 2 (a 2% jitter
+# in a rank's seconds, the 95th percentile between reports, moves it by 7% of them); at 6 : 5
+# groups, 6 and 5.
 ATTENTION_FIT_SPREAD = 1.5
 
 # Reports of a plan's measured step that the planner keeps while a straggle lasts (their median
@@ -965,12 +965,16 @@ def _largest_fitting(place, memory: MemoryCap, low: float, high: float) -> _Fit 
     return _Fit(low, high, best)
 
 
-def _with_attention(plan: PartitionPlan, attention: PartitionPlan) -> PartitionPlan:
-    """`plan` with `attention`'s attention units in every layer (both of one model)."""
+def _with_block(plan: PartitionPlan, other: PartitionPlan, block: str) -> PartitionPlan:
+    """`plan` with `other`'s units of `block` in every layer (both of one model)."""
     layers = tuple(
-        {**mine, "attn": theirs["attn"]} for mine, theirs in zip(plan.layers, attention.layers)
+        {**mine, block: theirs[block]} for mine, theirs in zip(plan.layers, other.layers)
     )
     return dataclasses.replace(plan, layers=layers)
+
+
+def _with_attention(plan: PartitionPlan, attention: PartitionPlan) -> PartitionPlan:
+    return _with_block(plan, attention, "attn")
 
 
 def _balanced(
@@ -1027,11 +1031,7 @@ class MeasuredSplit:
 
     def applied(self, plan: PartitionPlan) -> PartitionPlan:
         """`plan` with this split's units of its block (both plans of one model)."""
-        layers = tuple(
-            {**mine, self.block: theirs[self.block]}
-            for mine, theirs in zip(plan.layers, self.plan.layers)
-        )
-        return dataclasses.replace(plan, layers=layers)
+        return _with_block(plan, self.plan, self.block)
 
     def describe(self) -> str:
         name = "attention" if self.block == "attn" else "MLP"
