@@ -392,9 +392,9 @@ REBALANCE_REPORTS = 2
 # only where the split is off (results/measured-attention/).
 MEASURED_LEAN = 0.5
 
-# measured_attention_split fits a per-call and a per-group part to the ranks' attention seconds:
-# only where the groups a rank holds a layer differ by this ratio between two ranks. The
-# per-call part is the intercept of a line through two points at n and k x n groups, which
+# measured_attention_split fits a per-call and a per-unit part to the ranks' attention seconds:
+# only where the units a rank holds a layer differ by this ratio between two ranks. The
+# per-call part is the intercept of a line through two points at n and k x n units, which
 # carries each point's noise times k / (k - 1) and 1 / (k - 1): at 1.5x, 3 and 2 (a 2% jitter
 # in a rank's seconds, the 95th percentile between reports, moves it by 7% of them); at 6 : 5
 # groups, 6 and 5.
@@ -632,7 +632,12 @@ class Planner:
             split
             for split in (
                 measured_mlp_split(plan, seen),
-                measured_attention_split(plan, seen, model.factors),
+                measured_attention_split(
+                    plan,
+                    seen,
+                    model.factors,
+                    self.unit_work.get("kv", 0.0) / self.unit_work["attn"],
+                ),
             )
             if split is not None
         ]
@@ -1062,25 +1067,37 @@ def measured_mlp_split(plan: PartitionPlan, seen: Measured) -> MeasuredSplit | N
 
 
 def measured_attention_split(
-    plan: PartitionPlan, seen: Measured, factors: Sequence[float]
+    plan: PartitionPlan, seen: Measured, factors: Sequence[float], kv: float = 0.0
 ) -> MeasuredSplit | None:
-    """`plan` with each layer's query groups dealt by what the report measured, the MLP as
-    it is; None where the report cannot tell a group's cost from the call's. A rank's
+    """`plan` with each layer's attention units dealt by what the report measured, the MLP as
+    it is; None where the report cannot tell a unit's cost from the call's. A rank's
     attention seconds are taken as its slowdown (`factors`, the step model's) times a per-call
-    part, paid in each layer where it holds a group, plus a part per group held; the two are
-    fitted (least squares) over the ranks holding groups, so they need two ranks whose
-    groups a layer differ by ATTENTION_FIT_SPREAD (not at an even split). Groups are then dealt
-    one by one, in each layer, to the rank that would finish first, and the layer's split
-    changes only where that shortens its slowest rank. Whole groups are coarse: one group
-    more or less is a large share of a rank's attention, and the probe's per-call price,
-    against what a run pays, decides which count is the shorter (results/notes.md). Head
-    units (K/V replicas) are left to the model: None."""
+    part, paid in each layer where it holds a unit, plus a part per unit held; the two are
+    fitted (least squares) over the ranks holding units, so they need two ranks whose units
+    a layer differ by ATTENTION_FIT_SPREAD (not at an even split). Units are then dealt one by
+    one, in each layer, to the rank that would finish first, and the layer's split changes
+    only where that shortens its slowest rank. Whole groups are coarse: one group more or less
+    is a large share of a rank's attention, and the probe's per-call price, against what a
+    run pays, decides which count is the shorter (results/notes.md).
+
+    Head units: a rank's units count each K/V replica it computes at `kv` head units (the
+    step model's ratio: a replica's GEMM rows against a head's), in the fit and in the deal.
+    Two seconds cannot part three costs; the model's ratio parts the replicas' from the
+    heads', and the deal takes a rank's heads from as few groups as they fill."""
     attention, n = seen.attention, plan.tp_size
-    if plan.heads is not None or len(attention) != n or len(factors) != n:
+    if len(attention) != n or len(factors) != n:
         return None
-    layers = [plan.counts(i, "attn") for i in range(plan.num_layers)]
-    held = [sum(c[r] for c in layers) for r in range(n)]
-    calls = [sum(1 for c in layers if c[r]) for r in range(n)]
+    heads = plan.heads
+    kv = kv if heads is not None else 0.0
+
+    def units(p: PartitionPlan, layer: int, rank: int) -> float:
+        """Attention units at `rank` in `layer`, a K/V replica counted at `kv`."""
+        held = p.units(layer, "attn", rank)
+        return len(held) + (kv * len(heads.groups_of(held)) if kv and held else 0.0)
+
+    layers = range(plan.num_layers)
+    held = [sum(units(plan, i, r) for i in layers) for r in range(n)]
+    calls = [sum(1 for i in layers if plan.units(i, "attn", r)) for r in range(n)]
     rows = [(calls[r], held[r], attention[r] / factors[r]) for r in range(n) if held[r]]
     per_call = [h / c for c, h, _ in rows]
     if not rows or max(per_call) < ATTENTION_FIT_SPREAD * min(per_call):
@@ -1099,29 +1116,39 @@ def measured_attention_split(
     if unit <= 0:
         return None
 
-    def seconds(r, units):
-        return factors[r] * (call * (units > 0) + unit * units)
+    def seconds(r: int, work: float) -> float:
+        return factors[r] * (call * (work > 0) + unit * work)
 
-    changes, gain = {}, 0.0
-    for index, current in enumerate(layers):
+    def dealt(count: int) -> float:  # `count` units, with the fewest replicas they bring
+        return _with_replicas(count, heads.units_per_group, kv) if kv else count
+
+    dealing = {}
+    for index in layers:
+        current = plan.counts(index, "attn")
         counts = [0] * n
         for _ in range(sum(current)):  # a tie goes to a rank below its current count
             rank = min(
                 range(n),
-                key=lambda r: (round(seconds(r, counts[r] + 1), 12), counts[r] >= current[r], r),
+                key=lambda r: (
+                    round(seconds(r, dealt(counts[r] + 1)), 12),
+                    counts[r] >= current[r],
+                    r,
+                ),
             )
             counts[rank] += 1
-        now = max(seconds(r, c) for r, c in enumerate(current))
-        then = max(seconds(r, c) for r, c in enumerate(counts))
+        if tuple(counts) != current:
+            dealing[index] = {"attn": counts}
+    candidate = plan.recounted(dealing)  # the heads each rank then holds: its replicas
+    changes, gain = {}, 0.0
+    for index in dealing:
+        now = max(seconds(r, units(plan, index, r)) for r in range(n))
+        then = max(seconds(r, units(candidate, index, r)) for r in range(n))
         if then < now - 1e-12:
-            changes[index], gain = {"attn": counts}, gain + now - then
+            changes[index], gain = dealing[index], gain + now - then
     if not changes:
         return None
     target = plan.recounted(changes)
-    predicted = tuple(
-        sum(seconds(r, target.counts(i, "attn")[r]) for i in range(plan.num_layers))
-        for r in range(n)
-    )
+    predicted = tuple(sum(seconds(r, units(target, i, r)) for i in layers) for r in range(n))
     return MeasuredSplit(target, "attn", tuple(attention), predicted, gain)
 
 

@@ -905,13 +905,11 @@ def test_query_groups_are_dealt_by_the_attention_seconds_measured():
     # are proportional to the groups, and two stay (2.81 x 2 : 6 balances best)
     flat = Measured(0.461, (0.36, 0.299), (0.075, 0.06), (2.81 * 0.034, 0.102))
     assert measured_attention_split(plan, flat, (2.81, 1.0)) is None
-    # what cannot be fitted: an even split, one rank holding every group, head units
+    # what cannot be fitted: an even split, one rank holding every group
     even = PartitionPlan.from_counts(2, 4, 8, 1344, (4, 4), (672, 672), 1)
     assert measured_attention_split(even, seen, (2.81, 1.0)) is None
     alone = PartitionPlan.from_counts(2, 4, 8, 1344, (0, 8), (344, 1000), 1)
     assert measured_attention_split(alone, seen, (2.81, 1.0)) is None
-    heads = PartitionPlan.from_counts(2, 4, 8, 1344, (2, 6), (344, 1000), 1, HeadUnits(1, 4, 2))
-    assert measured_attention_split(heads, seen, (2.81, 1.0)) is None
     # ... and ranks whose groups a layer are too close to part the per-call cost from a
     # group's (ATTENTION_FIT_SPREAD): the 3x rank holding none, the others 6, 5 and 5
     bunched = PartitionPlan.from_counts(4, 4, 16, 1344, (6, 0, 5, 5), (400, 144, 400, 400), 1)
@@ -934,6 +932,56 @@ def test_query_groups_are_dealt_by_the_attention_seconds_measured():
     assert "the attention blocks took [0.136, 0.109]" in decision.reason
     gain = split.gain + measured_mlp_split(plan, seen).gain
     assert decision.predicted_after == pytest.approx(decision.predicted_before - gain)
+
+
+def test_head_units_are_dealt_by_the_attention_seconds_measured_with_their_replicas():
+    """results/block-timing/h512-tp4-3x-rank1, hybrid-heads round 1 (TP=4, 4 groups of 4
+    heads, rank 1 at 3.2x): the first move gave the slow rank's group whole to rank 0, whose
+    attention then took 0.133 s a step against 0.077-0.081 for ranks 2 and 3. Dealt by the
+    measured seconds, rank 0 keeps 6 heads (two groups' K/V) and ranks 2 and 3 take one each,
+    with a replica each of the group they join: the model's own rebalance made that move four
+    steps later, and the run measured its attention at 0.105, 0.100 and 0.098 s."""
+    from hettp.detect import Detection
+    from hettp.planner import measured_attention_split
+
+    kv = 32768 / 87218.98  # the run's priced unit_work: a K/V replica in head units
+    plan = PartitionPlan.from_counts(
+        4, 2, 16, 1408, (8, 0, 4, 4), (424, 136, 424, 424), 1, HeadUnits(1, 4, 4)
+    )
+    seen = Measured(
+        0.419,
+        (0.294, 0.246, 0.228, 0.236),
+        (0.048, 0.057, 0.042, 0.042),
+        (0.133, 0.044, 0.077, 0.081),
+    )
+    factors = (1.0, 3.19, 1.0, 1.01)
+    split = measured_attention_split(plan, seen, factors, kv)
+    assert [split.plan.counts(i, "attn") for i in range(2)] == [(6, 0, 5, 5)] * 2
+    assert [len(plan.heads.groups_of(split.plan.units(0, "attn", r))) for r in range(4)] == [
+        2,
+        0,
+        2,
+        2,
+    ]
+    later = (0.105, 0.0, 0.100, 0.098)  # what the run measured at that split
+    for rank in (0, 2, 3):
+        assert split.predicted[rank] == pytest.approx(later[rank], rel=0.05)
+    # counted without their replicas, ranks 2 and 3 would be read 7-8% short of that
+    bare = measured_attention_split(plan, seen, factors)
+    assert bare.predicted[2] < 0.93 * later[2]
+    # the planner takes it with the MLP's measured split, the replicas' weight from its
+    # own unit_work, where its model sees nothing to gain
+    work = {"attn": 87218.98, "mlp": 1536.0, "kv": 32768.0, "call": 67725.78}
+    steady = Detection(factors, frozenset({1}), False, frozenset(), frozenset())
+    model = StepModel(rest=0.12, factors=factors, slope=2e-8, apart=0.04)
+    planner = Planner("migrate", work)
+    assert planner._target(plan, model) == plan
+    decision = planner.decide(10, steady, model, plan, (0.0,) * 4, seen)
+    assert decision.plan.counts(1, "attn") == (6, 0, 5, 5)
+    assert decision.plan.counts(1, "mlp") == measured_mlp_split(plan, seen).plan.counts(1, "mlp")
+    assert decision.predicted_after == pytest.approx(
+        decision.predicted_before - split.gain - measured_mlp_split(plan, seen).gain
+    )
 
 
 def test_a_measured_gain_under_min_gain_is_made_where_two_reports_in_a_row_see_it():
