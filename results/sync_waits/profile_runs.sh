@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two profiled runs of README "Small imbalances that persist, and where the TP=2 gap goes":
+# The two profiled runs of docs/measurements.md "Small imbalances that persist, and where the TP=2 gap goes":
 # the head-units benchmark's model at TP=2, rank 1 emulated 2.5x slower, 16 iterations, steps
 # 12-14 profiled on both ranks; migrate with head units, and the even split (policy none).
 # Then: python scripts/sync_waits.py /tmp/prof_migrate (and /tmp/prof_none).

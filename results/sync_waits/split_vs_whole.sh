@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README "A split group's cost, measured": the head-units benchmark's model at TP=2, rank 0
+# docs/measurements.md, "What a split group costs on the slow rank": the head-units benchmark's model at TP=2, rank 0
 # emulated 3.5x slower, two fixed plans with the same MLP split (312 : 1096 neurons a layer):
 # rank 0 holding one query head of group 0 with its K/V replica (head units, `split`), and
 # rank 0 holding no attention (group units, `whole`). 16 iterations, steps 12-14 profiled.
