@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .costfit import theil_sen
 from .plan import PartitionPlan
-from .planner import block_works
+from .step_model import block_works
 
 # A rank is read as unslowed below this slowdown: a straggler's seconds over its factor carry the
 # factor's error, in proportion to all it computes.

@@ -177,7 +177,7 @@ class ComputeFit:
 class BlockSample:
     """One rank's step, split by block kind: seconds in the attention modules and in the MLP
     ones, and the work each held (attention's GEMMs by their parameters, its core attention
-    by its FLOPs in the same terms, hettp.planner.core_attention_work)."""
+    by its FLOPs in the same terms, hettp.step_model.core_attention_work)."""
 
     attention_s: float
     mlp_s: float

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from . import rebatch
 from .memory import MemoryCap
 from .plan import PartitionPlan
-from .planner import StepModel, balanced_target, balancing_shares, plan_work
+from .planner import balanced_target, balancing_shares
+from .step_model import StepModel, plan_work
 
 # Weight of the drift-plus-penalty's penalty (seconds) against the queue (seconds): 1 trades
 # one second of training against one second of backlog.

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from .anchor import SlowdownAnchor, relative
 from .costfit import ComputeFit
 from .detect import Detection, StragglerDetector
+from .measured import Measured
 from .plan import PartitionPlan
-from .planner import Decision, Measured, Planner, StepModel, plan_work
+from .planner import Decision, Planner
+from .step_model import StepModel, plan_work
 from .transfer import MigrationCost
 
 

@@ -4,288 +4,34 @@ Pure data in, pure data out: a decision is a partition plan plus per-rank resize
 reason, and the predicted step time before and after. The caller (one rank per TP group)
 broadcasts it and every rank applies it at the same step boundary.
 
-Cost model (StepModel): a step takes `rest + max_r factor_r * (fixed + slope * work_r)`, where
-work is the rank's active units weighted by their size, `slope` an unslowed rank's seconds per
-unit of work in the modules its units carry, `fixed` its timed compute that no split changes
-(the optimizer step: hettp/costfit.py), and `rest` (embedding, logits, norms, collectives)
-does not depend on the partition. A migration
-costs its predicted transfer time; a resize costs accuracy in proportion to the resized share,
-and nothing in time. The MLP counts a migration plans are multiples of MLP_ALIGN neurons where
-the ffn size allows (mlp_chunk); resized ranks' active widths are not aligned.
+A migration's target is the plan the step model (hettp/step_model.py) balances, dealt by
+hettp/dealing.py; it costs its predicted transfer time. Where the model sees nothing to gain,
+the blocks are split by what the report measured (hettp/measured.py). A resize costs accuracy
+in proportion to the resized share, and nothing in time; resized ranks' active widths are not
+aligned.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .dealing import grouped_plan, proportional_plan, with_block
 from .detect import Detection
+from .measured import (
+    Measured,
+    measured_against,
+    measured_attention_split,
+    measured_mlp_split,
+)
 from .memory import MemoryCap, water_filled
-from .plan import BLOCKS, PartitionPlan
+from .plan import PartitionPlan
 from .policy import policy as get_policy
-from .resize import check_shares, skipped_count
-
-
-@dataclass(frozen=True)
-class StepModel:
-    """A step takes `rest + max_r factor_r * (fixed + slope * work_r) + max_r factor_r *
-    apart`: `slope * work` is an unslowed rank's time in the work its units carry, `fixed`
-    its per-call costs in the blocks that no split changes, `apart` what it computes after
-    the blocks whatever its units (the optimizer's per-tensor work), `factor_r` the rank's
-    slowdown. Every block ends in a TP collective, so the ranks wait for each other before
-    the optimizer: a slow rank's optimizer time is not made up for by giving it fewer units
-    in the blocks, and only the blocks' part is balanced."""
-
-    rest: float
-    factors: tuple[float, ...]
-    slope: float
-    fixed: float = 0.0
-    apart: float = 0.0
-
-    def rank_time(self, rank: int, work: float) -> float:
-        """The rank's time in the blocks."""
-        return self.factors[rank] * (self.fixed + self.slope * work)
-
-    def rank_compute(self, rank: int, work: float) -> float:
-        """All of the rank's timed compute: its blocks and what it computes after them (the
-        cost fit's line at `work`, times its slowdown)."""
-        return self.rank_time(rank, work) + self.factors[rank] * self.apart
-
-    def step_time(self, work: Sequence[float]) -> float:
-        blocks = max(self.rank_time(r, w) for r, w in enumerate(work))
-        return self.rest + blocks + max(self.factors) * self.apart
-
-    def blocks_time(self, blocks: Sequence[Sequence[float]]) -> float:
-        """The step where each block waits for its slowest rank (`blocks`: per block, each
-        rank's work; hettp.planner.block_works), the per-call part spread evenly over them.
-        What the blocks of a plan that balances every block take is step_time's; a plan that
-        evens out a rank's totals across blocks (more MLP where it holds less attention) is
-        not balanced in any block, and only this sees it."""
-        if not blocks:
-            return self.step_time((0.0,) * len(self.factors))
-        per = self.fixed / len(blocks)
-        slowest = sum(
-            max(f * (per + self.slope * w) for f, w in zip(self.factors, works)) for works in blocks
-        )
-        return self.rest + slowest + max(self.factors) * self.apart
-
-    def balanced_work(self, total: float) -> list[float]:
-        """Per-rank work that makes every rank finish together; a rank too slow to finish its
-        fixed part in that time gets none."""
-        ranks = list(range(len(self.factors)))
-        while True:
-            speed = sum(1.0 / self.factors[r] for r in ranks)
-            finish = (self.slope * total + len(ranks) * self.fixed) / speed
-            work = [0.0] * len(self.factors)
-            for r in ranks:
-                work[r] = (finish / self.factors[r] - self.fixed) / self.slope
-            idle = [r for r in ranks if work[r] < 0]
-            if not idle:
-                return work
-            ranks = [r for r in ranks if r not in idle]
-
-
-def core_attention_work(query_heads: int, seq_length: int, head_dim: int) -> int:
-    """Core attention over `query_heads` heads in a linear's parameters' terms (two FLOPs a
-    parameter a token): QK^T and AV take 4 x seq_length x head_dim FLOPs a token a head, all
-    of them where the scores are computed in full, as megatron-core's local attention does.
-    An attention unit weighed by its parameters alone looked about seq_length / hidden
-    lighter than it computes, so a slow rank was given too many query heads."""
-    return 2 * query_heads * seq_length * head_dim
-
-
-def block_works(
-    plan: PartitionPlan, unit_work: Mapping[str, float], shares: Sequence[float] | None = None
-) -> list[tuple[float, ...]]:
-    """Per layer and block, in the order a step computes them, each rank's work in its active
-    units. Every block ends in a TP collective, so each waits for its slowest rank. With key
-    "call", attention's per-call part on each rank computing any attention unit
-    (hettp.attention_probe)."""
-    shares = shares or (0.0,) * plan.tp_size
-    kv = unit_work.get("kv", 0.0) if plan.heads is not None else 0.0
-    call = unit_work.get("call", 0.0)
-    out = []
-    for layer in plan.layers:
-        for block in BLOCKS:
-            active = [
-                len(units) - skipped_count(len(units), shares[rank])
-                for rank, units in enumerate(layer[block])
-            ]
-            work = [n * unit_work[block] for n in active]
-            if block == "attn" and kv:  # head units: each group a rank holds a head of, K/V
-                work = [w + kv * len(plan.heads.groups_of(u)) for w, u in zip(work, layer[block])]
-            if block == "attn" and call:
-                work = [w + call * (n > 0) for w, n in zip(work, active)]
-            out.append(tuple(work))
-    return out
-
-
-def plan_work(
-    plan: PartitionPlan, unit_work: Mapping[str, float], shares: Sequence[float] | None = None
-) -> tuple[float, ...]:
-    """Per rank, the work of its active units (every layer and block)."""
-    return tuple(map(sum, zip(*block_works(plan, unit_work, shares))))
-
-
-# GEMM widths that are multiples of 8 run at full speed; unaligned widths cost more per neuron
-# (CPU kernels block by 8 or more, GPU tensor cores want multiples of 8), which would make a rank
-# that took units look slower than it is (results/notes.md). Query groups are whole heads,
-# already wide enough.
-MLP_ALIGN = 8
-
-
-def mlp_chunk(plan: PartitionPlan, align: int = MLP_ALIGN) -> int:
-    """MLP units the planner moves together so that the ffn widths it plans are multiples of
-    `align` neurons; 1 where the units cannot be cut into such chunks, or into at least 4 per
-    rank (coarser, whole layers would go unevenly to few ranks)."""
-    chunk = align // math.gcd(align, plan.mlp_unit_size)
-    if plan.mlp_units % chunk or plan.mlp_units // chunk < 4 * plan.tp_size:
-        return 1
-    return chunk
-
-
-def proportional_plan(
-    plan: PartitionPlan,
-    speeds: Sequence[float],
-    align: int = MLP_ALIGN,
-    kv: float = 0.0,
-    call: float = 0.0,
-) -> PartitionPlan:
-    """Unit counts proportional to `speeds`, moving the fewest units from `plan`.
-
-    Every block ends in a TP collective, so each block of each layer waits for its slowest
-    rank: a block's spare units (its target rounded down leaves them) go one by one to the
-    rank that would finish it first, which makes each block as short as whole units allow
-    (e.g. 4 query groups at speeds 2:1 give 3/1 in every layer: 1.5 units of time, where 3/1
-    and 2/2 in turn would track the 2.67/1.33 target over layers at 1.75 a layer). Among
-    equally fast choices, the rank furthest behind its target over the layers so far.
-    MLP counts are rounded in chunks of `mlp_chunk(plan, align)` units; a layer already
-    within one chunk of its target keeps its counts, aligned or not. Where a layer has at
-    least 4 chunks a rank, every rank keeps one, even a rank too slow to be given any: a
-    rank with no units reads no speed, so neither its recovery nor its next slowdown could
-    be seen (its per-call costs are paid either way, so the chunk costs it little).
-
-    `kv` (head units): a K/V replica's work in attention units. Attention is then dealt unit by
-    unit to whoever would finish first with the replicas its units bring (a rank's units taken
-    from as few groups as they fill): dealt by count, a slow rank given two heads of a group
-    paid that group's K and V too, and ran its attention 25-30% over the fast rank's. `call`:
-    attention's per-call part in attention units, which a rank's first unit brings."""
-    total = sum(speeds)
-    if total <= 0 or any(s < 0 for s in speeds):
-        raise ValueError(f"speeds must be non-negative with a positive sum, got {list(speeds)}")
-    changes: dict[int, dict[str, list[int]]] = {}
-    for block in BLOCKS:
-        chunk = mlp_chunk(plan, align) if block == "mlp" else 1
-        n = plan.num_units(block) // chunk
-        target = [n * s / total for s in speeds]  # in chunks
-        assigned = [0.0] * plan.tp_size
-        finish = None
-        for index in range(plan.num_layers):
-            current = [c / chunk for c in plan.counts(index, block)]
-            floor = 1 if block == "mlp" and n >= 4 * plan.tp_size else 0
-            if (
-                chunk > 1
-                and all(abs(c - t) < 1 for c, t in zip(current, target))
-                and min(current) >= floor
-            ):
-                assigned = [a + c for a, c in zip(assigned, current)]  # below the resolution
-                continue
-            if block == "attn" and kv and plan.heads is not None:
-                if finish is None:  # per rank, when it would finish its first c units
-                    per_group = plan.heads.units_per_group
-                    finish = [
-                        [
-                            _finish(_with_replicas(c, per_group, kv, call), s, total)
-                            for c in range(n + 1)
-                        ]
-                        for s in speeds
-                    ]
-                counts = [0] * plan.tp_size
-                for _ in range(n):
-                    behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
-                    rank = min(
-                        range(plan.tp_size),
-                        key=lambda r: (finish[r][counts[r] + 1], -behind[r], r),
-                    )
-                    counts[rank] += 1
-                assigned = [a + c for a, c in zip(assigned, counts)]
-                changes.setdefault(index, {})[block] = counts
-                continue
-            counts = [max(floor, math.floor(t)) for t in target]  # within one chunk of target
-            while sum(counts) > n:  # the floors' chunks: from whoever would finish last
-                rank = max(
-                    (r for r in range(plan.tp_size) if counts[r] > floor),
-                    key=lambda r: (_finish(counts[r], speeds[r], total), r),
-                )
-                counts[rank] -= 1
-            for _ in range(n - sum(counts)):  # the spare ones: whoever would finish first
-                behind = [(index + 1) * t - a - c for t, a, c in zip(target, assigned, counts)]
-                rank = min(
-                    range(plan.tp_size),
-                    key=lambda r: (_finish(counts[r] + 1, speeds[r], total), -behind[r], r),
-                )
-                counts[rank] += 1
-            assigned = [a + c for a, c in zip(assigned, counts)]
-            changes.setdefault(index, {})[block] = [c * chunk for c in counts]
-    return plan.recounted(changes)
-
-
-def grouped_plan(
-    plan: PartitionPlan, speeds: Sequence[float], proportional: PartitionPlan | None = None
-) -> PartitionPlan:
-    """Head units kept in whole query groups (no K/V replicas): each rank takes the groups
-    dealt one by one to whoever would finish them first at `speeds`, a group staying with the
-    rank holding most of its heads where it fits (few units move); the MLP as `proportional`
-    (proportional_plan's at `speeds`) splits it. Each block ends in a TP collective, so an
-    MLP that made up for attention (more neurons to the rank holding fewer groups) balanced
-    the ranks' totals and neither block: the slow rank waited in attention and the fast one
-    in the MLP."""
-    heads, n = plan.heads, plan.tp_size
-    total = sum(speeds)
-    share = [s / total for s in speeds]
-    fits = [0] * n
-    for _ in range(heads.groups):
-        rank = min(range(n), key=lambda r: ((fits[r] + 1) / max(share[r], 1e-12), r))
-        fits[rank] += 1
-    proportional = proportional or proportional_plan(plan, speeds)
-    layers = []
-    for index, layer in enumerate(plan.layers):
-        room = list(fits)
-        held = [[0] * heads.groups for _ in range(n)]
-        for rank, units in enumerate(layer["attn"]):
-            for unit in units:
-                held[rank][heads.group_of(unit)] += 1
-        owner = {}
-        for _, group, rank in sorted(
-            (-held[r][g], g, r) for r in range(n) for g in range(heads.groups) if held[r][g]
-        ):
-            if group not in owner and room[rank]:
-                owner[group], room[rank] = rank, room[rank] - 1
-        for group in range(heads.groups):
-            if group not in owner:
-                rank = min(
-                    (r for r in range(n) if room[r]),
-                    key=lambda r: ((fits[r] - room[r] + 1) / max(share[r], 1e-12), r),
-                )
-                owner[group], room[rank] = rank, room[rank] - 1
-        attn = []
-        for rank, units in enumerate(layer["attn"]):
-            kept = [u for u in units if owner[heads.group_of(u)] == rank]
-            had = set(kept)
-            gained = [
-                u
-                for u in range(plan.attn_units)
-                if owner[heads.group_of(u)] == rank and u not in had
-            ]
-            attn.append(tuple(kept + gained))
-        mlp = list(proportional.counts(index, "mlp"))
-        layers.append((dict(layer, attn=tuple(attn)), mlp))
-    grouped = dataclasses.replace(plan, layers=tuple(layer for layer, _ in layers))
-    return grouped.recounted({i: {"mlp": mlp} for i, (_, mlp) in enumerate(layers)})
+from .resize import check_shares
+from .step_model import StepModel, block_works, plan_work, unit_counts
 
 
 def balancing_shares(
@@ -316,29 +62,6 @@ def balancing_shares(
         keep = (target / model.factors[rank] - model.fixed) / model.slope - kept[rank]
         shares.append(round(min(cap, 1.0 - keep / movable), 4))
     return tuple(shares)
-
-
-@dataclass(frozen=True)
-class Measured:
-    """What one report measured, that the planner judges plans and moves by."""
-
-    step: float  # wall seconds per step
-    compute: tuple[float, ...] = ()  # per rank, all of its timed compute (empty: not known)
-    fixed: tuple[float, ...] = ()  # per rank, of that, the part no split changes (empty: 0)
-    attention: tuple[float, ...] = ()  # per rank, of the blocks, attention's (empty: unknown)
-
-    @property
-    def blocks(self) -> tuple[float, ...]:
-        """Per rank, seconds per step in the blocks: its timed compute less the fixed part."""
-        fixed = self.fixed or (0.0,) * len(self.compute)
-        return tuple(max(0.0, c - f) for c, f in zip(self.compute, fixed))
-
-    @property
-    def mlp(self) -> tuple[float, ...]:
-        """Per rank, seconds per step in the MLP blocks (empty where attention's are unknown)."""
-        if len(self.attention) != len(self.compute):
-            return ()
-        return tuple(max(0.0, b - a) for b, a in zip(self.blocks, self.attention))
 
 
 @dataclass(frozen=True)
@@ -392,13 +115,6 @@ REBALANCE_REPORTS = 2
 # only where the split is off (results/measured-attention/).
 MEASURED_LEAN = 0.5
 
-# measured_attention_split fits a per-call and a per-unit part to the ranks' attention seconds:
-# only where the units a rank holds a layer differ by this ratio between two ranks. The
-# per-call part is the intercept of a line through two points at n and k x n units, which
-# carries each point's noise times k / (k - 1) and 1 / (k - 1): at 1.5x, 3 and 2 (a 2% jitter
-# in a rank's seconds, the 95th percentile between reports, moves it by 7% of them); at 6 : 5
-# groups, 6 and 5.
-ATTENTION_FIT_SPREAD = 1.5
 
 # Reports of a plan's measured step that the planner keeps while a straggle lasts (their median
 # judges the plan): a rebalance back to a plan measured already must be faster by min_gain in
@@ -475,7 +191,7 @@ class Planner:
             tuple(map(tuple, k)): list(v) for k, v in state.get("measured", ())
         }  # absent before it: nothing measured yet
         plans = (PartitionPlan.from_json(text) for text in state.get("visited", ()))
-        self._visited = {_counts(p): p for p in plans}  # absent before it: none to move back to
+        self._visited = {unit_counts(p): p for p in plans}  # absent before it: none to move back to
         self._reverted = {tuple(map(tuple, k)) for k in state.get("reverted", ())}
 
     def decide(
@@ -496,9 +212,9 @@ class Planner:
         if detection.changed:
             self._measured, self._visited, self._reverted = {}, {}, set()
         if measured is not None and measured.step > 0 and not any(shares):
-            seen = self._measured.setdefault(_counts(plan), [])
+            seen = self._measured.setdefault(unit_counts(plan), [])
             seen[:] = [*seen, measured.step][-MEASURED_REPORTS:]
-            self._visited[_counts(plan)] = plan
+            self._visited[unit_counts(plan)] = plan
         self._work = plan_work(plan, self.unit_work, shares)
         before = model.step_time(self._work)
         leaning = self._leaning
@@ -581,13 +297,13 @@ class Planner:
         than it by REVERT_GAIN (both over REVERT_READINGS reports or more); not to a plan a
         revert left, so that two plans that measure alike are not alternated. The model that
         chose `plan` is then not asked: _measured_faster keeps it from moving there again."""
-        here = self._measured.get(_counts(plan))
+        here = self._measured.get(unit_counts(plan))
         if any(shares) or not here or len(here) < REVERT_READINGS:
             return None
         options = [
             (statistics.median(steps), key)
             for key, steps in self._measured.items()
-            if key != _counts(plan)
+            if key != unit_counts(plan)
             and key in self._visited
             and key not in self._reverted
             and len(steps) >= REVERT_READINGS
@@ -601,7 +317,7 @@ class Planner:
             return None
         if self.memory is not None and not self.memory.fits(target):
             return None
-        self._reverted.add(_counts(plan))
+        self._reverted.add(unit_counts(plan))
         return Decision(
             action,
             target,
@@ -687,7 +403,7 @@ class Planner:
     def _measured_faster(self, target: PartitionPlan, plan: PartitionPlan) -> bool:
         """`target`, where it was measured this straggle, stepped faster than `plan` by
         min_gain (medians of their reports); a plan not measured yet may be."""
-        there, here = self._measured.get(_counts(target)), self._measured.get(_counts(plan))
+        there, here = self._measured.get(unit_counts(target)), self._measured.get(unit_counts(plan))
         if not there or not here:
             return True
         return statistics.median(there) < (1.0 - self.min_gain) * statistics.median(here)
@@ -935,8 +651,8 @@ def capped_target(
         # the MLP as any balanced plan splits it (head units change only how attention is
         # dealt), without dealing attention again at every halving
         split = _largest_fitting(
-            lambda c, a=attention: _with_attention(
-                proportional_plan(plan, water_filled(speeds, [c] * n)), a
+            lambda c, a=attention: with_block(
+                proportional_plan(plan, water_filled(speeds, [c] * n)), a, "attn"
             ),
             memory,
             even,
@@ -968,18 +684,6 @@ def _largest_fitting(place, memory: MemoryCap, low: float, high: float) -> _Fit 
         else:
             high = mid
     return _Fit(low, high, best)
-
-
-def _with_block(plan: PartitionPlan, other: PartitionPlan, block: str) -> PartitionPlan:
-    """`plan` with `other`'s units of `block` in every layer (both of one model)."""
-    layers = tuple(
-        {**mine, block: theirs[block]} for mine, theirs in zip(plan.layers, other.layers)
-    )
-    return dataclasses.replace(plan, layers=layers)
-
-
-def _with_attention(plan: PartitionPlan, attention: PartitionPlan) -> PartitionPlan:
-    return _with_block(plan, attention, "attn")
 
 
 def _balanced(
@@ -1021,191 +725,6 @@ def split_check(
             model.blocks_time(block_works(whole, work))
         )
     return SplitCheck(split, whole, gains)
-
-
-@dataclass(frozen=True)
-class MeasuredSplit:
-    """A plan whose split of one block follows the measured rates, and what it is predicted
-    to save."""
-
-    plan: PartitionPlan
-    block: str  # the block it splits anew ("attn" or "mlp"); the other is as it was
-    measured: tuple[float, ...]  # per rank, that block's seconds a step in the report
-    predicted: tuple[float, ...]  # ... and at the new split, at the rates seen
-    gain: float  # seconds a step the block's slowest layers shorten by
-
-    def applied(self, plan: PartitionPlan) -> PartitionPlan:
-        """`plan` with this split's units of its block (both plans of one model)."""
-        return _with_block(plan, self.plan, self.block)
-
-    def describe(self) -> str:
-        name = "attention" if self.block == "attn" else "MLP"
-        now = ", ".join(f"{t:.3f}" for t in self.measured)
-        then = ", ".join(f"{t:.3f}" for t in self.predicted)
-        return f"the {name} blocks took [{now}] s a step by rank, [{then}] at the rates measured"
-
-
-def measured_mlp_split(plan: PartitionPlan, seen: Measured) -> MeasuredSplit | None:
-    """`plan` with each layer's MLP split in proportion to the ranks' measured MLP speeds (MLP
-    units a second, from `seen`'s MLP block seconds over the units held), attention as it is;
-    None where a rank holds no MLP unit or attention's seconds are unknown. Every MLP block
-    ends in a TP collective, so the slowest rank's MLP seconds are the step's. Read through
-    the origin, a rate charges the per-call part to the units: at the new split the rank that
-    gave units away is read faster than it will run and the one that took them slower, so the
-    move falls short of balance, never past it, and the next report's rates take it further."""
-    mlp = seen.mlp
-    units = {"attn": 0.0, "mlp": 1.0}  # plan_work in MLP units
-    held = plan_work(plan, units)
-    if not mlp or min(held) == 0 or min(mlp) <= 0:
-        return None
-    rates = [t / n for t, n in zip(mlp, held)]  # seconds per MLP unit
-    target = _with_attention(proportional_plan(plan, [1.0 / r for r in rates]), plan)
-    if _counts(target) == _counts(plan):
-        return None
-    predicted = tuple(r * n for r, n in zip(rates, plan_work(target, units)))
-    return MeasuredSplit(target, "mlp", mlp, predicted, max(mlp) - max(predicted))
-
-
-def measured_attention_split(
-    plan: PartitionPlan, seen: Measured, factors: Sequence[float], kv: float = 0.0
-) -> MeasuredSplit | None:
-    """`plan` with each layer's attention units dealt by what the report measured, the MLP as
-    it is; None where the report cannot tell a unit's cost from the call's. A rank's
-    attention seconds are taken as its slowdown (`factors`, the step model's) times a per-call
-    part, paid in each layer where it holds a unit, plus a part per unit held; the two are
-    fitted (least squares) over the ranks holding units, so they need two ranks whose units
-    a layer differ by ATTENTION_FIT_SPREAD (not at an even split). Units are then dealt one by
-    one, in each layer, to the rank that would finish first, and the layer's split changes
-    only where that shortens its slowest rank. Whole groups are coarse: one group more or less
-    is a large share of a rank's attention, and the probe's per-call price, against what a
-    run pays, decides which count is the shorter (results/notes.md).
-
-    Head units: a rank's units count each K/V replica it computes at `kv` head units (the
-    step model's ratio: a replica's GEMM rows against a head's), in the fit and in the deal.
-    Two seconds cannot part three costs; the model's ratio parts the replicas' from the
-    heads', and the deal takes a rank's heads from as few groups as they fill."""
-    attention, n = seen.attention, plan.tp_size
-    if len(attention) != n or len(factors) != n:
-        return None
-    heads = plan.heads
-    kv = kv if heads is not None else 0.0
-
-    def units(p: PartitionPlan, layer: int, rank: int) -> float:
-        """Attention units at `rank` in `layer`, a K/V replica counted at `kv`."""
-        held = p.units(layer, "attn", rank)
-        return len(held) + (kv * len(heads.groups_of(held)) if kv and held else 0.0)
-
-    layers = range(plan.num_layers)
-    held = [sum(units(plan, i, r) for i in layers) for r in range(n)]
-    calls = [sum(1 for i in layers if plan.units(i, "attn", r)) for r in range(n)]
-    rows = [(calls[r], held[r], attention[r] / factors[r]) for r in range(n) if held[r]]
-    per_call = [h / c for c, h, _ in rows]
-    if not rows or max(per_call) < ATTENTION_FIT_SPREAD * min(per_call):
-        return None
-    cc = sum(c * c for c, _, _ in rows)
-    ch = sum(c * h for c, h, _ in rows)
-    hh = sum(h * h for _, h, _ in rows)
-    cy = sum(c * y for c, _, y in rows)
-    hy = sum(h * y for _, h, y in rows)
-    det = cc * hh - ch * ch
-    if det <= 1e-9 * cc * hh:
-        return None
-    call, unit = (cy * hh - hy * ch) / det, (cc * hy - ch * cy) / det
-    if call < 0:  # the ranks' seconds are below any per-call part: read through the origin
-        call, unit = 0.0, hy / hh
-    if unit <= 0:
-        return None
-
-    def seconds(r: int, work: float) -> float:
-        return factors[r] * (call * (work > 0) + unit * work)
-
-    def dealt(count: int) -> float:  # `count` units, with the fewest replicas they bring
-        return _with_replicas(count, heads.units_per_group, kv) if kv else count
-
-    dealing = {}
-    for index in layers:
-        current = plan.counts(index, "attn")
-        counts = [0] * n
-        for _ in range(sum(current)):  # a tie goes to a rank below its current count
-            rank = min(
-                range(n),
-                key=lambda r: (
-                    round(seconds(r, dealt(counts[r] + 1)), 12),
-                    counts[r] >= current[r],
-                    r,
-                ),
-            )
-            counts[rank] += 1
-        if tuple(counts) != current:
-            dealing[index] = {"attn": counts}
-    candidate = plan.recounted(dealing)  # the heads each rank then holds: its replicas
-    changes, gain = {}, 0.0
-    for index in dealing:
-        now = max(seconds(r, units(plan, index, r)) for r in range(n))
-        then = max(seconds(r, units(candidate, index, r)) for r in range(n))
-        if then < now - 1e-12:
-            changes[index], gain = dealing[index], gain + now - then
-    if not changes:
-        return None
-    target = plan.recounted(changes)
-    predicted = tuple(sum(seconds(r, units(target, i, r)) for i in layers) for r in range(n))
-    return MeasuredSplit(target, "attn", tuple(attention), predicted, gain)
-
-
-def measured_against(
-    plan: PartitionPlan, target: PartitionPlan, unit_work: Mapping[str, float], seen: Measured
-) -> str | None:
-    """Why the move from `plan` to `target` lengthens the step whatever the ranks' speeds, or
-    None: `seen` measured every block it changes already at least as long on each rank it
-    gives work to as on each rank it takes work from. Then the slowdowns that asked for it are
-    misread (a hiccup that continuity carried from anchor to anchor, or a fit off at an uneven
-    split, read a 2.3x rank at 4.5x, and the plan moved further from balance:
-    results/notes.md). A rank's time in a block is its measured block compute in proportion
-    to its work there: its slowdown stretches all of its blocks alike, so no reading enters."""
-    if len(seen.blocks) != plan.tp_size:
-        return None
-    old, new = block_works(plan, unit_work), block_works(target, unit_work)
-    totals = [sum(works) for works in zip(*old)]
-    changed = False
-    for before, after in zip(old, new):
-        gains = [r for r in range(plan.tp_size) if after[r] > before[r]]
-        takes = [r for r in range(plan.tp_size) if after[r] < before[r]]
-        if not gains and not takes:
-            continue
-        changed = True
-        time = [seen.blocks[r] * before[r] / totals[r] if totals[r] else 0.0 for r in gains + takes]
-        if not takes or min(time[: len(gains)]) < max(time[len(gains) :]):
-            return None  # a block where the move gives work to a rank measured shorter
-    if not changed:
-        return None
-    return (
-        f"move to {target.summary()} refused: ranks measured at "
-        f"{[round(b, 3) for b in seen.blocks]} s in the blocks; it gives work only to the "
-        "longer ones"
-    )
-
-
-def _counts(plan: PartitionPlan) -> tuple:
-    """Per layer and block, each rank's unit count: what a plan's step time depends on."""
-    return tuple(plan.counts(i, b) for i in range(plan.num_layers) for b in BLOCKS)
-
-
-def groups_filled(units: int, per_group: int) -> int:
-    """The query groups (K/V replicas) `units` head units bring at fewest, `per_group` units a
-    group."""
-    return -(-units // per_group)
-
-
-def _with_replicas(units: int, per_group: int, kv: float, call: float = 0.0) -> float:
-    """Attention work of `units` head units taken from as few query groups as they fill, with
-    the per-call part where there is any."""
-    return units + kv * groups_filled(units, per_group) + (call if units else 0.0)
-
-
-def _finish(units: float, speed: float, total: float) -> float:
-    """When a rank of `speed` (of `total`) finishes `units`, rounded so that ranks of one
-    speed tie exactly."""
-    return math.inf if speed <= 0 else round(units * total / speed, 9)
 
 
 def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .costfit import theil_sen
+from .dealing import groups_filled, mlp_chunk
 from .plan import BLOCKS, HeadUnits, PartitionPlan
-from .planner import StepModel, groups_filled, mlp_chunk
 from .policy import VANILLA
 from .stages import split_text
+from .step_model import StepModel
 
 # Plain megatron-core, launched with no het-TP flag beyond the scenario's emulation: the speed
 # every policy is compared with. VANILLA ("none", the same layers, timed) gives C and the real
@@ -185,7 +186,7 @@ def unit_pieces(
     plan_json: str, unit_work: dict[str, float], heads: HeadUnits | None = None
 ) -> dict[str, BlockPieces]:
     """Per block, the pieces a migration can give a rank (query groups or heads; the MLP's
-    units in the planner's chunks, hettp.planner.mlp_chunk) and the block's share of a layer's
+    units in the planner's chunks, hettp.dealing.mlp_chunk) and the block's share of a layer's
     work, with `heads`' K/V replicas (one per group in the even plan's work)."""
     plan = dataclasses.replace(PartitionPlan.from_json(plan_json), heads=heads)
     weights = {block: plan.num_units(block) * unit_work[block] for block in BLOCKS}

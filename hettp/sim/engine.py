@@ -41,11 +41,12 @@ from ..joint import JointController, JointState, ReplicaPace, options
 from ..loop import WARMUP_STEPS, ControlLoop, TimingReport
 from ..memory import MemoryCap
 from ..plan import PartitionPlan
-from ..planner import Planner, block_works, plan_work
+from ..planner import Planner
 from ..policy import policy as get_policy
 from ..rebatch import RebatchError, check_counts, even_counts
 from ..rebatch import decide as decide_rebatch
 from ..stages import LayerSplit, StageError, balance_layers, check_split, tp_imbalance
+from ..step_model import block_works, plan_work
 from ..transfer import REBUILD_FACTOR, CostModel, MigrationCost, PrimitiveCost
 from .network import Fabric, Link, all_reduce
 from .pipeline import one_f_one_b

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from ..detect import StragglerDetector
 from ..loop import ControlLoop, TimingReport
 from ..plan import PartitionPlan
-from ..planner import Planner, plan_work
+from ..planner import Planner
+from ..step_model import plan_work
 from ..transfer import MigrationCost
 
 UNIT_WORK = {"attn": 64.0, "mlp": 1.0}  # 8 query groups of 64 and 1024 neurons a layer

@@ -3,7 +3,7 @@ into seconds (FLOPs over a GPU's speed) and bytes (over links).
 
 A unit's work is what megatron/hetero/partition.py weighs it at for the planner: its
 parameters, plus an attention unit's core attention in parameters' terms
-(hettp.planner.core_attention_work); its bytes are its parameters'."""
+(hettp.step_model.core_attention_work); its bytes are its parameters'."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..plan import HeadUnits, PartitionPlan
-from ..planner import core_attention_work
+from ..step_model import core_attention_work
 from ..transfer import KV_REPLICA
 
 

@@ -23,7 +23,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from hettp.attention_probe import ProbeShape
 from hettp.exchange import Migration, run_transfer
 from hettp.plan import BLOCKS, PartitionPlan, PlanError
-from hettp.planner import core_attention_work, plan_work
+from hettp.step_model import core_attention_work, plan_work
 from hettp.transfer import KV_REPLICA, CostModel, plan_transfer
 
 from . import cpu_compat

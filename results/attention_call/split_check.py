@@ -15,8 +15,8 @@ from attention_call import run_call  # noqa: E402
 
 from hettp.metrics import read_metrics  # noqa: E402
 from hettp.plan import PartitionPlan  # noqa: E402
-from hettp.planner import StepModel, block_works  # noqa: E402
 from hettp.report import run_head_units  # noqa: E402
+from hettp.step_model import StepModel, block_works  # noqa: E402
 
 RUNS = os.path.join(ROOT, "results/head_units/gemm/tp2-2.7x-rank0/runs")
 for i in range(3):

@@ -1,4 +1,4 @@
-"""What hettp.planner.measured_attention_split asks for on the recorded reports: for every
+"""What hettp.measured.measured_attention_split asks for on the recorded reports: for every
 timing record during a straggle at a plan a repartition set, the split's predicted gain as a
 share of the step, and the moves (first layer's counts, from -> to) it would make at more than
 MEASURED_LEAN x min_gain (1.5%) of the step, by the ranks' slowdowns. A plan's JSON does not
@@ -12,8 +12,8 @@ import dataclasses
 import glob
 import json
 
+from hettp.measured import Measured, measured_attention_split
 from hettp.plan import PartitionPlan
-from hettp.planner import Measured, measured_attention_split
 from hettp.report import run_head_units
 
 gains, moves = collections.Counter(), collections.Counter()

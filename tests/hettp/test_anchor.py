@@ -11,7 +11,8 @@ from hettp.anchor import SlowdownAnchor
 from hettp.detect import StragglerDetector
 from hettp.loop import ControlLoop, TimingReport
 from hettp.plan import PartitionPlan
-from hettp.planner import Planner, plan_work
+from hettp.planner import Planner
+from hettp.step_model import plan_work
 
 
 def test_a_rank_keeps_its_slowdown_across_a_move_whatever_its_new_work_costs():

@@ -8,8 +8,9 @@ import pytest
 
 from hettp import attention_probe
 from hettp.attention_probe import CallPrice, ProbeShape, call_seconds, probe
+from hettp.dealing import proportional_plan
 from hettp.plan import HeadUnits, PartitionPlan
-from hettp.planner import block_works, plan_work, proportional_plan
+from hettp.step_model import block_works, plan_work
 
 SHAPE = ProbeShape(seq=32, batch=2, hidden=128, head_dim=32, heads_per_unit=2, mlp_rows=256)
 

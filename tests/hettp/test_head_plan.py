@@ -8,20 +8,17 @@ import dataclasses
 import pytest
 
 from hettp.config import ConfigError, HetTPConfig, ModelShape
+from hettp.dealing import grouped_plan, proportional_plan
 from hettp.plan import HeadUnits, PartitionPlan
 from hettp.planner import (
     ATTENTION_COST_RANGE,
     CALL_PRICE_RANGE,
     SPLIT_GAIN,
     Planner,
-    StepModel,
     balancing_shares,
-    block_works,
-    grouped_plan,
-    plan_work,
-    proportional_plan,
     split_check,
 )
+from hettp.step_model import StepModel, block_works, plan_work
 
 # Llama-3-70B's attention at TP=8: 64 heads in 8 groups, one head per unit
 LLAMA = HeadUnits(heads_per_unit=1, heads_per_group=8, groups=8)

@@ -4,7 +4,7 @@ import pytest
 
 from hettp.joint import JointController, JointState, ReplicaPace, options
 from hettp.plan import PartitionPlan
-from hettp.planner import plan_work
+from hettp.step_model import plan_work
 
 UNIT_WORK = {"attn": 4.0, "mlp": 1.0}
 PLAN = PartitionPlan.even(2, 2, 4, 16)  # 2 layers: 4 query groups, 16 MLP units each

@@ -10,7 +10,8 @@ import pytest
 from hettp.detect import StragglerDetector
 from hettp.loop import NEAR_EVEN, ControlLoop, TimingReport, Verdict, step_model, work_of
 from hettp.plan import PartitionPlan
-from hettp.planner import Planner, plan_work
+from hettp.planner import Planner
+from hettp.step_model import plan_work
 from hettp.transfer import REBUILD_FACTOR, CostModel, MigrationCost, plan_transfer
 
 UNIT_WORK = {"attn": 4.0, "mlp": 1.0}

@@ -8,7 +8,8 @@ import pytest
 from hettp.detect import Detection
 from hettp.memory import MemoryCap, canonical_params, held_params, water_filled
 from hettp.plan import HeadUnits, PartitionPlan
-from hettp.planner import Planner, StepModel, balanced_target, plan_work
+from hettp.planner import Planner, balanced_target
+from hettp.step_model import StepModel, plan_work
 
 UNIT_WORK = {"attn": 4.0, "mlp": 1.0}
 UNIT_PARAMS = {"attn": 4.0, "mlp": 1.0}

@@ -7,21 +7,13 @@ import random
 
 import pytest
 
+from hettp.dealing import mlp_chunk, proportional_plan
 from hettp.detect import DetectError, StragglerDetector
 from hettp.loop import ControlLoop, TimingReport, step_model
+from hettp.measured import Measured, measured_mlp_split
 from hettp.plan import HeadUnits, PartitionPlan
-from hettp.planner import (
-    Measured,
-    Planner,
-    StepModel,
-    _counts,
-    balanced_target,
-    balancing_shares,
-    measured_mlp_split,
-    mlp_chunk,
-    plan_work,
-    proportional_plan,
-)
+from hettp.planner import Planner, balanced_target, balancing_shares
+from hettp.step_model import StepModel, plan_work, unit_counts
 
 UNIT_WORK = {"attn": 4.0, "mlp": 1.0}
 
@@ -684,7 +676,7 @@ def test_a_rebalance_back_to_a_plan_measured_this_straggle_needs_its_measured_st
         planner.decide(14, steady, milder, b, (0.0, 0.0), Measured(0.95))
         onset = Detection((1.0, 2.0), frozenset({1}), True, frozenset({1}), frozenset())
         planner.decide(16, onset, slower, b, (0.0, 0.0), Measured(0.95))
-        assert planner._measured == {_counts(b): [0.95]}
+        assert planner._measured == {unit_counts(b): [0.95]}
 
 
 def test_a_move_measured_slower_than_the_plan_it_left_is_undone():
@@ -705,8 +697,8 @@ def test_a_move_measured_slower_than_the_plan_it_left_is_undone():
     lost = 1.0 / (1.0 - REVERT_GAIN) + 0.02  # b's step against a's 1.0
     for policy in ("migrate", "hybrid"):
         planner = Planner(policy, UNIT_WORK, migration_seconds=lambda old, new: 0.01)
-        planner._measured[_counts(a)] = [1.0]  # a measured once already ...
-        planner._visited[_counts(a)] = a
+        planner._measured[unit_counts(a)] = [1.0]  # a measured once already ...
+        planner._visited[unit_counts(a)] = a
         moved = planner.decide(10, steady, slower, a, (0.0, 0.0), Measured(1.0))  # ... twice
         assert moved is not None and moved.plan == b
         assert planner.decide(14, steady, slower, b, (0.0, 0.0), Measured(lost)) is None  # once
@@ -731,18 +723,20 @@ def test_a_move_measured_slower_than_the_plan_it_left_is_undone():
         (lost, 2, (0.0, 0.3)),
     ):
         planner = Planner("migrate", UNIT_WORK)
-        planner._measured[_counts(a)], planner._visited[_counts(a)] = [1.0, 1.0], a
-        planner._measured[_counts(b)] = [step] * (readings - 1)
-        planner._visited[_counts(b)] = b
+        planner._measured[unit_counts(a)], planner._visited[unit_counts(a)] = [1.0, 1.0], a
+        planner._measured[unit_counts(b)] = [step] * (readings - 1)
+        planner._visited[unit_counts(b)] = b
         decision = planner.decide(18, steady, slower, b, shares, Measured(step))
         assert decision is None or not decision.reason.startswith("revert"), decision
     # a new straggle forgets the plans measured in the last one
     planner = Planner("migrate", UNIT_WORK)
-    planner._measured[_counts(a)], planner._visited[_counts(a)] = [1.0, 1.0], a
-    planner._measured[_counts(b)], planner._visited[_counts(b)] = [lost], b
+    planner._measured[unit_counts(a)], planner._visited[unit_counts(a)] = [1.0, 1.0], a
+    planner._measured[unit_counts(b)], planner._visited[unit_counts(b)] = [lost], b
     onset = Detection((1.0, 2.0), frozenset({1}), True, frozenset({1}), frozenset())
     planner.decide(18, onset, slower, b, (0.0, 0.0), Measured(lost))
-    assert set(planner._visited) == {_counts(b)} and planner._measured == {_counts(b): [lost]}
+    assert set(planner._visited) == {unit_counts(b)} and planner._measured == {
+        unit_counts(b): [lost]
+    }
 
 
 def _modelled(plan, model, scale=(1.0, 1.0)):
@@ -892,7 +886,7 @@ def test_query_groups_are_dealt_by_the_attention_seconds_measured():
     3.8 ms, so one group on rank 0 (0.093 s) and seven on rank 1 (0.124 s) shortens every
     layer; the model, on the probe's lower per-call price, kept two."""
     from hettp.detect import Detection
-    from hettp.planner import measured_attention_split
+    from hettp.measured import measured_attention_split
 
     plan = PartitionPlan.from_counts(2, 4, 8, 1344, (2, 6), (344, 1000), 1)
     seen = Measured(0.461, (0.36, 0.299), (0.075, 0.06), (0.136, 0.109))
@@ -942,7 +936,7 @@ def test_head_units_are_dealt_by_the_attention_seconds_measured_with_their_repli
     with a replica each of the group they join: the model's own rebalance made that move four
     steps later, and the run measured its attention at 0.105, 0.100 and 0.098 s."""
     from hettp.detect import Detection
-    from hettp.planner import measured_attention_split
+    from hettp.measured import measured_attention_split
 
     kv = 32768 / 87218.98  # the run's priced unit_work: a K/V replica in head units
     plan = PartitionPlan.from_counts(

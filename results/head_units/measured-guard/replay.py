@@ -1,5 +1,5 @@
 """Which migrations of recorded runs the measured-compute guard would have refused
-(hettp.planner.measured_against): each decision's plan before and after, judged on the timing
+(hettp.measured.measured_against): each decision's plan before and after, judged on the timing
 record of the report it was made at (compute less the timed fixed part), as the planner judges
 it now.
 
@@ -11,8 +11,8 @@ import glob
 import json
 import sys
 
+from hettp.measured import Measured, measured_against
 from hettp.plan import PartitionPlan
-from hettp.planner import Measured, measured_against
 from hettp.report import run_head_units
 
 judged = refused = 0
