@@ -116,6 +116,13 @@ REBALANCE_REPORTS = 2
 MEASURED_LEAN = 0.5
 
 
+# A measured re-deal of attention reads this many reports at the current attention split (the
+# median of each rank's seconds over the latest MEASURED_REPORTS). A 2.5x rank holding one or
+# two query heads read 0.176 s and then 0.309 s at one split in consecutive reports of a
+# disturbed hour, and on single reports the heads moved 6 : 2, 7 : 1, 6 : 2, 8 : 0 in 12 steps
+# (results/measured-heads/).
+ATTENTION_READINGS = 2
+
 # Reports of a plan's measured step that the planner keeps while a straggle lasts (their median
 # judges the plan): a rebalance back to a plan measured already must be faster by min_gain in
 # what was measured, not only in the model. Readings of a slow rank move with the split (1.4-2x
@@ -171,6 +178,9 @@ class Planner:
         self._measured: dict[tuple, list[float]] = {}
         self._visited: dict[tuple, PartitionPlan] = {}  # those plans, to move back to
         self._reverted: set[tuple] = set()  # plans left by a revert, not returned to by one
+        # per attention split (each layer's counts), the ranks' attention seconds of its latest
+        # reports since the straggle last changed: what a measured re-deal of attention reads
+        self._attention: dict[tuple, list[tuple[float, ...]]] = {}
         self._seen: Measured | None = None  # the report being decided on
         self._work: tuple[float, ...] = ()  # per rank, its work at the plan being decided on
         self.refused: str | None = None  # the last decide's move refused by what it measured
@@ -182,6 +192,9 @@ class Planner:
             "measured": [[list(map(list, k)), v] for k, v in self._measured.items()],
             "visited": [p.to_json() for p in self._visited.values()],
             "reverted": [list(map(list, k)) for k in self._reverted],
+            "attention": [
+                [list(map(list, k)), list(map(list, v))] for k, v in self._attention.items()
+            ],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -193,6 +206,9 @@ class Planner:
         plans = (PartitionPlan.from_json(text) for text in state.get("visited", ()))
         self._visited = {unit_counts(p): p for p in plans}  # absent before it: none to move back to
         self._reverted = {tuple(map(tuple, k)) for k in state.get("reverted", ())}
+        self._attention = {
+            tuple(map(tuple, k)): [tuple(r) for r in v] for k, v in state.get("attention", ())
+        }  # absent before it: no attention read yet
 
     def decide(
         self,
@@ -211,10 +227,14 @@ class Planner:
         self._seen, self.refused = measured, None
         if detection.changed:
             self._measured, self._visited, self._reverted = {}, {}, set()
+            self._attention = {}
         if measured is not None and measured.step > 0 and not any(shares):
             seen = self._measured.setdefault(unit_counts(plan), [])
             seen[:] = [*seen, measured.step][-MEASURED_REPORTS:]
             self._visited[unit_counts(plan)] = plan
+            if len(measured.attention) == plan.tp_size:
+                read = self._attention.setdefault(_attention_counts(plan), [])
+                read[:] = [*read, tuple(measured.attention)][-MEASURED_REPORTS:]
         self._work = plan_work(plan, self.unit_work, shares)
         before = model.step_time(self._work)
         leaning = self._leaning
@@ -334,8 +354,10 @@ class Planner:
         self, plan, model, before, detection, action, shares
     ) -> Decision | None:
         """Where the model sees nothing to gain: each block split by what the report measured
-        (measured_mlp_split, measured_attention_split), where that shortens the step by
-        min_gain, or by MEASURED_LEAN of it at REBALANCE_REPORTS reports in a row. The model
+        (measured_mlp_split; measured_attention_split on the median of ATTENTION_READINGS
+        reports or more at the attention split), where that shortens the step by min_gain, or
+        by MEASURED_LEAN of it at REBALANCE_REPORTS reports in a row (an attention re-deal,
+        read over several reports already, at the first above MEASURED_LEAN). The model
         prices a rank's units at one slowdown and one rate; a small GEMM's lower rate, the
         emulation's overshoot on the slow rank and attention's per-call part as a run pays it
         are in no term: after the first move a 3.8x rank's MLP ran 21% over the fast rank's
@@ -348,12 +370,7 @@ class Planner:
             split
             for split in (
                 measured_mlp_split(plan, seen),
-                measured_attention_split(
-                    plan,
-                    seen,
-                    model.factors,
-                    self.unit_work.get("kv", 0.0) / self.unit_work["attn"],
-                ),
+                self._attention_split(plan, seen, model),
             )
             if split is not None
         ]
@@ -368,7 +385,11 @@ class Planner:
         if not self._measured_faster(target, plan):
             return None
         why = "rebalance (measured)"
-        if gain <= self.min_gain * seen.step:  # small enough to be noise, unless it repeats
+        floor = MEASURED_LEAN * self.min_gain * seen.step
+        # small enough to be noise, unless it repeats; an attention re-deal above the floor
+        # read its seconds over ATTENTION_READINGS reports already
+        settled = any(split.block == "attn" and split.gain > floor for split in splits)
+        if gain <= self.min_gain * seen.step and not settled:
             self._leaning += 1
             if self._leaning < REBALANCE_REPORTS:
                 return None
@@ -382,6 +403,20 @@ class Planner:
             before,
             before - gain,
             {"migration_s": self.migration_seconds(plan, target)},
+        )
+
+    def _attention_split(self, plan, seen: Measured, model: StepModel):
+        """measured_attention_split on the median of each rank's attention seconds over the
+        reports at this attention split (the last MEASURED_REPORTS), once there are
+        ATTENTION_READINGS of them; head units' K/V replicas weighed as the step model weighs
+        them."""
+        read = self._attention.get(_attention_counts(plan), [])
+        if len(read) < ATTENTION_READINGS:
+            return None
+        medians = tuple(statistics.median(r[k] for r in read) for k in range(plan.tp_size))
+        kv = self.unit_work.get("kv", 0.0) / self.unit_work["attn"]
+        return measured_attention_split(
+            plan, dataclasses.replace(seen, attention=medians), model.factors, kv
         )
 
     def _model_missed(self, plan: PartitionPlan, model: StepModel) -> str | None:
@@ -735,3 +770,8 @@ def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:
 def _factors(model: StepModel, ranks) -> str:
     """The slowdowns planned for (the report's level, not the detector's smoothed one)."""
     return ", ".join(f"{model.factors[r]:.2f}x" for r in sorted(ranks))
+
+
+def _attention_counts(plan: PartitionPlan) -> tuple:
+    """Each layer's attention unit counts: what a rank's attention seconds depend on."""
+    return tuple(plan.counts(i, "attn") for i in range(plan.num_layers))

@@ -2,7 +2,9 @@
 timing record during a straggle at a plan a repartition set, the split's predicted gain as a
 share of the step, and the moves (first layer's counts, from -> to) it would make at more than
 MEASURED_LEAN x min_gain (1.5%) of the step, by the ranks' slowdowns. A plan's JSON does not
-carry head units; they are read from the run's flags (runs with head units get no split).
+carry head units; they are read from the run's flags. replay.txt was written when runs with
+head units got no split; since 6840701 they get one (counted here without their K/V replicas:
+results/measured-heads/replay.py counts them).
 
     .venv/bin/python results/measured-attention/replay.py
 """

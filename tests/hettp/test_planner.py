@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import random
 
@@ -914,18 +916,26 @@ def test_query_groups_are_dealt_by_the_attention_seconds_measured():
     slow = Measured(0.4, (0.3,) * 4, (0.05,) * 4, (0.056, 0.07, 0.055, 0.056))
     taken = measured_attention_split(spread, slow, (1.0, 3.0, 1.0, 1.0))
     assert taken.plan.counts(0, "attn")[1] == 0
-    # the planner moves both blocks at once where its model sees its own split balanced
+    # the planner re-deals attention where its model sees its own split balanced, once two
+    # reports at this split read it (ATTENTION_READINGS): at the first, the MLP's split alone
     work = {"attn": 183734.0, "mlp": 1536.0, "call": 112947.0}
     steady = Detection((2.81, 1.0), frozenset({0}), False, frozenset(), frozenset())
     model = StepModel(rest=0.09, factors=(2.81, 1.0), slope=2.3e-8, apart=0.04)
     planner = Planner("migrate", work)
     assert planner._target(plan, model).counts(0, "attn") == (2, 6)
-    decision = planner.decide(15, steady, model, plan, (0.0, 0.0), seen)
+    first = planner.decide(15, steady, model, plan, (0.0, 0.0), seen)
+    mlp = measured_mlp_split(plan, seen)
+    assert first.plan.counts(1, "attn") == (2, 6)
+    assert first.plan.counts(1, "mlp") == mlp.plan.counts(1, "mlp")
+    assert "attention" not in first.reason
+    # the next report, the MLP as that split predicted: the same attention seconds move it
+    blocks = [f + a + t for f, a, t in zip(seen.fixed, seen.attention, mlp.predicted)]
+    again = dataclasses.replace(seen, compute=tuple(blocks))
+    decision = planner.decide(19, steady, model, first.plan, (0.0, 0.0), again)
     assert decision.plan.counts(1, "attn") == (1, 7)
-    assert decision.plan.counts(1, "mlp") == measured_mlp_split(plan, seen).plan.counts(1, "mlp")
+    assert decision.plan.counts(1, "mlp") == first.plan.counts(1, "mlp")
     assert "the attention blocks took [0.136, 0.109]" in decision.reason
-    gain = split.gain + measured_mlp_split(plan, seen).gain
-    assert decision.predicted_after == pytest.approx(decision.predicted_before - gain)
+    assert decision.predicted_after == pytest.approx(decision.predicted_before - split.gain)
 
 
 def test_head_units_are_dealt_by_the_attention_seconds_measured_with_their_replicas():
@@ -963,19 +973,60 @@ def test_head_units_are_dealt_by_the_attention_seconds_measured_with_their_repli
     # counted without their replicas, ranks 2 and 3 would be read 7-8% short of that
     bare = measured_attention_split(plan, seen, factors)
     assert bare.predicted[2] < 0.93 * later[2]
-    # the planner takes it with the MLP's measured split, the replicas' weight from its
+    # the planner takes it at a second report at this split, the replicas' weight from its
     # own unit_work, where its model sees nothing to gain
     work = {"attn": 87218.98, "mlp": 1536.0, "kv": 32768.0, "call": 67725.78}
     steady = Detection(factors, frozenset({1}), False, frozenset(), frozenset())
     model = StepModel(rest=0.12, factors=factors, slope=2e-8, apart=0.04)
     planner = Planner("migrate", work)
     assert planner._target(plan, model) == plan
-    decision = planner.decide(10, steady, model, plan, (0.0,) * 4, seen)
+    mlp = measured_mlp_split(plan, seen)
+    first = planner.decide(10, steady, model, plan, (0.0,) * 4, seen)
+    assert first.plan.counts(1, "attn") == (8, 0, 4, 4)
+    blocks = [f + a + t for f, a, t in zip(seen.fixed, seen.attention, mlp.predicted)]
+    again = dataclasses.replace(seen, compute=tuple(blocks))
+    decision = planner.decide(14, steady, model, first.plan, (0.0,) * 4, again)
     assert decision.plan.counts(1, "attn") == (6, 0, 5, 5)
-    assert decision.plan.counts(1, "mlp") == measured_mlp_split(plan, seen).plan.counts(1, "mlp")
-    assert decision.predicted_after == pytest.approx(
-        decision.predicted_before - split.gain - measured_mlp_split(plan, seen).gain
-    )
+    assert decision.predicted_after == pytest.approx(decision.predicted_before - split.gain)
+
+
+def test_attention_is_re_dealt_on_the_median_of_two_reports_at_its_split():
+    """One report's attention seconds do not move attention: in a disturbed hour a 2.5x rank
+    holding few heads read 0.176 s and then 0.309 s at one split, and on single reports the
+    heads went 6 : 2, 7 : 1, 6 : 2, 8 : 0 in 12 steps (ATTENTION_READINGS). The median of the
+    reports at the split moves it; a straggle that changes forgets them; a checkpoint keeps
+    them."""
+    from hettp.detect import Detection
+    from hettp.planner import ATTENTION_READINGS
+
+    assert ATTENTION_READINGS == 2
+    plan = PartitionPlan.from_counts(2, 4, 8, 1344, (2, 6), (312, 1032), 1)  # the MLP balanced
+    mlp = (0.135, 0.134)
+
+    def report(attention):
+        blocks = [f + a + m for f, a, m in zip((0.075, 0.06), attention, mlp)]
+        return Measured(0.461, tuple(blocks), (0.075, 0.06), attention)
+
+    work = {"attn": 183734.0, "mlp": 1536.0, "call": 112947.0}
+    steady = Detection((2.81, 1.0), frozenset({0}), False, frozenset(), frozenset())
+    onset = dataclasses.replace(steady, changed=True)
+    model = StepModel(rest=0.09, factors=(2.81, 1.0), slope=2.3e-8, apart=0.04)
+    uneven, level = (0.136, 0.109), (0.110, 0.124)  # level: 2 : 6 is right at these seconds
+    planner = Planner("migrate", work)
+    assert planner.decide(15, steady, model, plan, (0.0, 0.0), report(uneven)) is None
+    # a second report that reads 2 : 6 as right: their median moves nothing
+    assert planner.decide(19, steady, model, plan, (0.0, 0.0), report(level)) is None
+    # a third like the first: the median of the three is the first's, which moves it
+    moved = planner.decide(23, steady, model, plan, (0.0, 0.0), report(uneven))
+    assert moved.plan.counts(0, "attn") == (1, 7)
+    # ... kept over a checkpoint, and forgotten where the straggle changes
+    restored = Planner("migrate", work)
+    restored.load_state_dict(json.loads(json.dumps(planner.state_dict())))
+    assert restored._attention == planner._attention
+    fresh = Planner("migrate", work)
+    fresh.load_state_dict(json.loads(json.dumps(planner.state_dict())))
+    fresh.decide(27, onset, model, plan, (0.0, 0.0), report(uneven))
+    assert fresh._attention == {((2, 6),) * 4: [(0.136, 0.109)]}
 
 
 def test_a_measured_gain_under_min_gain_is_made_where_two_reports_in_a_row_see_it():
