@@ -994,8 +994,8 @@ def test_attention_is_re_dealt_on_the_median_of_two_reports_at_its_split():
     """One report's attention seconds do not move attention: in a disturbed hour a 2.5x rank
     holding few heads read 0.176 s and then 0.309 s at one split, and on single reports the
     heads went 6 : 2, 7 : 1, 6 : 2, 8 : 0 in 12 steps (ATTENTION_READINGS). The median of the
-    reports at the split moves it; a straggle that changes forgets them; a checkpoint keeps
-    them."""
+    reports at the split moves it, and the step model does not move it back; a straggle that
+    changes forgets them; a checkpoint keeps them."""
     from hettp.detect import Detection
     from hettp.planner import ATTENTION_READINGS
 
@@ -1019,14 +1019,26 @@ def test_attention_is_re_dealt_on_the_median_of_two_reports_at_its_split():
     # a third like the first: the median of the three is the first's, which moves it
     moved = planner.decide(23, steady, model, plan, (0.0, 0.0), report(uneven))
     assert moved.plan.counts(0, "attn") == (1, 7)
+    # the step model, reading the rank milder, would move the heads back; a measured re-deal
+    # left that split, so it does not while the straggle lasts
+    milder = StepModel(rest=0.09, factors=(2.2, 1.0), slope=2.3e-8, apart=0.04)
+    back = report((0.093, 0.124))
+    assert planner._target(moved.plan, milder).counts(0, "attn") == (2, 6)
+    assert planner.decide(27, steady, milder, moved.plan, (0.0, 0.0), back) is None
+    assert "a measured re-deal left" in planner.refused
+    unguarded = Planner("migrate", work)
+    assert unguarded.decide(27, steady, milder, moved.plan, (0.0, 0.0), back).plan.counts(
+        0, "attn"
+    ) == (2, 6)
     # ... kept over a checkpoint, and forgotten where the straggle changes
     restored = Planner("migrate", work)
     restored.load_state_dict(json.loads(json.dumps(planner.state_dict())))
     assert restored._attention == planner._attention
+    assert restored._redealt == planner._redealt == {((2, 6),) * 4}
     fresh = Planner("migrate", work)
     fresh.load_state_dict(json.loads(json.dumps(planner.state_dict())))
     fresh.decide(27, onset, model, plan, (0.0, 0.0), report(uneven))
-    assert fresh._attention == {((2, 6),) * 4: [(0.136, 0.109)]}
+    assert fresh._attention == {((2, 6),) * 4: [(0.136, 0.109)]} and not fresh._redealt
 
 
 def test_a_measured_gain_under_min_gain_is_made_where_two_reports_in_a_row_see_it():
