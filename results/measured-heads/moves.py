@@ -9,12 +9,9 @@ import json
 import os
 import sys
 
-root = sys.argv[1]
-paths = sorted(glob.glob(f"{root}/**/*.jsonl", recursive=True))
-for path in paths:
-    name = os.path.basename(path)
-    if ".vanilla." in name or ".none." in name:
-        continue
+
+def moves(path: str) -> list[str]:
+    """One run's decisions, as `iteration:(counts)` with `*` for a measured re-deal."""
     out = []
     for line in open(path):
         r = json.loads(line)
@@ -23,4 +20,11 @@ for path in paths:
             counts = tuple(len(u) for u in plan["layers"][0]["attn"])
             mark = "*" if "attention blocks took" in r.get("reason", "") else ""
             out.append(f"{r['iteration']}:{counts}{mark}")
-    print(f"{name:45s} {' '.join(out)}")
+    return out
+
+
+if __name__ == "__main__":
+    for path in sorted(glob.glob(f"{sys.argv[1]}/**/*.jsonl", recursive=True)):
+        name = os.path.basename(path)
+        if ".vanilla." not in name and ".none." not in name:
+            print(f"{name:45s} {' '.join(moves(path))}")
