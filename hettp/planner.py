@@ -31,7 +31,7 @@ from .memory import MemoryCap, water_filled
 from .plan import PartitionPlan
 from .policy import policy as get_policy
 from .resize import check_shares
-from .step_model import StepModel, block_works, plan_work, unit_counts
+from .step_model import StepModel, attention_counts, block_works, plan_work, unit_counts
 
 
 def balancing_shares(
@@ -236,7 +236,7 @@ class Planner:
             seen[:] = [*seen, measured.step][-MEASURED_REPORTS:]
             self._visited[unit_counts(plan)] = plan
             if len(measured.attention) == plan.tp_size:
-                read = self._attention.setdefault(_attention_counts(plan), [])
+                read = self._attention.setdefault(attention_counts(plan), [])
                 read[:] = [*read, tuple(measured.attention)][-MEASURED_REPORTS:]
         self._work = plan_work(plan, self.unit_work, shares)
         before = model.step_time(self._work)
@@ -404,7 +404,7 @@ class Planner:
                 return None
             why = f"rebalance (measured) at {self._leaning} reports in a row"
         if any(split.block == "attn" for split in splits):
-            self._redealt.add(_attention_counts(plan))
+            self._redealt.add(attention_counts(plan))
         return Decision(
             action,
             target,
@@ -421,15 +421,15 @@ class Planner:
         step model prices attention as the measured seconds did not, and in a generalize draw
         (seed 32389, head units) the two moved a 2.2x rank's heads 3 -> 2 -> 3 -> 2 in 12
         steps; the model's rebalance is then not made, and the measured one may be."""
-        there = _attention_counts(target)
-        return there != _attention_counts(plan) and there in self._redealt
+        there = attention_counts(target)
+        return there != attention_counts(plan) and there in self._redealt
 
     def _attention_split(self, plan, seen: Measured, model: StepModel):
         """measured_attention_split on the median of each rank's attention seconds over the
         reports at this attention split (the last MEASURED_REPORTS), once there are
         ATTENTION_READINGS of them; head units' K/V replicas weighed as the step model weighs
         them."""
-        read = self._attention.get(_attention_counts(plan), [])
+        read = self._attention.get(attention_counts(plan), [])
         if len(read) < ATTENTION_READINGS:
             return None
         medians = tuple(statistics.median(r[k] for r in read) for k in range(plan.tp_size))
@@ -789,8 +789,3 @@ def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:
 def _factors(model: StepModel, ranks) -> str:
     """The slowdowns planned for (the report's level, not the detector's smoothed one)."""
     return ", ".join(f"{model.factors[r]:.2f}x" for r in sorted(ranks))
-
-
-def _attention_counts(plan: PartitionPlan) -> tuple:
-    """Each layer's attention unit counts: what a rank's attention seconds depend on."""
-    return tuple(plan.counts(i, "attn") for i in range(plan.num_layers))

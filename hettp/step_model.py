@@ -42,7 +42,7 @@ class StepModel:
 
     def blocks_time(self, blocks: Sequence[Sequence[float]]) -> float:
         """The step where each block waits for its slowest rank (`blocks`: per block, each
-        rank's work; hettp.planner.block_works), the per-call part spread evenly over them.
+        rank's work; block_works), the per-call part spread evenly over them.
         What the blocks of a plan that balances every block take is step_time's; a plan that
         evens out a rank's totals across blocks (more MLP where it holds less attention) is
         not balanced in any block, and only this sees it."""
@@ -115,3 +115,8 @@ def plan_work(
 def unit_counts(plan: PartitionPlan) -> tuple:
     """Per layer and block, each rank's unit count: what a plan's step time depends on."""
     return tuple(plan.counts(i, b) for i in range(plan.num_layers) for b in BLOCKS)
+
+
+def attention_counts(plan: PartitionPlan) -> tuple:
+    """Each layer's attention unit counts: what a rank's attention seconds depend on."""
+    return tuple(plan.counts(i, "attn") for i in range(plan.num_layers))
