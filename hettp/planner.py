@@ -366,7 +366,8 @@ class Planner:
         (measured_mlp_split; measured_attention_split on the median of ATTENTION_READINGS
         reports or more at the attention split), where that shortens the step by min_gain, or
         by MEASURED_LEAN of it at REBALANCE_REPORTS reports in a row (an attention re-deal,
-        read over several reports already, at the first above MEASURED_LEAN). The model
+        read over several reports already, at the first above MEASURED_LEAN; where one report
+        asks for it, the MLP's split waits for the next, and both move at once). The model
         prices a rank's units at one slowdown and one rate; a small GEMM's lower rate, the
         emulation's overshoot on the slow rank and attention's per-call part as a run pays it
         are in no term: after the first move a 3.8x rank's MLP ran 21% over the fast rank's
@@ -375,6 +376,8 @@ class Planner:
         seen = self._seen
         if seen is None or any(shares):
             return None
+        if self._attention_pending(plan, seen, model):
+            return None  # both blocks at the next report, in one move
         splits = [
             split
             for split in (
@@ -424,6 +427,15 @@ class Planner:
         there = attention_counts(target)
         return there != attention_counts(plan) and there in self._redealt
 
+    def _attention_pending(self, plan, seen: Measured, model: StepModel) -> bool:
+        """This report alone asks to re-deal attention, and the split has fewer than
+        ATTENTION_READINGS reports yet: the MLP's measured split waits for the next, so that
+        the two blocks move together (a move each cost a migration more)."""
+        read = self._attention.get(attention_counts(plan), [])
+        if len(read) >= ATTENTION_READINGS:
+            return False
+        return measured_attention_split(plan, seen, model.factors, self._kv()) is not None
+
     def _attention_split(self, plan, seen: Measured, model: StepModel):
         """measured_attention_split on the median of each rank's attention seconds over the
         reports at this attention split (the last MEASURED_REPORTS), once there are
@@ -433,10 +445,13 @@ class Planner:
         if len(read) < ATTENTION_READINGS:
             return None
         medians = tuple(statistics.median(r[k] for r in read) for k in range(plan.tp_size))
-        kv = self.unit_work.get("kv", 0.0) / self.unit_work["attn"]
         return measured_attention_split(
-            plan, dataclasses.replace(seen, attention=medians), model.factors, kv
+            plan, dataclasses.replace(seen, attention=medians), model.factors, self._kv()
         )
+
+    def _kv(self) -> float:
+        """A head unit's K/V replica in attention units, as the step model weighs it."""
+        return self.unit_work.get("kv", 0.0) / self.unit_work["attn"]
 
     def _model_missed(self, plan: PartitionPlan, model: StepModel) -> str | None:
         """Why the model is not trusted to rebalance (MODEL_ERROR), or None: a rank whose
