@@ -760,40 +760,97 @@ def _balanced(
 ) -> PartitionPlan:
     if plan.heads is None:
         return proportional_plan(plan, speeds)
-    check = split_check(plan, model, unit_work, speeds)
-    return check.split if check.taken else check.whole
+    return split_check(plan, model, unit_work, speeds).chosen
 
 
 @dataclass(frozen=True)
 class SplitCheck:
-    """Head units' split (proportional_plan's) against whole query groups (grouped_plan's),
-    and the split's gain, a share of whole groups' step, at each attention cost in
-    ATTENTION_COST_RANGE and per-call price in CALL_PRICE_RANGE."""
+    """Head units dealt in proportion (proportional_plan's `split`), the same with no unit on a
+    slowed rank that the split leaves part of a query group (`trimmed`; None where it leaves
+    none so), and whole query groups (grouped_plan's `whole`), with the gains of the first two
+    over whole groups, a share of whole groups' step, at each attention cost in
+    ATTENTION_COST_RANGE and per-call price in CALL_PRICE_RANGE. A slowed rank's first units
+    bring a call and a K/V replica at its pace, which the model prices least surely: at TP=4
+    with rank 1 at 2.9x, the split gave it one head of 16, whose attention took 0.10-0.12 s a
+    step, as long as five or six heads on a fast rank, where the model at the probe's price
+    had it at 0.9 of five (results/trimmed-split/)."""
 
     split: PartitionPlan
     whole: PartitionPlan
-    gains: dict[tuple[float, float], float]  # (attention cost, call price): gain
+    gains: dict[tuple[float, float], float]  # (attention cost, call price): split's gain
+    trimmed: PartitionPlan | None = None
+    trimmed_gains: dict[tuple[float, float], float] = field(default_factory=dict)
+
+    @property
+    def over_trimmed(self) -> dict[tuple[float, float], float]:
+        """The split's gain over the trimmed split, a share of the trimmed one's step (none
+        where there is no trimmed split)."""
+        return {
+            key: 1.0 - (1.0 - self.gains[key]) / (1.0 - gain)
+            for key, gain in self.trimmed_gains.items()
+        }
 
     @property
     def taken(self) -> bool:
-        """The split gains SPLIT_GAIN at every cost and price."""
+        """The split gains SPLIT_GAIN over whole groups at every cost and price (its K/V
+        replicas and calls against none), and is faster than the trimmed split at every one
+        (a slowed rank's part of a group against none: the range prices its call and replica,
+        and the top of CALL_PRICE_RANGE is already the runs' median call)."""
+        if self.trimmed is not None and min(self.over_trimmed.values()) <= 0.0:
+            return False
         return min(self.gains.values()) >= SPLIT_GAIN
+
+    @property
+    def chosen(self) -> PartitionPlan:
+        """The split where taken; else the trimmed split where it gains SPLIT_GAIN over whole
+        groups at every cost and price; else whole groups."""
+        if self.taken:
+            return self.split
+        if self.trimmed is not None and min(self.trimmed_gains.values()) >= SPLIT_GAIN:
+            return self.trimmed
+        return self.whole
 
 
 def split_check(
     plan: PartitionPlan, model: StepModel, unit_work: Mapping[str, float], speeds
 ) -> SplitCheck:
-    """The split and whole groups at `speeds`, block by block (blocks_time)."""
+    """The split, the trimmed split and whole groups at `speeds`, block by block
+    (blocks_time)."""
     attn, call = unit_work["attn"], unit_work.get("call", 0.0)
-    split = proportional_plan(plan, speeds, kv=unit_work.get("kv", 0.0) / attn, call=call / attn)
+    kv = unit_work.get("kv", 0.0) / attn
+    split = proportional_plan(plan, speeds, kv=kv, call=call / attn)
     whole = grouped_plan(plan, speeds, split)
-    gains = {}
+    partial = _partial_group_ranks(split, speeds)
+    trimmed = None
+    if partial:
+        kept = [0.0 if r in partial else s for r, s in enumerate(speeds)]
+        trimmed = with_block(split, proportional_plan(plan, kept, kv=kv, call=call / attn), "attn")
+    gains, trimmed_gains = {}, {}
     for scale, price in itertools.product(ATTENTION_COST_RANGE, CALL_PRICE_RANGE):
         work = {**unit_work, "attn": attn * scale, "call": call * price}
-        gains[scale, price] = 1.0 - model.blocks_time(block_works(split, work)) / (
-            model.blocks_time(block_works(whole, work))
+        grouped = model.blocks_time(block_works(whole, work))
+        gains[scale, price] = 1.0 - model.blocks_time(block_works(split, work)) / grouped
+        if trimmed is not None:
+            trimmed_gains[scale, price] = (
+                1.0 - model.blocks_time(block_works(trimmed, work)) / grouped
+            )
+    return SplitCheck(split, whole, gains, trimmed, trimmed_gains)
+
+
+def _partial_group_ranks(split: PartitionPlan, speeds) -> set[int]:
+    """Ranks slower than the fastest that `split` gives some units, fewer than a query group
+    holds, in a layer."""
+    fastest = max(speeds)
+    per_group = split.heads.units_per_group
+    return {
+        rank
+        for rank in range(split.tp_size)
+        if speeds[rank] < fastest
+        and any(
+            0 < n < per_group
+            for n in (split.counts(i, "attn")[rank] for i in range(split.num_layers))
         )
-    return SplitCheck(split, whole, gains)
+    }
 
 
 def _speeds(model: StepModel, plan: PartitionPlan, unit_work) -> list[float]:
