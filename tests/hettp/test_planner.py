@@ -803,8 +803,8 @@ def test_a_rebalance_needs_a_model_that_reproduces_the_report():
     """A rebalance trusts the model's prediction for another plan only where it puts every
     rank's block compute at the current plan within MODEL_ERROR of the report: the cost fit's
     per-call part jumps now and then, and a plan made on it gave a 1.8x rank a ninth of the
-    work. Moves at a change are not held to it (the model after a change is what they
-    have)."""
+    work. What the report measured decides instead (Planner._measured_rebalance). Moves at a
+    change are not held to it (the model after a change is what they have)."""
     from hettp.detect import Detection
     from hettp.planner import MODEL_ERROR
 
@@ -817,6 +817,15 @@ def test_a_rebalance_needs_a_model_that_reproduces_the_report():
         planner = Planner(policy, UNIT_WORK)
         assert planner.decide(10, steady, model, loaded, (0.0, 0.0), off) is None
         assert planner.refused.startswith("rebalance not made: the step model puts rank 1's")
+        # where the report splits the blocks' seconds, what it measured decides instead:
+        # rank 1's MLP ran 2.4x rank 0's, and its MLP units go to rank 0 at the measured rates
+        timed = Measured(off.step, off.compute, (), tuple(0.1 * c for c in off.compute))
+        planner = Planner(policy, UNIT_WORK)
+        measured = planner.decide(10, steady, model, loaded, (0.0, 0.0), timed)
+        assert planner.refused.startswith("rebalance not made: the step model puts rank 1's")
+        assert measured.reason.startswith("rebalance (measured)"), measured.reason
+        assert measured.plan.counts(0, "attn") == loaded.counts(0, "attn")
+        assert measured.plan.counts(0, "mlp")[1] < loaded.counts(0, "mlp")[1]
         moved = Planner(policy, UNIT_WORK).decide(10, onset, model, loaded, (0.0, 0.0), off)
         assert moved is not None  # at a change: migrate moves, hybrid resizes or moves
     assert Planner("migrate", UNIT_WORK).decide(10, steady, model, loaded, (0.0, 0.0)) is not None
