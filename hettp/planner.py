@@ -777,9 +777,9 @@ class SplitCheck:
     over whole groups, a share of whole groups' step, at each attention cost in
     ATTENTION_COST_RANGE and per-call price in CALL_PRICE_RANGE. A slowed rank's first units
     bring a call and a K/V replica at its pace, which the model prices least surely: at TP=4
-    with rank 1 at 2.9x, the split gave it one head of 16, whose attention took 0.10-0.12 s a
-    step, as long as five or six heads on a fast rank, where the model at the probe's price
-    had it at 0.9 of five (results/trimmed-split/)."""
+    with one group of 4 heads a rank, splits that left a 3x or 3.4x rank one head of 16, which
+    the model called 0-3% faster than none at the prices of the range, stepped 5-8% and
+    10-25% slower than the same split without it (results/trimmed-split/)."""
 
     split: PartitionPlan
     whole: PartitionPlan
@@ -797,24 +797,20 @@ class SplitCheck:
         }
 
     @property
-    def taken(self) -> bool:
-        """The split gains SPLIT_GAIN over whole groups at every cost and price (its K/V
-        replicas and calls against none), and is faster than the trimmed split at every one
-        (a slowed rank's part of a group against none: the range prices its call and replica,
-        and the top of CALL_PRICE_RANGE is already the runs' median call)."""
-        if self.trimmed is not None and min(self.over_trimmed.values()) <= 0.0:
-            return False
-        return min(self.gains.values()) >= SPLIT_GAIN
+    def chosen(self) -> PartitionPlan:
+        """Whole groups; then the trimmed split where it gains SPLIT_GAIN over them at every
+        cost and price; then the split where it gains that over the plan so chosen. Each
+        brings more K/V replicas and calls than the one before, so each is held to the same
+        margin (at TP=2 with a group a rank, the trimmed split is whole groups)."""
+        chosen, over = self.whole, self.gains
+        if self.trimmed is not None and min(self.trimmed_gains.values()) >= SPLIT_GAIN:
+            chosen, over = self.trimmed, self.over_trimmed
+        return self.split if min(over.values()) >= SPLIT_GAIN else chosen
 
     @property
-    def chosen(self) -> PartitionPlan:
-        """The split where taken; else the trimmed split where it gains SPLIT_GAIN over whole
-        groups at every cost and price; else whole groups."""
-        if self.taken:
-            return self.split
-        if self.trimmed is not None and min(self.trimmed_gains.values()) >= SPLIT_GAIN:
-            return self.trimmed
-        return self.whole
+    def taken(self) -> bool:
+        """The split is chosen."""
+        return self.chosen is self.split
 
 
 def split_check(

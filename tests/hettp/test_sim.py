@@ -103,7 +103,10 @@ def test_head_units_reach_the_bound_one_group_per_rank_cannot():
     """Issue 23's case at scale: Llama-3-70B at TP=8 holds one query group per rank, so with
     group units a slow rank keeps all of its attention; with head units the planner moves its
     heads (the fast ranks computing the group's K/V as replicas) and the step nears the bound.
-    With no straggler the two kinds of unit cost the same."""
+    The split that leaves the 2x rank half of its group's heads is modelled 2-4% faster than
+    giving it none, under SPLIT_GAIN (hettp.planner.SplitCheck): it holds none, and the step
+    is 6% over the bound where that split's was 4%. With no straggler the two kinds of unit
+    cost the same."""
     layout, trace = Layout(8), persistent(8, {1: 2.0})
     steady = {}
     for attn_unit in (0, 1):
@@ -116,10 +119,10 @@ def test_head_units_reach_the_bound_one_group_per_rank_cannot():
         steady[attn_unit] = (even, result.ideal_s[-1] / result.step_s[-1], sim.plans[0])
     (even_groups, groups, _), (even_heads, heads, plan) = steady[0], steady[1]
     assert even_heads == pytest.approx(even_groups)
-    assert groups < 0.9 and heads > 0.95
-    # the slow rank kept part of its group: it and the ranks given its other heads hold K/V
+    assert groups < 0.9 and heads > 0.93 and heads - groups > 0.1
+    # the slow rank holds none of its group, whose heads the fast ranks hold with its K/V
     holders = plan.heads.holders(plan.layers[0]["attn"])
-    assert 0 < len(plan.layers[0]["attn"][1]) < 8 and len(holders[1]) > 1
+    assert plan.layers[0]["attn"][1] == () and 1 not in holders[1] and len(holders[1]) > 1
 
 
 def test_each_block_waits_for_its_slowest_rank():
