@@ -777,9 +777,10 @@ class SplitCheck:
     over whole groups, a share of whole groups' step, at each attention cost in
     ATTENTION_COST_RANGE and per-call price in CALL_PRICE_RANGE. A slowed rank's first units
     bring a call and a K/V replica at its pace, which the model prices least surely: at TP=4
-    with one group of 4 heads a rank, splits that left a 3x or 3.4x rank one head of 16, which
-    the model called 0-3% faster than none at the prices of the range, stepped 5-8% and
-    10-25% slower than the same split without it (results/trimmed-split/)."""
+    with one group of 4 heads a rank, the model at a straggle's first report called one head
+    of 16 on the slowed rank 0-2% faster than none at the top of CALL_PRICE_RANGE; runs that
+    held it stepped slower than after its move to a fast rank in 5 of 7 (2-19%) at 3x (hidden
+    512) and in 3 of 3 (11-17%) at 3.4x (hidden 768) (results/trimmed-split/)."""
 
     split: PartitionPlan
     whole: PartitionPlan
