@@ -1,6 +1,7 @@
 """Per run, the median step (train records' elapsed_ms) under each first-layer attention split
-during the straggle, leaving out the step of each repartition and the one after: what a slowed
-rank's one head cost against the same run's steps without it.
+during the straggle, leaving out the step of each repartition and the one after, and where a
+run held two splits, the first's median over the second's: what a slowed rank's one head cost
+against the same run's steps without it.
 
     .venv/bin/python results/trimmed-split/by_plan.py OUT/runs/persistent-*heads*.jsonl
 """
@@ -35,4 +36,6 @@ for path in sys.argv[1:]:
     cells = "  ".join(
         f"{counts}: {statistics.median(v):.0f} ms ({len(v)})" for counts, v in by.items()
     )
-    print(f"{os.path.basename(path):44s} {cells}")
+    medians = [statistics.median(v) for v in by.values()]
+    ratio = f"  first / second {medians[0] / medians[1]:.3f}" if len(medians) == 2 else ""
+    print(f"{os.path.basename(path):44s} {cells}{ratio}")
