@@ -19,9 +19,7 @@ roots = sys.argv[1:] or [os.path.join(ROOT, "results")]
 paths = sorted(
     {p for root in roots for p in glob.glob(os.path.join(root, "**", "*.jsonl"), recursive=True)}
 )
-print(
-    "run                                                      end at  after move  rate after/before"
-)
+print("end at  after move  rate after/before  run")
 for path in paths:
     records = [json.loads(line) for line in open(path)]
     timings = [r for r in records if r.get("kind") == "timing"]
@@ -40,5 +38,5 @@ for path in paths:
         ratio = (now["compute_s"][slow] / now["work"][slow]) / (
             then["compute_s"][slow] / then["work"][slow]
         )
-        name = os.path.relpath(path, ROOT)[-56:]
-        print(f"{name:56s} {d['iteration']:6d}  {prev['iteration']:10d}  {ratio:.3f}")
+        name = os.path.relpath(path, ROOT)
+        print(f"{d['iteration']:6d}  {prev['iteration']:10d}  {ratio:17.3f}  {name}")
