@@ -56,6 +56,7 @@ class SlowdownAnchor:
         self._same_level: list[list[float]] = []  # per rank, the steps the base is made of
         self._refined = 0  # steps since the window that were considered for the base
         self._keys: list[list[int]] = []  # per rank, the window's steps its base is made of
+        self.overruled: frozenset[int] = frozenset()  # ranks the model's reading overruled
 
     @property
     def active(self) -> bool:
@@ -71,6 +72,7 @@ class SlowdownAnchor:
         errors carried from anchor to anchor end here)."""
         self._before, self._base, self._pending = None, None, []
         self._modelled, self._same_level = [], []
+        self.overruled = frozenset()
 
     def rebase(self, slowdown: Sequence[float | None]) -> None:
         """The split changed after a step whose slowdowns were `slowdown`."""
@@ -78,6 +80,7 @@ class SlowdownAnchor:
             raise ValueError(f"{len(slowdown)} slowdowns for a TP group of {self.tp_size}")
         self._before, self._base, self._pending = tuple(slowdown), None, []
         self._modelled, self._same_level = [], []
+        self.overruled = frozenset()
 
     def step(self, compute: Sequence[float], modelled: Factors | None = None) -> list[Factors]:
         """One step's compute per rank (and where a fitted cost model exists, the slowdowns
@@ -126,6 +129,7 @@ class SlowdownAnchor:
         if not (ends and onsets):
             for r, model in {**ends, **onsets}.items():
                 before[r] = model
+            self.overruled = frozenset(ends) | frozenset(onsets)
         self._before = tuple(before)
 
     def _refine(self, compute: Sequence[float]) -> None:
@@ -197,6 +201,7 @@ class SlowdownAnchor:
             "level": list(self._level),
             "same_level": [list(steps) for steps in self._same_level],
             "refined": self._refined,
+            "overruled": sorted(self.overruled),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -208,3 +213,4 @@ class SlowdownAnchor:
         self._level = tuple(state.get("level", self._base or ()))
         self._same_level = [list(steps) for steps in state.get("same_level", ())]
         self._refined = state.get("refined", REFINE_STEPS)
+        self.overruled = frozenset(state.get("overruled", ()))

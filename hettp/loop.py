@@ -136,6 +136,10 @@ class Verdict:
     model: StepModel | None
     decision: Decision | None
     refused: str | None = None  # a move the planner refused on what the report measured
+    # where `factors` came from: "anchor" (continuity across the last change of the split;
+    # "anchor, model at ranks [r]" where the fitted model overruled it there), "fit" (the cost
+    # fit's line), or "prior" (the fit before its points span a line)
+    reading: str = ""
 
 
 def step_model(
@@ -331,7 +335,14 @@ class ControlLoop:
                 report.measured,
             )
         refused = self.planner.refused if model is not None else None
-        return Verdict(factors, detection, model, decision, refused)
+        return Verdict(factors, detection, model, decision, refused, self.reading())
+
+    def reading(self) -> str:
+        """Where `factors` reads a report's slowdowns from now (Verdict.reading)."""
+        if self.anchor.anchored:
+            overruled = sorted(self.anchor.overruled)
+            return f"anchor, model at ranks {overruled}" if overruled else "anchor"
+        return "fit" if self.fit.fitted else "prior"
 
     def _agrees(self, factors, detection: Detection) -> bool:
         """The report's factors put every straggler above the detector's end threshold and

@@ -238,9 +238,9 @@ class EventLog:
     def timing(self, report, verdict, stage=None) -> None:
         """A timing report (JSONL only): per-rank compute per step (and of it, the part no split
         changes and the attention modules' seconds; and all of the rank's compute, busy), work,
-        fitted slowdown
-        factor, and the detector's smoothed slowdowns; with pipelining, one per stage's TP
-        group, marked with its `stage`."""
+        fitted slowdown factor and where it was read from (`reading`: hettp.loop.Verdict), and
+        the detector's smoothed slowdowns; with pipelining, one per stage's TP group, marked
+        with its `stage`."""
         if self.metrics is not None:
             detection = verdict.detection
             self.metrics.write(
@@ -256,6 +256,7 @@ class EventLog:
                 step_s=report.step,
                 slowdown=list(detection.slowdown) if detection else None,
                 refused=verdict.refused,
+                reading=verdict.reading or None,
             )
         if verdict.refused:
             self.info(

@@ -16,9 +16,12 @@ def test_a_refused_move_is_in_the_timing_record_and_the_log(tmp_path, capsys):
     with MetricsWriter(path) as metrics:
         log = EventLog(metrics)
         log.timing(report, Verdict((1.0, 2.0), None, None, None))
-        log.timing(report, Verdict((1.0, 2.0), None, None, None, "move to x refused: ..."))
+        log.timing(
+            report, Verdict((1.0, 2.0), None, None, None, "move to x refused: ...", "anchor")
+        )
     first, second = read_metrics(path, "timing")
     assert first["refused"] is None and second["refused"] == "move to x refused: ..."
+    assert first["reading"] is None and second["reading"] == "anchor"
     assert second["compute_s"] == [0.4, 0.2] and second["fixed_s"] == [0.05, 0.05]
     assert second["attention_s"] == [0.15, 0.0]
     lines = capsys.readouterr().out.splitlines()

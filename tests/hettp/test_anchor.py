@@ -73,10 +73,17 @@ def test_a_fitted_model_overrules_continuity_only_across_the_hysteresis_band():
     ended.rebase((1.0, 3.0))
     ended.step((1.0, 0.3), modelled=(1.0, 1.02))
     assert ended.step((1.0, 0.3), modelled=(1.0, 0.98))[-1] == pytest.approx((1.0, 1.0), abs=0.02)
+    assert ended.overruled == {1}  # said in the timing records (hettp.loop.Verdict.reading)
     off = SlowdownAnchor(2, window=2)
     off.rebase((1.0, 2.5))
     off.step((1.0, 0.3), modelled=(1.0, 1.4))
     assert off.step((1.0, 0.3), modelled=(1.0, 1.38))[-1] == pytest.approx((1.0, 2.5))
+    assert off.overruled == frozenset()
+    again = SlowdownAnchor(2, window=2)
+    again.load_state_dict(ended.state_dict())
+    assert again.overruled == {1}
+    ended.rebase((1.0, 1.0))
+    assert ended.overruled == frozenset()
     # A model that ends rank 0's straggle and starts rank 1's at the same change has taken
     # the fast rank for the slow one (rank 0 left few units, its per-call part fitted too
     # large reads it fast, and rank 1 against it 2x): continuity stands for both.

@@ -75,6 +75,23 @@ def test_migrate_moves_work_off_a_persistent_straggler_and_back():
     assert plan_work(plan, UNIT_WORK) == plan_work(even, UNIT_WORK)  # back once it ended
 
 
+def test_each_verdict_says_where_its_factors_were_read():
+    """Before any move, the fit's prior reads the ranks (their works are equal); once a move
+    changed the split, the anchor carries their slowdowns across it; the split back to even
+    drops the anchor, and the fit, whose points now span a line, reads them."""
+    loop, plan, shares = _loop("migrate"), PartitionPlan.even(2, 2, 4, 64), (0.0, 0.0)
+    readings = []
+    for n, factors in enumerate([[1, 1]] * 2 + [[1, 2]] * 4 + [[1, 1]] * 4, 1):
+        verdict = loop.report(_report(4 * n, plan, shares, factors), plan, shares)
+        readings.append(verdict.reading)
+        if verdict.decision is not None:
+            plan = verdict.decision.plan
+            loop.applied()
+    assert readings[:3] == ["prior"] * 3  # the move is decided on the third report
+    assert readings[3:7] == ["anchor"] * 4  # the move back on the seventh
+    assert readings[7:] == ["fit"] * 3
+
+
 def test_hybrid_migrates_at_once_where_the_move_repays_within_a_step():
     decisions, plan, shares = _drive(
         _loop("hybrid"), PartitionPlan.even(2, 2, 4, 64), [[1, 1]] + [[1, 3]] * 8
