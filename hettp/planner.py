@@ -787,7 +787,7 @@ class SplitCheck:
     bring a call and a K/V replica at its pace, which the model prices least surely: at TP=4
     with one group of 4 heads a rank, the model at a straggle's first report called one head
     of 16 on the slowed rank 0-2% faster than none at the top of CALL_PRICE_RANGE; runs that
-    held it stepped slower than after its move to a fast rank in 6 of 8 (2-24%) at 3x (hidden
+    held it stepped slower than after its move to a fast rank in 7 of 9 (2-24%) at 3x (hidden
     512) and in 3 of 3 (12-20%) at 3.4x (hidden 768) (results/trimmed-split/)."""
 
     split: PartitionPlan

@@ -243,7 +243,7 @@ def test_a_slow_rank_gets_part_of_a_group_only_where_that_beats_giving_it_none()
     the step model of the run's first report (no cost line yet: no per-call part, the
     optimizer's seconds apart). At 2.9x the split gave rank 1 one head, which the model
     called 1.8-6% faster than none over the range; runs that held it stepped 2-24% slower
-    than after its move in 6 of 8, and at 3.4x (hidden 768) 12-20% slower in 3 of 3
+    than after its move in 7 of 9, and at 3.4x (hidden 768) 12-20% slower in 3 of 3
     (results/trimmed-split/). Under SPLIT_GAIN at one end of the range: the heads go to the
     fast ranks. At 2.2x the head gains 3.8-6.4% and stays."""
     heads = HeadUnits(1, 4, 4)
