@@ -440,7 +440,12 @@ class Planner:
         read = self._attention.get(attention_counts(plan), [])
         if len(read) >= ATTENTION_READINGS:
             return False
-        return measured_attention_split(plan, seen, model.factors, self._kv()) is not None
+        return (
+            measured_attention_split(
+                plan, seen, model.factors, _in_attention_units(self.unit_work, "kv")
+            )
+            is not None
+        )
 
     def _attention_split(self, plan, seen: Measured, model: StepModel):
         """measured_attention_split on the median of each rank's attention seconds over the
@@ -452,12 +457,11 @@ class Planner:
             return None
         medians = tuple(statistics.median(r[k] for r in read) for k in range(plan.tp_size))
         return measured_attention_split(
-            plan, dataclasses.replace(seen, attention=medians), model.factors, self._kv()
+            plan,
+            dataclasses.replace(seen, attention=medians),
+            model.factors,
+            _in_attention_units(self.unit_work, "kv"),
         )
-
-    def _kv(self) -> float:
-        """A head unit's K/V replica in attention units, as the step model weighs it."""
-        return self.unit_work.get("kv", 0.0) / self.unit_work["attn"]
 
     def _model_missed(self, plan: PartitionPlan, model: StepModel) -> str | None:
         """Why the model is not trusted to rebalance (MODEL_ERROR), or None: a rank whose
@@ -832,14 +836,14 @@ def split_check(
     """The split, the trimmed split (unless not `trim`) and whole groups at `speeds`, block by
     block (blocks_time)."""
     attn, call = unit_work["attn"], unit_work.get("call", 0.0)
-    kv = unit_work.get("kv", 0.0) / attn
-    split = proportional_plan(plan, speeds, kv=kv, call=call / attn)
+    kv, call_units = _in_attention_units(unit_work, "kv"), _in_attention_units(unit_work, "call")
+    split = proportional_plan(plan, speeds, kv=kv, call=call_units)
     whole = grouped_plan(plan, speeds, split)
     partial = _partial_group_ranks(split, speeds) if trim else set()
     trimmed = None
     if partial:
         kept = [0.0 if r in partial else s for r, s in enumerate(speeds)]
-        trimmed = with_block(split, proportional_plan(plan, kept, kv=kv, call=call / attn), "attn")
+        trimmed = with_block(split, proportional_plan(plan, kept, kv=kv, call=call_units), "attn")
     gains, trimmed_gains = {}, {}
     for scale, price in itertools.product(ATTENTION_COST_RANGE, CALL_PRICE_RANGE):
         work = {**unit_work, "attn": attn * scale, "call": call * price}
@@ -850,6 +854,12 @@ def split_check(
                 1.0 - model.blocks_time(block_works(trimmed, work)) / grouped
             )
     return SplitCheck(split, whole, gains, trimmed, trimmed_gains)
+
+
+def _in_attention_units(unit_work: Mapping[str, float], key: str) -> float:
+    """A head unit's K/V replica ("kv") or attention's per-call part ("call") in attention
+    units, as the step model weighs them (0 where the run has none)."""
+    return unit_work.get(key, 0.0) / unit_work["attn"]
 
 
 def _partial_group_ranks(split: PartitionPlan, speeds) -> set[int]:
