@@ -383,9 +383,22 @@ class ControlLoop:
     def applied(self) -> None:
         """A decision changed the work split: anchor the slowdowns there, and re-base the
         detector's reference."""
-        self.anchor.rebase(self.detector.level())
+        self.anchor.rebase(self._carried())
         self.detector.rebase()
         self._steps = []  # a report's steps share one split
+
+    def _carried(self) -> tuple[float, ...]:
+        """The slowdowns the anchor carries across a change: each rank's level, but 1.0 for a
+        rank that neither straggles nor reads past the detector's onset, as the planner reads
+        it (step_model). Carried as read, a fast rank's noise at the change (1.14x) stayed in
+        its every later reading, and a few slower steps on top read as a 1.3x onset (a TP=4
+        run of this VM; the plan moved units off it). A rank past the onset that is not yet
+        a straggler keeps its level: its straggle may be starting."""
+        detector = self.detector
+        return tuple(
+            v if r in detector.stragglers or v >= detector.onset else 1.0
+            for r, v in enumerate(detector.level())
+        )
 
     def reweighed(self, work: Sequence[float] | None = None) -> None:
         """The units' weights changed (core attention priced): the work a report divides by is
@@ -409,7 +422,7 @@ class ControlLoop:
             raise ValueError(f"work scale must be positive, got {factor}")
         self.fit.rescale(factor)
         if self.anchor.active:
-            self.anchor.rebase(self.detector.level())
+            self.anchor.rebase(self._carried())
         self.detector.rebase()
         self._steps = []  # a report's steps share one batch
 

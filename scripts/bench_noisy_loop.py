@@ -1,11 +1,12 @@
 """The control loop on noisy per-step timings (hettp.sim.noisy), side by side: for each per-step
 noise level, straggler factor and kind (emulated: only the sharded work slowed, as
 --het-tp-emulate; device: all of the rank's compute), over --runs seeds, how many runs ended a
-persistent straggle while it lasted, took the fast rank for the slow one, and the steady E
+persistent straggle while it lasted, took a fast rank for the slow one, and the steady E
 (the best split's step over the loop's) at the worst tenth and the median. Pure and fast: no
 process group; it shows what the loop does with timings this noisy, not a machine's speed.
 
     python scripts/bench_noisy_loop.py [--runs 30] [--policies migrate,hybrid]
+    python scripts/bench_noisy_loop.py --tp 4 --slow-rank 2 --noise 0.1,0.2 --factors 1.5,2,3
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default="migrate,hybrid")
     p.add_argument("--noise", default="0.05,0.1,0.15,0.25", help="per-step noise levels")
     p.add_argument("--factors", default="1.5,2.5,4", help="straggler factors")
+    p.add_argument("--tp", type=int, default=2, help="TP group size")
+    p.add_argument("--slow-rank", type=int, default=0, help="the straggling rank")
     a = p.parse_args(argv)
+    if a.tp < 2 or not 0 <= a.slow_rank < a.tp:
+        p.error(f"need --tp >= 2 and 0 <= --slow-rank < --tp, got {a.tp} and {a.slow_rank}")
     if a.runs < 10:
         p.error(f"--runs must be >= 10 (a tenth of them is a row's worst), got {a.runs}")
     try:
@@ -47,7 +52,15 @@ def main(argv=None) -> int:
             for sharded_only in (True, False):
                 for policy in policies:
                     runs = [
-                        straggle(policy, factor, noise, seed, sharded_only)
+                        straggle(
+                            policy,
+                            factor,
+                            noise,
+                            seed,
+                            sharded_only,
+                            tp=a.tp,
+                            slow_rank=a.slow_rank,
+                        )
                         for seed in range(a.runs)
                     ]
                     es = sorted(r.steady_e for r in runs)

@@ -1,5 +1,5 @@
-"""One TP=2 group's control loop on the per-step timings a busy machine gives, step by step as
-the Megatron controller drives it: rank 0 turns slow part-way through a step, every rank's
+"""One TP group's control loop on the per-step timings a busy machine gives, step by step as
+the Megatron controller drives it: one rank turns slow part-way through a step, every rank's
 compute carries independent per-step noise, and a per-call part the timed optimizer step
 covers only half of. Time is block-synchronous: each block waits for its slowest rank, and
 the optimizer step after them for its. What the loop decides and how close its split holds
@@ -21,7 +21,7 @@ from ..transfer import MigrationCost
 
 UNIT_WORK = {"attn": 64.0, "mlp": 1.0}  # 8 query groups of 64 and 1024 neurons a layer
 PER_CALL = 0.08  # seconds a step whatever the units; the timed optimizer step is half of it
-SHARDED = 0.28  # seconds a step of the sharded work at the even split, unslowed
+SHARDED = 0.28  # seconds a step of the sharded work at the even split (TP=2), unslowed
 REST = 0.1  # seconds a step outside the sharded compute
 
 
@@ -43,10 +43,14 @@ class NoisyRun:
         """The loop declared the straggle over while it lasted."""
         return any("no straggler left" in d.reason for d in self.decisions)
 
+    slow_rank: int = 0
+
     @property
     def swapped(self) -> bool:
-        """The loop planned for the fast rank (1) as a straggler."""
-        return any(d.planned[1] > 1.0 for d in self.decisions)
+        """The loop planned for a fast rank as a straggler."""
+        return any(
+            f > 1.0 for d in self.decisions for r, f in enumerate(d.planned) if r != self.slow_rank
+        )
 
 
 def straggle(
@@ -58,27 +62,34 @@ def straggle(
     steps: int = 60,
     onset: int = 8,
     interval: int = 4,
+    tp: int = 2,
+    slow_rank: int = 0,
+    per_call: float = PER_CALL,
 ) -> NoisyRun:
-    """Rank 0 `factor`x slower from step `onset` on, the onset step half-slowed (the straggle
-    began mid-step); `noise`: each rank's compute times 1 ± up to `noise`, drawn per step.
-    `sharded_only`: only rank 0's per-unit work is slowed, as --het-tp-emulate does; else all
-    of its compute, as a slow device."""
+    """Rank `slow_rank` of `tp` `factor`x slower from step `onset` on, the onset step
+    half-slowed (the straggle began mid-step); `noise`: each rank's compute times 1 ± up to
+    `noise`, drawn per step. `sharded_only`: only the slow rank's per-unit work is slowed, as
+    --het-tp-emulate does; else all of its compute, as a slow device. `per_call`: the seconds
+    a step that do not shrink with a rank's units (at TP=4 on this VM, about as much as its
+    units at the even split)."""
+    if not 0 <= slow_rank < tp:
+        raise ValueError(f"slow rank {slow_rank} is not in a TP group of {tp}")
     rng = random.Random(seed)
-    plan, shares = PartitionPlan.even(2, 2, 8, 1024), (0.0, 0.0)
+    plan, shares = PartitionPlan.even(tp, 2, 8, 1024), (0.0,) * tp
     migration = MigrationCost(unit_bytes={"attn": 64 * 4096, "mlp": 4096})
     planner = Planner(policy, UNIT_WORK, cap=0.5, migration_seconds=migration.seconds)
-    loop = ControlLoop(planner, StragglerDetector(2), migration, interval=interval)
+    loop = ControlLoop(planner, StragglerDetector(tp), migration, interval=interval)
     total = sum(plan_work(plan, UNIT_WORK))
     per_unit = SHARDED / (total / 2)
 
     def blocks(rank: int, work: float, slow: float) -> float:
         """The rank's compute in the blocks: half the per-call part, and its units."""
-        f = slow if rank == 0 else 1.0
-        return PER_CALL / 2 * (1.0 if sharded_only else f) + per_unit * work * f
+        f = slow if rank == slow_rank else 1.0
+        return per_call / 2 * (1.0 if sharded_only else f) + per_unit * work * f
 
     def apart(rank: int, slow: float) -> float:
         """After the blocks: the timed optimizer step, the per-call part's other half."""
-        return PER_CALL / 2 * (slow if rank == 0 and not sharded_only else 1.0)
+        return per_call / 2 * (slow if rank == slow_rank and not sharded_only else 1.0)
 
     def step_time(work, slow: float) -> float:
         """Each block waits for its slowest rank, and so does the optimizer's next step."""
@@ -95,7 +106,7 @@ def straggle(
         clean = [blocks(r, w, slow) + apart(r, slow) for r, w in enumerate(work)]
         noisy = [1 + rng.uniform(-noise, noise) for _ in clean]
         measured = tuple(c * n for c, n in zip(clean, noisy))
-        timed = tuple(apart(r, slow) * n for r, n in zip(range(2), noisy))
+        timed = tuple(apart(r, slow) * n for r, n in zip(range(tp), noisy))
         times.append(step_time(work, slow))
         report = TimingReport(step, measured, tuple(work), times[-1], timed)
         verdict = loop.run_step(report, plan, shares)
@@ -104,8 +115,19 @@ def straggle(
             decisions.append(Decided(step, d.action, d.reason, verdict.model.factors))
             plan, shares = d.plan, d.shares
             loop.applied()
-    best = min(step_time((w, total - w), factor) for w in range(int(total) + 1))
-    return NoisyRun(tuple(decisions), best / statistics.mean(times[-30:]))
+    best = _best_step(step_time, total, tp, slow_rank, factor)
+    return NoisyRun(tuple(decisions), best / statistics.mean(times[-30:]), slow_rank)
+
+
+def _best_step(step_time, total: float, tp: int, slow_rank: int, factor: float) -> float:
+    """The least step time over splits that give the slow rank w and the others an equal
+    share of the rest (the fast ranks are alike, so no better split treats them apart)."""
+
+    def at(w: float) -> float:
+        rest = (total - w) / (tp - 1)
+        return step_time([w if r == slow_rank else rest for r in range(tp)], factor)
+
+    return min(at(w) for w in range(int(total) + 1))
 
 
 def even_split_ratio(factor: float, sharded_only: bool) -> float:

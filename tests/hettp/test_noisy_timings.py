@@ -49,6 +49,43 @@ def test_a_persistent_straggler_on_noisy_timings_stays_planned_for(
     assert sorted(r.steady_e for r in runs)[len(runs) // 10] >= least_e
 
 
+def test_a_fast_ranks_noise_at_a_move_is_not_carried_into_its_later_readings():
+    """TP=4, rank 2 2x or 3x slow, 10% per-step noise, 40 runs. The anchor carried each rank's
+    level across a move as read, a fast rank's 1.1x of noise included; a few slower steps on
+    top then read as a 1.3x onset and the plan took units off a fast rank (6 and 5 of 40
+    runs with rank 0 or 2 slow, before the fast ranks were carried at 1.0)."""
+    runs = [
+        straggle("migrate", factor, 0.1, seed, mode, tp=4, slow_rank=2)
+        for factor in (2.0, 3.0)
+        for mode in (True, False)
+        for seed in range(10)
+    ]
+    assert sum(r.swapped for r in runs) == 0
+    assert sum(r.ended for r in runs) <= 1
+    assert sorted(r.steady_e for r in runs)[len(runs) // 10] >= 0.92
+
+
+def test_a_straggle_still_starting_at_a_move_keeps_its_level():
+    """TP=4 at 20% noise, hybrid: a fast rank's noise sometimes moves units before the slow
+    rank's onset has registered (the onset step is half-slowed). Carried at 1.0 with the other
+    non-stragglers, that rank read normal ever after, and 4 of 40 runs never planned for it
+    (E down to 0.56); it keeps its level where it reads past the onset. Before either (every
+    rank carried as read), the worst tenth of these runs held E 0.78."""
+    runs = [
+        straggle("hybrid", factor, 0.2, seed, mode, tp=4, slow_rank=2)
+        for factor in (2.0, 3.0)
+        for mode in (True, False)
+        for seed in range(10)
+    ]
+    assert all(any(d.planned[2] > 1.0 for d in r.decisions) for r in runs)
+    assert sorted(r.steady_e for r in runs)[len(runs) // 10] >= 0.8
+
+
+def test_the_noisy_group_names_a_slow_rank_it_has():
+    with pytest.raises(ValueError, match="slow rank 4 is not in a TP group of 4"):
+        straggle("migrate", 2.0, 0.1, 0, True, tp=4, slow_rank=4)
+
+
 def _noisy_anchor(seed, hiccups=()):
     """An anchor after a change, fed 3 + 32 steps of ±20% noise around (1.0, 0.5); the steps
     in `hiccups` take twice as long. Returns it and its reading after the window."""
