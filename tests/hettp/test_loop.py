@@ -379,3 +379,23 @@ def test_a_move_back_to_a_near_even_split_drops_the_slowdown_the_anchor_carried(
         for i in range(1, 5):  # both ranks at full speed
             detection = loop.detect(TimingReport(i, tuple(1e-3 * w for w in work), work, 0.2))
         assert detection.slowdown[1] == pytest.approx(reads, rel=0.02), plan.summary()
+
+
+def test_a_change_carries_the_planners_reading_of_the_ranks_that_do_not_straggle():
+    """Rank 1 straggles at 3x; rank 2 reads 1.2x (noise, under the onset) and rank 3 1.4x
+    (past the onset, its patience not yet run out). After a move, the anchor carries rank 2
+    at 1.0, as the planner read it, and ranks 1 and 3 at their levels: a straggle may be
+    starting on rank 3."""
+    loop = ControlLoop(
+        Planner("migrate", UNIT_WORK), StragglerDetector(4, patience=3, window=3), interval=100
+    )
+    work = (10.0,) * 4
+    for n in range(1, 4):
+        loop.detect(TimingReport(n, (1.0, 3.0, 1.2, 1.4), work, 3.2))
+    assert loop.detector.stragglers == {1}
+    loop.applied()
+    moved = (14.0, 4.0, 11.0, 11.0)  # the same speeds at a new split: compute per work as before
+    compute = tuple(c * w / 10.0 for c, w in zip((1.0, 3.0, 1.2, 1.4), moved))
+    for n in range(4, 7):
+        loop.detect(TimingReport(n, compute, moved, 3.2))
+    assert loop.factors(TimingReport(6, compute, moved, 3.2)) == pytest.approx((1.0, 3.0, 1.0, 1.4))
