@@ -57,6 +57,10 @@ class SlowdownAnchor:
         self._refined = 0  # steps since the window that were considered for the base
         self._keys: list[list[int]] = []  # per rank, the window's steps its base is made of
         self.overruled: frozenset[int] = frozenset()  # ranks the model's reading overruled
+        # each rank's compute and work at the level it was at just before the change, and its
+        # work after it: what an end at the change must be seen in (_shed)
+        self._then: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+        self._work: tuple[float, ...] | None = None
 
     @property
     def active(self) -> bool:
@@ -73,24 +77,46 @@ class SlowdownAnchor:
         self._before, self._base, self._pending = None, None, []
         self._modelled, self._same_level = [], []
         self.overruled = frozenset()
+        self._then = self._work = None
 
-    def rebase(self, slowdown: Sequence[float | None]) -> None:
-        """The split changed after a step whose slowdowns were `slowdown`."""
+    def rebase(
+        self,
+        slowdown: Sequence[float | None],
+        compute: Sequence[float] | None = None,
+        work: Sequence[float] | None = None,
+    ) -> None:
+        """The split changed after a step whose slowdowns were `slowdown` (and, where known,
+        each rank's `compute` and `work` at that level: the fitted model may then end a
+        straggle at the change only where the rank's compute fell by more than its work)."""
         if len(slowdown) != self.tp_size:
             raise ValueError(f"{len(slowdown)} slowdowns for a TP group of {self.tp_size}")
+        if (compute is None) != (work is None) or any(
+            x is not None and len(x) != self.tp_size for x in (compute, work)
+        ):
+            raise ValueError("compute and work before a change: both or neither, one per rank")
         self._before, self._base, self._pending = tuple(slowdown), None, []
         self._modelled, self._same_level = [], []
         self.overruled = frozenset()
+        self._then = None if compute is None else (tuple(compute), tuple(work))
+        self._work = None
 
-    def step(self, compute: Sequence[float], modelled: Factors | None = None) -> list[Factors]:
+    def step(
+        self,
+        compute: Sequence[float],
+        modelled: Factors | None = None,
+        work: Sequence[float] | None = None,
+    ) -> list[Factors]:
         """One step's compute per rank (and where a fitted cost model exists, the slowdowns
-        it reads); returns the slowdowns of the steps now known: none while the anchor window
-        fills, all of its steps when it completes, then one a step."""
+        it reads; `work`, each rank's work at the new split); returns the slowdowns of the
+        steps now known: none while the anchor window fills, all of its steps when it
+        completes, then one a step."""
         if not self.active:
             raise RuntimeError("no change of the split to anchor to: use the cost model")
         if self.anchored:
             self._refine(compute)
             return [self.factors(compute)]
+        if work is not None:
+            self._work = tuple(work)
         self._pending.append(tuple(compute))
         if modelled is not None:
             self._modelled.append(relative(modelled))
@@ -119,7 +145,7 @@ class SlowdownAnchor:
             if b is None or not seen:
                 continue
             model = statistics.median(seen)
-            if b >= self.slow and model <= self.normal:
+            if b >= self.slow and model <= self.normal and self._shed(r):
                 ends[r] = model
             elif b <= self.normal and model >= self.slow:
                 onsets[r] = model
@@ -131,6 +157,23 @@ class SlowdownAnchor:
                 before[r] = model
             self.overruled = frozenset(ends) | frozenset(onsets)
         self._before = tuple(before)
+
+    def _shed(self, rank: int) -> bool:
+        """The rank's compute fell across the change by `band` more than its work did (by
+        the work's ratio at least: a part that does not shrink with the units only makes the
+        compute fall less), as it does where its straggle ended there. Where it did not, the
+        model that reads the rank at full speed has misread a rank left few units: in a
+        generalize draw a 1.9x rank moved from 5.06 to 2.13 units of work computed 0.465 s and
+        then 0.248 s (0.53 of it for 0.42 of the work), the model read 1.11x, the plan went
+        back to even and the straggle was found again three steps later. Without the compute
+        before the change, the model decides alone."""
+        if self._then is None or self._work is None:
+            return True
+        compute, work = self._then
+        if compute[rank] <= 0 or work[rank] <= 0:
+            return True
+        after = self._anchor(rank)
+        return after * self.band <= compute[rank] * min(1.0, self._work[rank] / work[rank])
 
     def _refine(self, compute: Sequence[float]) -> None:
         """The window's few steps fix every later reading, and under per-step noise their
@@ -202,6 +245,8 @@ class SlowdownAnchor:
             "same_level": [list(steps) for steps in self._same_level],
             "refined": self._refined,
             "overruled": sorted(self.overruled),
+            "then": None if self._then is None else [list(x) for x in self._then],
+            "work": None if self._work is None else list(self._work),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -214,3 +259,7 @@ class SlowdownAnchor:
         self._same_level = [list(steps) for steps in state.get("same_level", ())]
         self._refined = state.get("refined", REFINE_STEPS)
         self.overruled = frozenset(state.get("overruled", ()))
+        then = state.get("then")  # absent before it: the model decides ends alone
+        self._then = None if then is None else (tuple(then[0]), tuple(then[1]))
+        work = state.get("work")
+        self._work = None if work is None else tuple(work)

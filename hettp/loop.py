@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -213,6 +214,8 @@ class ControlLoop:
         )
         self.interval = interval
         self._steps: list[TimingReport] = []  # this report interval's steps
+        # the latest steps detected on, all of one split: the level a change leaves
+        self._recent: deque[TimingReport] = deque(maxlen=detector.window)
         self._seen = 0  # steps seen since this loop was created
 
     def step(self, step: TimingReport) -> Due | None:
@@ -268,6 +271,7 @@ class ControlLoop:
     def detect(self, step: TimingReport) -> Detection:
         """One step's timings into the detector (every rank, every step). While the anchor
         after a change fills, the detector waits; then it takes the anchor's steps at once."""
+        self._recent.append(step)
         if self.anchor.active and _near_even(step.work):
             # An even split again, or within NEAR_EVEN of one (a move back after a straggle
             # lands on the MLP's chunks): the ranks' ratios need no anchor, and a slowdown it
@@ -277,7 +281,7 @@ class ControlLoop:
             modelled = None
             if self.fit.fitted:
                 modelled = tuple(self.fit.factors(step.work, step.compute, step.fixed))
-            rows = self.anchor.step(step.compute, modelled)
+            rows = self.anchor.step(step.compute, modelled, step.work)
         else:
             rows = [tuple(self.fit.factors(step.work, step.compute, step.fixed))]
         if not rows:
@@ -383,9 +387,20 @@ class ControlLoop:
     def applied(self) -> None:
         """A decision changed the work split: anchor the slowdowns there, and re-base the
         detector's reference."""
-        self.anchor.rebase(self._carried())
+        self._rebase_anchor()
         self.detector.rebase()
         self._steps = []  # a report's steps share one split
+
+    def _rebase_anchor(self) -> None:
+        """The split changed: the anchor carries `_carried` across, with each rank's compute
+        and work at the level the latest steps are at (the detector's window of them)."""
+        recent = list(self._recent)
+        self._recent.clear()
+        if not recent or len({step.work for step in recent}) > 1:
+            self.anchor.rebase(self._carried())
+            return
+        level = TimingReport.latest_level(recent, self.detector.onset)
+        self.anchor.rebase(self._carried(), level.compute, level.work)
 
     def _carried(self) -> tuple[float, ...]:
         """The slowdowns the anchor carries across a change: each rank's level, but 1.0 for a
@@ -407,6 +422,7 @@ class ControlLoop:
         take `work`, that split's per-rank work in the new units, and the interval goes on."""
         self.fit = ComputeFit()
         self.anchor.clear()
+        self._recent.clear()  # their work is in the old units
         self.detector.rebase()
         if work is None or len({step.work for step in self._steps}) > 1:
             self._steps = []
@@ -422,7 +438,7 @@ class ControlLoop:
             raise ValueError(f"work scale must be positive, got {factor}")
         self.fit.rescale(factor)
         if self.anchor.active:
-            self.anchor.rebase(self._carried())
+            self._rebase_anchor()
         self.detector.rebase()
         self._steps = []  # a report's steps share one batch
 

@@ -93,6 +93,31 @@ def test_a_fitted_model_overrules_continuity_only_across_the_hysteresis_band():
     assert swapped.step((0.24, 0.68), modelled=(1.0, 2.19))[-1] == pytest.approx((1.95, 1.0))
 
 
+def test_the_model_ends_a_straggle_at_a_change_only_where_the_ranks_compute_fell_with_it():
+    """A generalize draw (seed 51685, hybrid): rank 1 at 1.92x moved from 5.06 to 2.13 units of
+    work computed 0.465 s and then 0.248 s, 0.53 of it for 0.42 of the work; the fitted model
+    read it at 1.11x and ended the straggle, and it was found again three steps later. Where
+    the compute falls by the band more than the work, as at a real end, the model still wins."""
+    still = SlowdownAnchor(2, window=2)
+    still.rebase((1.0, 1.92), compute=(0.293, 0.465), work=(7.61, 5.06))
+    for _ in range(2):
+        last = still.step((0.435, 0.248), modelled=(1.0, 1.11), work=(10.52, 2.13))
+    assert last[-1] == pytest.approx((1.0, 1.92)) and still.overruled == frozenset()
+    ended = SlowdownAnchor(2, window=2)
+    ended.rebase((1.0, 1.92), compute=(0.293, 0.465), work=(7.61, 5.06))
+    for _ in range(2):
+        last = ended.step((0.435, 0.140), modelled=(1.0, 1.02), work=(10.52, 2.13))
+    assert last[-1] == pytest.approx((1.0, 1.02), abs=0.01) and ended.overruled == {1}
+    half = SlowdownAnchor(2, window=2)  # a checkpoint inside the window keeps what it needs
+    half.rebase((1.0, 1.92), compute=(0.293, 0.465), work=(7.61, 5.06))
+    half.step((0.435, 0.248), modelled=(1.0, 1.11), work=(10.52, 2.13))
+    again = SlowdownAnchor(2, window=2)
+    again.load_state_dict(half.state_dict())
+    assert again.step((0.435, 0.248), modelled=(1.0, 1.11))[-1] == pytest.approx((1.0, 1.92))
+    with pytest.raises(ValueError, match="both or neither"):
+        still.rebase((1.0, 1.0), compute=(0.3, 0.3))
+
+
 def test_anchor_rejects_misuse_and_round_trips():
     with pytest.raises(ValueError, match="need window >= 1, band > 1"):
         SlowdownAnchor(2, window=0)
