@@ -38,6 +38,12 @@ class Detection:
     ends: frozenset  # ranks that stopped at this report
 
 
+# Steps since the last change that `level` reads a rank's level from (those within the onset
+# band of its latest). A level read from the window's 3 steps is carried across the change
+# with its noise into every later reading of the rank (hettp/anchor.py).
+LEVEL_STEPS = 16
+
+
 class StragglerDetector:
     def __init__(
         self,
@@ -64,6 +70,7 @@ class StragglerDetector:
         self.end_patience = end_patience
         self._slowdown = (1.0,) * tp_size  # the last update's
         self._history = [deque(maxlen=window) for _ in range(tp_size)]
+        self._since = [deque(maxlen=LEVEL_STEPS) for _ in range(tp_size)]  # since the change
         self._above = [0] * tp_size
         self._below = [0] * tp_size
         self._rising = [0] * tp_size  # smoothed steps in a row a straggler read a slower level
@@ -77,7 +84,7 @@ class StragglerDetector:
         first full window after it as the new reference for drift, so timing-model error after
         a move cannot trigger another move. Onsets and ends still need their thresholds
         crossed."""
-        for history in self._history:
+        for history in (*self._history, *self._since):
             history.clear()
         self._rebased = True
 
@@ -86,24 +93,32 @@ class StragglerDetector:
         return Detection(self._slowdown, self.stragglers, False, frozenset(), frozenset())
 
     def level(self) -> tuple[float, ...]:
-        """Each rank's slowdown at the level its latest step is at: the median of its window's
-        steps within `onset` of the latest. The smoothed slowdown decides whether a straggle
-        began (one noisy step must not); this says how slow it is. At an onset the window
-        still holds the steps before it, so its median is half way ([1.0, 1.7, 2.3] reads 1.7
-        for a rank that is now 2.3x), and a plan or anchor taken from it is too."""
+        """Each rank's slowdown at the level its latest step is at: the median of its steps
+        since the last change (the latest LEVEL_STEPS) within `onset` of the latest. The
+        smoothed slowdown decides whether a straggle began (one noisy step must not); this
+        says how slow it is. At an onset the window still holds the steps before it, so its
+        median is half way ([1.0, 1.7, 2.3] reads 1.7 for a rank that is now 2.3x), and a
+        plan or anchor taken from it is too; read from the window's 3 steps alone, a level
+        kept their noise (a 2.5x rank carried at 2.78x read 1.2x once it had recovered, and
+        stayed planned for)."""
         latest = []
-        for history in self._history:
-            if not history:
+        for window, since in zip(self._history, self._since):
+            if not window:
                 latest.append(None)
                 continue
-            last = history[-1]
-            same = [v for v in history if max(v, last) < self.onset * min(v, last)]
-            latest.append(statistics.median(same))
+            # the window's level, then the steps since the change at it: picked around one
+            # noisy latest step, the longer history leaned its way
+            level = statistics.median(self._near(window, window[-1]))
+            latest.append(statistics.median(self._near(since, level)))
         known = [v for v in latest if v is not None]
         if not known:
             return self._slowdown
         fastest = min(known)
         return tuple(1.0 if v is None else v / fastest for v in latest)
+
+    def _near(self, values, at: float) -> list[float]:
+        """`values` within `onset` of `at`."""
+        return [v for v in values if max(v, at) < self.onset * min(v, at)]
 
     def update(self, per_unit_seconds: Sequence[float | None]) -> Detection:
         """One step: seconds per unit of work per rank (None: the rank ran no units)."""
@@ -114,6 +129,7 @@ class StragglerDetector:
                 if not value > 0:
                     raise DetectError(f"rank {rank}: time per unit must be positive, got {value}")
                 self._history[rank].append(float(value))
+                self._since[rank].append(float(value))
         smoothed = [statistics.median(h) if h else None for h in self._history]
         known = [v for v in smoothed if v is not None]
         if not known:
@@ -203,6 +219,7 @@ class StragglerDetector:
         """Everything a resumed run needs to detect as this one would (plain data)."""
         return {
             "history": [list(h) for h in self._history],
+            "since": [list(h) for h in self._since],
             "above": list(self._above),
             "below": list(self._below),
             "rising": list(self._rising),
@@ -222,6 +239,10 @@ class StragglerDetector:
         for history, saved in zip(self._history, state["history"]):
             history.clear()
             history.extend(saved)
+        # absent before it: the window's steps are all that is known since the change
+        for since, saved in zip(self._since, state.get("since", state["history"])):
+            since.clear()
+            since.extend(saved)
         self._above, self._below = list(state["above"]), list(state["below"])
         self._rising = list(state.get("rising", [0] * self.tp_size))  # absent before it
         self.stragglers = frozenset(state["stragglers"])

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..detect import StragglerDetector
-from ..loop import ControlLoop, TimingReport
+from ..loop import ControlLoop, TimingReport, _near_even
 from ..plan import PartitionPlan
 from ..planner import Planner
 from ..step_model import plan_work
@@ -44,6 +44,9 @@ class NoisyRun:
         return any("no straggler left" in d.reason for d in self.decisions)
 
     slow_rank: int = 0
+    # with a straggle that stops: the first step from its stop run at a split the loop reads
+    # as even again (works within NEAR_EVEN; None: never, or the straggle does not stop)
+    restored: int | None = None
 
     @property
     def swapped(self) -> bool:
@@ -65,13 +68,14 @@ def straggle(
     tp: int = 2,
     slow_rank: int = 0,
     per_call: float = PER_CALL,
+    stop: int | None = None,
 ) -> NoisyRun:
     """Rank `slow_rank` of `tp` `factor`x slower from step `onset` on, the onset step
     half-slowed (the straggle began mid-step); `noise`: each rank's compute times 1 ± up to
     `noise`, drawn per step. `sharded_only`: only the slow rank's per-unit work is slowed, as
     --het-tp-emulate does; else all of its compute, as a slow device. `per_call`: the seconds
     a step that do not shrink with a rank's units (at TP=4 on this VM, about as much as its
-    units at the even split)."""
+    units at the even split). `stop`: the first step at full speed again (None: it lasts)."""
     if not 0 <= slow_rank < tp:
         raise ValueError(f"slow rank {slow_rank} is not in a TP group of {tp}")
     rng = random.Random(seed)
@@ -99,9 +103,14 @@ def straggle(
             + max(apart(r, slow) for r in range(len(work)))
         )
 
+    restored = None
     decisions, times = [], []
     for step in range(1, steps + 1):
         slow = 1.0 if step < onset else factor if step > onset else (1 + factor) / 2
+        if stop is not None and step >= stop:
+            slow = 1.0
+            if restored is None and _near_even(plan_work(plan, UNIT_WORK, shares)):
+                restored = step
         work = plan_work(plan, UNIT_WORK, shares)
         clean = [blocks(r, w, slow) + apart(r, slow) for r, w in enumerate(work)]
         noisy = [1 + rng.uniform(-noise, noise) for _ in clean]
@@ -116,7 +125,7 @@ def straggle(
             plan, shares = d.plan, d.shares
             loop.applied()
     best = _best_step(step_time, total, tp, slow_rank, factor)
-    return NoisyRun(tuple(decisions), best / statistics.mean(times[-30:]), slow_rank)
+    return NoisyRun(tuple(decisions), best / statistics.mean(times[-30:]), slow_rank, restored)
 
 
 def _best_step(step_time, total: float, tp: int, slow_rank: int, factor: float) -> float:

@@ -394,8 +394,33 @@ def test_a_change_carries_the_planners_reading_of_the_ranks_that_do_not_straggle
         loop.detect(TimingReport(n, (1.0, 3.0, 1.2, 1.4), work, 3.2))
     assert loop.detector.stragglers == {1}
     loop.applied()
+    # with each rank's compute and work at that level, which an end at the change is held to
+    assert loop.anchor.state_dict()["then"] == [[1.0, 3.0, 1.2, 1.4], [10.0] * 4]
     moved = (14.0, 4.0, 11.0, 11.0)  # the same speeds at a new split: compute per work as before
     compute = tuple(c * w / 10.0 for c, w in zip((1.0, 3.0, 1.2, 1.4), moved))
     for n in range(4, 7):
         loop.detect(TimingReport(n, compute, moved, 3.2))
     assert loop.factors(TimingReport(6, compute, moved, 3.2)) == pytest.approx((1.0, 3.0, 1.0, 1.4))
+
+
+def test_a_level_is_read_from_the_steps_since_the_change_at_it():
+    """The level a change carries across (and every later reading of the rank with it) is the
+    median of the steps since the last change at the window's level, not of the window's 3
+    steps: three high ones (2.3x for a 2.0x rank) stayed in the rank's readings, and a
+    recovered 2.5x rank carried at 2.78x read 1.2x and stayed planned for. At an onset the
+    steps before it are not at its level and are left out."""
+    detector = StragglerDetector(2)
+    for slow in (2.0, 1.9, 2.1, 1.95, 2.05, 2.0, 1.9, 2.1, 2.3, 2.3, 2.25):
+        detector.update((1.0, slow))
+    assert detector.level() == pytest.approx((1.0, 2.05))  # 2.3 from the window alone
+    detector.rebase()  # a change: the steps before it are of another split
+    for slow in (2.3, 2.3, 2.25):
+        detector.update((1.0, slow))
+    assert detector.level() == pytest.approx((1.0, 2.3))
+    onset = StragglerDetector(2)
+    for slow in (1.0,) * 8 + (2.3, 2.4):
+        onset.update((1.0, slow))
+    assert onset.level() == pytest.approx((1.0, 2.35))
+    again = StragglerDetector(2)
+    again.load_state_dict(detector.state_dict())
+    assert again.level() == detector.level()

@@ -31,7 +31,7 @@ def test_an_onset_mid_step_is_planned_at_its_level(factor, sharded_only):
 
 @pytest.mark.parametrize(
     "noise, most_swapped, most_ended, least_e",
-    [(0.1, 0, 0, 0.9), (0.25, 2, 16, 0.78)],
+    [(0.1, 0, 0, 0.9), (0.25, 5, 16, 0.78)],
     ids=["10%", "25%"],
 )
 def test_a_persistent_straggler_on_noisy_timings_stays_planned_for(
@@ -39,8 +39,10 @@ def test_a_persistent_straggler_on_noisy_timings_stays_planned_for(
 ):
     """Per-step noise on each rank, 30 runs a mode (60 in all). At 10% (about this VM's busy
     reports): no run ends the straggle or takes the fast rank for the slow one, and 9 runs of
-    10 hold E >= 0.9. At 25%: at most 2 runs swap the ranks and 16 end the straggle (it is
-    found again at the next steps), and 9 runs of 10 hold E >= 0.78. The loop before these
+    10 hold E >= 0.9. At 25%: at most 5 runs swap the ranks and 16 end the straggle (it is
+    found again at the next steps), and 9 runs of 10 hold E >= 0.78. (5 since levels are read
+    from the steps since the last change, 2 before; over 360 other runs at 25%, 17 against
+    16, mean E 0.944 against 0.943: this noise decides.) The loop before these
     fixes: at 10%, 4 runs ended it, 4 swapped, and E fell to 0.44-0.59 in some; at 25%, 18
     runs swapped the ranks, 25 ended it, and a tenth of them sat at E 0.50-0.57."""
     runs = [straggle("migrate", 2.5, noise, s, mode) for mode in (True, False) for s in range(30)]
@@ -79,6 +81,29 @@ def test_a_straggle_still_starting_at_a_move_keeps_its_level():
     ]
     assert all(any(d.planned[2] > 1.0 for d in r.decisions) for r in runs)
     assert sorted(r.steady_e for r in runs)[len(runs) // 10] >= 0.8
+
+
+def test_the_plan_goes_back_within_two_steps_of_a_straggles_end():
+    """TP=4, a slow device (rank 1 or 2 at 1.8-4x, two per-call parts) whose straggle ends at
+    step 20, 23 or 26, 5% noise, 108 runs: the split is back within NEAR_EVEN of even by the
+    second normal step in 96 and never stays off. A recovered rank read through a level taken
+    from the window's 3 steps kept their noise (a 2.5x rank carried at 2.78x read 1.2x, inside
+    the detector's band, and was planned for as a milder straggler for good): 89 within two
+    steps and 4 never before the carry of 1.0 for the fast ranks, 91 and 10 with it, before
+    levels were read from the steps since the change."""
+    lags = []
+    for rank in (1, 2):
+        for factor in (1.8, 2.5, 4.0):
+            for per_call in (0.08, 0.3):
+                for stop in (20, 23, 26):
+                    for seed in range(3):
+                        run = straggle(
+                            "migrate", factor, 0.05, seed, False, steps=40, tp=4,
+                            slow_rank=rank, per_call=per_call, stop=stop,
+                        )  # fmt: skip
+                        lags.append(None if run.restored is None else run.restored - stop)
+    assert sum(lag is None for lag in lags) <= 2
+    assert sum(lag is not None and lag <= 2 for lag in lags) >= 94
 
 
 def test_the_noisy_group_names_a_slow_rank_it_has():
