@@ -61,6 +61,7 @@ class SlowdownAnchor:
         # work after it: what an end at the change must be seen in (_shed)
         self._then: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self._work: tuple[float, ...] | None = None
+        self._modelled_then: Factors | None = None  # the model's reading of that level
 
     @property
     def active(self) -> bool:
@@ -77,17 +78,20 @@ class SlowdownAnchor:
         self._before, self._base, self._pending = None, None, []
         self._modelled, self._same_level = [], []
         self.overruled = frozenset()
-        self._then = self._work = None
+        self._then = self._work = self._modelled_then = None
 
     def rebase(
         self,
         slowdown: Sequence[float | None],
         compute: Sequence[float] | None = None,
         work: Sequence[float] | None = None,
+        modelled: Factors | None = None,
     ) -> None:
         """The split changed after a step whose slowdowns were `slowdown` (and, where known,
-        each rank's `compute` and `work` at that level: the fitted model may then end a
-        straggle at the change only where the rank's compute fell by more than its work)."""
+        each rank's `compute` and `work` at that level, and the slowdowns the fitted model
+        read there: the model may then end a straggle at the change only where the rank's
+        compute fell by more than its work, or where it read the rank recovered before the
+        change too)."""
         if len(slowdown) != self.tp_size:
             raise ValueError(f"{len(slowdown)} slowdowns for a TP group of {self.tp_size}")
         if (compute is None) != (work is None) or any(
@@ -99,6 +103,7 @@ class SlowdownAnchor:
         self.overruled = frozenset()
         self._then = None if compute is None else (tuple(compute), tuple(work))
         self._work = None
+        self._modelled_then = None if modelled is None else relative(modelled)
 
     def step(
         self,
@@ -159,19 +164,25 @@ class SlowdownAnchor:
         self._before = tuple(before)
 
     def _shed(self, rank: int) -> bool:
-        """The rank's compute fell across the change by `band` more than its work did (by
-        the work's ratio at least: a part that does not shrink with the units only makes the
-        compute fall less), as it does where its straggle ended there. Where it did not, the
-        model that reads the rank at full speed has misread a rank left few units: in a
-        generalize draw a 1.9x rank moved from 5.06 to 2.13 units of work computed 0.465 s and
-        then 0.248 s (0.53 of it for 0.42 of the work), the model read 1.11x, the plan went
-        back to even and the straggle was found again three steps later. Without the compute
-        before the change, the model decides alone."""
+        """Whether the model's end of `rank`'s straggle at the change is evidence, not a
+        misreading of a rank left few units. It is where the model read the rank recovered
+        before the change too; where it reads the rank at no less work than continuity's level
+        was read at (a model misreads a rank most where its units are fewest: a recovered rank
+        read 1.31x at 192 units and 1.0x at 448 in the noisy simulation); or where the rank's
+        compute fell across the change by `band` more than its work did (a part that does not
+        shrink with the units only makes it fall less), as at an end right there. In a
+        generalize draw none held: a 1.9x rank moved from 5.06 to 2.13 units of work computed
+        0.465 s and then 0.248 s (0.53 of it for 0.42 of the work), the model read 1.11x, and
+        the plan went back to even and out again three steps later. Without the compute before
+        the change, the model decides alone."""
+        then = self._modelled_then
+        if then is not None and then[rank] is not None and then[rank] <= self.normal:
+            return True
         if self._then is None or self._work is None:
             return True
         compute, work = self._then
-        if compute[rank] <= 0 or work[rank] <= 0:
-            return True
+        if compute[rank] <= 0 or self._work[rank] >= work[rank]:
+            return True  # read at no less work than continuity's level was: the better reading
         after = self._anchor(rank)
         return after * self.band <= compute[rank] * min(1.0, self._work[rank] / work[rank])
 
@@ -247,6 +258,7 @@ class SlowdownAnchor:
             "overruled": sorted(self.overruled),
             "then": None if self._then is None else [list(x) for x in self._then],
             "work": None if self._work is None else list(self._work),
+            "modelled_then": None if self._modelled_then is None else list(self._modelled_then),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,3 +275,5 @@ class SlowdownAnchor:
         self._then = None if then is None else (tuple(then[0]), tuple(then[1]))
         work = state.get("work")
         self._work = None if work is None else tuple(work)
+        then = state.get("modelled_then")
+        self._modelled_then = None if then is None else tuple(then)

@@ -393,14 +393,18 @@ class ControlLoop:
 
     def _rebase_anchor(self) -> None:
         """The split changed: the anchor carries `_carried` across, with each rank's compute
-        and work at the level the latest steps are at (the detector's window of them)."""
+        and work at the level the latest steps are at (the detector's window of them), and
+        where the cost fit has a line, the slowdowns it reads there."""
         recent = list(self._recent)
         self._recent.clear()
         if not recent or len({step.work for step in recent}) > 1:
             self.anchor.rebase(self._carried())
             return
         level = TimingReport.latest_level(recent, self.detector.onset)
-        self.anchor.rebase(self._carried(), level.compute, level.work)
+        modelled = None
+        if self.fit.fitted:
+            modelled = tuple(self.fit.factors(level.work, level.compute, level.fixed))
+        self.anchor.rebase(self._carried(), level.compute, level.work, modelled)
 
     def _carried(self) -> tuple[float, ...]:
         """The slowdowns the anchor carries across a change: each rank's level, but 1.0 for a

@@ -108,6 +108,16 @@ def test_the_model_ends_a_straggle_at_a_change_only_where_the_ranks_compute_fell
     for _ in range(2):
         last = ended.step((0.435, 0.140), modelled=(1.0, 1.02), work=(10.52, 2.13))
     assert last[-1] == pytest.approx((1.0, 1.02), abs=0.01) and ended.overruled == {1}
+    # The model's reading stands where it reads the rank at more work than continuity's level
+    # was read at, or where it read the rank recovered before the change too: there
+    # continuity carries a stale level (a recovered rank read 1.31x at 192 units by a model
+    # and 1.0x at 448, in the noisy simulation).
+    for work, modelled in (((10.0, 3.0), None), ((10.5, 1.5), (1.0, 1.05))):
+        stale = SlowdownAnchor(2, window=2)
+        stale.rebase((1.0, 1.6), compute=(0.3, 0.12), work=(10.0, 2.0), modelled=modelled)
+        for _ in range(2):
+            last = stale.step((0.3, 0.17), modelled=(1.0, 1.02), work=work)
+        assert stale.overruled == {1} and last[-1][1] == pytest.approx(1.02, abs=0.01)
     half = SlowdownAnchor(2, window=2)  # a checkpoint inside the window keeps what it needs
     half.rebase((1.0, 1.92), compute=(0.293, 0.465), work=(7.61, 5.06))
     half.step((0.435, 0.248), modelled=(1.0, 1.11), work=(10.52, 2.13))
