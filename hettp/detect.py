@@ -38,9 +38,9 @@ class Detection:
     ends: frozenset  # ranks that stopped at this report
 
 
-# Steps since the last change that `level` reads a rank's level from (those within the onset
-# band of its latest). A level read from the window's 3 steps is carried across the change
-# with its noise into every later reading of the rank (hettp/anchor.py).
+# Steps since the last change that `level` reads a rank's level from (those at the window's
+# level). A level read from the window's 3 steps is carried across the change with its noise
+# into every later reading of the rank (hettp/anchor.py).
 LEVEL_STEPS = 16
 
 
@@ -94,7 +94,8 @@ class StragglerDetector:
 
     def level(self) -> tuple[float, ...]:
         """Each rank's slowdown at the level its latest step is at: the median of its steps
-        since the last change (the latest LEVEL_STEPS) within `onset` of the latest. The
+        since the last change (the latest LEVEL_STEPS) within `onset` of the window's level
+        (the median of the window's steps within `onset` of the latest). The
         smoothed slowdown decides whether a straggle began (one noisy step must not); this
         says how slow it is. At an onset the window still holds the steps before it, so its
         median is half way ([1.0, 1.7, 2.3] reads 1.7 for a rank that is now 2.3x), and a
