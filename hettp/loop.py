@@ -272,7 +272,7 @@ class ControlLoop:
         """One step's timings into the detector (every rank, every step). While the anchor
         after a change fills, the detector waits; then it takes the anchor's steps at once."""
         self._recent.append(step)
-        if self.anchor.active and _near_even(step.work):
+        if self.anchor.active and near_even(step.work):
             # An even split again, or within NEAR_EVEN of one (a move back after a straggle
             # lands on the MLP's chunks): the ranks' ratios need no anchor, and a slowdown it
             # carried across the change may be stale, read from one step at it.
@@ -483,7 +483,7 @@ def work_of(
     return plan_work(plan, unit_work, shares)
 
 
-def _near_even(work) -> bool:
+def near_even(work) -> bool:
     """All works equal, or every rank has work and the largest is within NEAR_EVEN of the
     smallest."""
     return len(set(work)) == 1 or (min(work) > 0 and max(work) <= NEAR_EVEN * min(work))

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..detect import StragglerDetector
-from ..loop import ControlLoop, TimingReport, _near_even
+from ..loop import ControlLoop, TimingReport, near_even
 from ..plan import PartitionPlan
 from ..planner import Planner
 from ..step_model import plan_work
@@ -109,7 +109,7 @@ def straggle(
         slow = 1.0 if step < onset else factor if step > onset else (1 + factor) / 2
         if stop is not None and step >= stop:
             slow = 1.0
-            if restored is None and _near_even(plan_work(plan, UNIT_WORK, shares)):
+            if restored is None and near_even(plan_work(plan, UNIT_WORK, shares)):
                 restored = step
         work = plan_work(plan, UNIT_WORK, shares)
         clean = [blocks(r, w, slow) + apart(r, slow) for r, w in enumerate(work)]
