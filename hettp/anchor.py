@@ -89,9 +89,7 @@ class SlowdownAnchor:
     ) -> None:
         """The split changed after a step whose slowdowns were `slowdown` (and, where known,
         each rank's `compute` and `work` at that level, and the slowdowns the fitted model
-        read there: the model may then end a straggle at the change only where the rank's
-        compute fell by more than its work, or where it read the rank recovered before the
-        change too)."""
+        read there: what the model's end of a straggle at the change is held to, _shed)."""
         if len(slowdown) != self.tp_size:
             raise ValueError(f"{len(slowdown)} slowdowns for a TP group of {self.tp_size}")
         if (compute is None) != (work is None) or any(
@@ -275,5 +273,5 @@ class SlowdownAnchor:
         self._then = None if then is None else (tuple(then[0]), tuple(then[1]))
         work = state.get("work")
         self._work = None if work is None else tuple(work)
-        then = state.get("modelled_then")
-        self._modelled_then = None if then is None else tuple(then)
+        modelled = state.get("modelled_then")
+        self._modelled_then = None if modelled is None else tuple(modelled)

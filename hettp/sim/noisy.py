@@ -37,16 +37,15 @@ class Decided:
 class NoisyRun:
     decisions: tuple[Decided, ...]
     steady_e: float  # the best split's step time over the mean of the last 30 steps' (noise-free)
+    slow_rank: int = 0
+    # with a straggle that stops: the first step from its stop run at a split the loop reads
+    # as even again (works within NEAR_EVEN; None: never, or the straggle does not stop)
+    restored: int | None = None
 
     @property
     def ended(self) -> bool:
         """The loop declared the straggle over while it lasted."""
         return any("no straggler left" in d.reason for d in self.decisions)
-
-    slow_rank: int = 0
-    # with a straggle that stops: the first step from its stop run at a split the loop reads
-    # as even again (works within NEAR_EVEN; None: never, or the straggle does not stop)
-    restored: int | None = None
 
     @property
     def swapped(self) -> bool:
@@ -107,11 +106,11 @@ def straggle(
     decisions, times = [], []
     for step in range(1, steps + 1):
         slow = 1.0 if step < onset else factor if step > onset else (1 + factor) / 2
+        work = plan_work(plan, UNIT_WORK, shares)
         if stop is not None and step >= stop:
             slow = 1.0
-            if restored is None and near_even(plan_work(plan, UNIT_WORK, shares)):
+            if restored is None and near_even(work):
                 restored = step
-        work = plan_work(plan, UNIT_WORK, shares)
         clean = [blocks(r, w, slow) + apart(r, slow) for r, w in enumerate(work)]
         noisy = [1 + rng.uniform(-noise, noise) for _ in clean]
         measured = tuple(c * n for c, n in zip(clean, noisy))
