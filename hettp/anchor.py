@@ -140,7 +140,13 @@ class SlowdownAnchor:
         """Where continuity and the fitted model put a rank on opposite sides of the detector's
         hysteresis band (one at or below `normal`, the other at or above `slow`), a straggle
         began or ended at the change itself: take the model's slowdown there. A model that is
-        merely off (1.4x for a rank with few units, seen on this VM) changes nothing."""
+        merely off (1.4x for a rank with few units, seen on this VM) changes nothing. A level
+        inside the band that the model reads at or below `normal` where the change gave the
+        rank more work is ended too: a rank whose per-call part is not slowed (as
+        --het-tp-emulate slows it) and that recovered after moving units off reads, through
+        the whole-compute level carried from more work, inside the band for good (2.1x at the
+        even split read 1.28x once recovered at 400 units of 784, the noisy simulation), and
+        its replan there gives it the work at which the model reads it best."""
         before = list(self._before)
         ends, onsets = {}, {}
         for r, b in enumerate(before):
@@ -149,6 +155,8 @@ class SlowdownAnchor:
                 continue
             model = statistics.median(seen)
             if b >= self.slow and model <= self.normal and self._shed(r):
+                ends[r] = model
+            elif self.normal < b < self.slow and model <= self.normal and self._at_more_work(r):
                 ends[r] = model
             elif b <= self.normal and model >= self.slow:
                 onsets[r] = model
@@ -183,6 +191,12 @@ class SlowdownAnchor:
             return True  # read at no less work than continuity's level was: the better reading
         after = self._anchor(rank)
         return after * self.band <= compute[rank] * min(1.0, self._work[rank] / work[rank])
+
+    def _at_more_work(self, rank: int) -> bool:
+        """The change gave `rank` no less work than its level was read at."""
+        if self._then is None or self._work is None:
+            return False
+        return self._work[rank] >= self._then[1][rank]
 
     def _refine(self, compute: Sequence[float]) -> None:
         """The window's few steps fix every later reading, and under per-step noise their

@@ -128,6 +128,36 @@ def test_the_model_ends_a_straggle_at_a_change_only_where_the_ranks_compute_fell
         still.rebase((1.0, 1.0), compute=(0.3, 0.3))
 
 
+def test_a_level_inside_the_band_is_ended_by_the_model_where_the_rank_got_more_work():
+    """A rank whose slowed part shrinks with its units but whose per-call part does not (as
+    --het-tp-emulate slows it) reads, once recovered, through a whole-compute level carried from
+    more work: 2.1x at the even split became 1.28x at 400 units of 784, inside the detector's
+    band, for good. Replanned at that level it gets more work, where the model reads it at 1.05x:
+    the model's end stands there. At less work than the level was read at, or for a level past
+    the band, continuity stands (those are _shed's)."""
+    recovered = SlowdownAnchor(4, window=2)
+    recovered.rebase(
+        (1.0, 1.28, 1.0, 1.0), compute=(0.25, 0.155, 0.25, 0.24), work=(912, 400, 912, 848)
+    )
+    for _ in range(2):
+        last = recovered.step(
+            (0.22, 0.205, 0.22, 0.22), modelled=(1.0, 1.05, 1.0, 1.0), work=(800, 672, 800, 800)
+        )
+    assert recovered.overruled == {1} and last[-1][1] == pytest.approx(1.05, abs=0.01)
+    less = SlowdownAnchor(4, window=2)
+    less.rebase((1.0, 1.28, 1.0, 1.0), compute=(0.25, 0.2, 0.25, 0.24), work=(800, 672, 800, 800))
+    for _ in range(2):
+        last = less.step(
+            (0.25, 0.155, 0.25, 0.24), modelled=(1.0, 1.05, 1.0, 1.0), work=(912, 400, 912, 848)
+        )
+    assert less.overruled == frozenset() and last[-1][1] == pytest.approx(1.28)
+    unknown = SlowdownAnchor(4, window=2)  # no level's work to compare with: continuity
+    unknown.rebase((1.0, 1.28, 1.0, 1.0))
+    for _ in range(2):
+        last = unknown.step((0.22, 0.205, 0.22, 0.22), modelled=(1.0, 1.05, 1.0, 1.0))
+    assert unknown.overruled == frozenset() and last[-1][1] == pytest.approx(1.28)
+
+
 def test_anchor_rejects_misuse_and_round_trips():
     with pytest.raises(ValueError, match="need window >= 1, band > 1"):
         SlowdownAnchor(2, window=0)
