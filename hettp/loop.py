@@ -141,6 +141,9 @@ class Verdict:
     # "anchor, model at ranks [r]" where the fitted model overruled it there), "fit" (the cost
     # fit's line), or "prior" (the fit before its points span a line)
     reading: str = ""
+    # the cost fit's slowdowns of the report, relative to the fastest rank, wherever `factors`
+    # came from (None before the fit has a line): what the anchor's model checks weigh
+    modelled: tuple[float | None, ...] | None = None
 
 
 def step_model(
@@ -339,7 +342,10 @@ class ControlLoop:
                 report.measured,
             )
         refused = self.planner.refused if model is not None else None
-        return Verdict(factors, detection, model, decision, refused, self.reading())
+        modelled = None
+        if self.fit.fitted:
+            modelled = relative(self.fit.factors(report.work, report.compute, report.fixed))
+        return Verdict(factors, detection, model, decision, refused, self.reading(), modelled)
 
     def reading(self) -> str:
         """Where `factors` reads a report's slowdowns from now (Verdict.reading)."""

@@ -238,9 +238,9 @@ class EventLog:
     def timing(self, report, verdict, stage=None) -> None:
         """A timing report (JSONL only): per-rank compute per step (and of it, the part no split
         changes and the attention modules' seconds; and all of the rank's compute, busy), work,
-        fitted slowdown factor and where it was read from (`reading`: hettp.loop.Verdict), and
-        the detector's smoothed slowdowns; with pipelining, one per stage's TP group, marked
-        with its `stage`."""
+        fitted slowdown factor and where it was read from (`reading`: hettp.loop.Verdict), the
+        cost fit's own reading of the report (`modelled`), and the detector's smoothed
+        slowdowns; with pipelining, one per stage's TP group, marked with its `stage`."""
         if self.metrics is not None:
             detection = verdict.detection
             self.metrics.write(
@@ -257,6 +257,7 @@ class EventLog:
                 slowdown=list(detection.slowdown) if detection else None,
                 refused=verdict.refused,
                 reading=verdict.reading or None,
+                modelled=list(verdict.modelled) if verdict.modelled is not None else None,
             )
         if verdict.refused:
             self.info(
