@@ -355,12 +355,20 @@ class ControlLoop:
         return "fit" if self.fit.fitted else "prior"
 
     def _agrees(self, factors, detection: Detection) -> bool:
-        """The report's factors put every straggler above the detector's end threshold and
-        every other rank below its onset."""
+        """The report's factors put every straggler above the detector's end threshold, within
+        its onset of the detector's level, and every other rank below its onset. An interval
+        whose last steps came after a straggle ended has a median half way (2.7x where the
+        detector read 1.4x after a 3.8x one, a TP=2 run); a rebalance planned on it moved
+        units off the recovered rank."""
         for rank, slow in enumerate(relative(factors)):
             if slow is None:
                 continue
             if rank in detection.stragglers and slow < self.detector.end:
+                return False
+            level = detection.slowdown[rank]
+            if rank in detection.stragglers and max(slow, level) >= self.detector.onset * min(
+                slow, level
+            ):
                 return False
             if rank not in detection.stragglers and slow >= self.detector.onset:
                 return False

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hettp.detect import StragglerDetector
+from hettp.detect import Detection, StragglerDetector
 from hettp.loop import NEAR_EVEN, ControlLoop, TimingReport, Verdict, step_model, work_of
 from hettp.plan import PartitionPlan
 from hettp.planner import Planner
@@ -424,3 +424,18 @@ def test_a_level_is_read_from_the_steps_since_the_change_at_it():
     again = StragglerDetector(2)
     again.load_state_dict(detector.state_dict())
     assert again.level() == detector.level()
+
+
+def test_a_report_half_way_through_a_straggles_end_is_not_planned_on():
+    """An interval that closed two steps after a 3.8x straggle ended (TP=2, its units alone
+    slowed) has a median of 2.7x where the detector's window reads 1.4x: a rebalance planned on
+    it moved units off the recovered rank (a real run). The planner waits for the detector;
+    a report at the detector's level is planned on."""
+    plan = PartitionPlan.even(2, 2, 4, 64)
+    work = plan_work(plan, UNIT_WORK)
+    report = TimingReport(33, (0.1, 0.27), work, 0.35)
+    for level, planned in ((1.4, False), (2.6, True)):
+        loop = _loop("migrate")
+        seen = Detection((1.0, level), frozenset({1}), False, frozenset(), frozenset())
+        verdict = loop.observe(report, seen, plan, (0.0, 0.0), True)
+        assert (verdict.decision is not None) == planned, (level, verdict)
