@@ -623,8 +623,9 @@ class Planner:
         self, plan, model, before, detection, action, shares, why=None, min_gain=None, target=None
     ):
         """The move to `target` (default: the plan `model` balances), where it gains more than
-        `min_gain` of the step; at the end of the last straggle, any move back to even (a
-        recovered rank left 720 units of 768 stayed there, 2% off, held to min_gain)."""
+        `min_gain` of the step; at the end of the last straggle, any move back to even (held
+        to min_gain, a recovered rank left 720 units where the others held 784 stayed so: the
+        model priced the move back at 2% of the step)."""
         target = self._target(plan, model) if target is None else target
         after = model.step_time(plan_work(target, self.unit_work))
         if min_gain is None:
