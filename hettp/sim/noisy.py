@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..detect import StragglerDetector
@@ -125,6 +126,30 @@ def straggle(
             loop.applied()
     best = _best_step(step_time, total, tp, slow_rank, factor)
     return NoisyRun(tuple(decisions), best / statistics.mean(times[-30:]), slow_rank, restored)
+
+
+def end_lags(
+    cases: Sequence[tuple[int, int]],
+    factors: Sequence[float],
+    stops: Sequence[int],
+    seeds: int,
+    sharded_only: bool,
+    noise: float = 0.05,
+    steps: int = 44,
+) -> list[int | None]:
+    """Per run of migrate over `cases` (TP size, slow rank) x `factors` x `stops` x `seeds`, the
+    steps from its straggle's stop to a split read as even again (None: never)."""
+    lags = []
+    for tp, rank in cases:
+        for factor in factors:
+            for stop in stops:
+                for seed in range(seeds):
+                    run = straggle(
+                        "migrate", factor, noise, seed, sharded_only, steps=steps, tp=tp,
+                        slow_rank=rank, stop=stop,
+                    )  # fmt: skip
+                    lags.append(None if run.restored is None else run.restored - stop)
+    return lags
 
 
 def _best_step(step_time, total: float, tp: int, slow_rank: int, factor: float) -> float:

@@ -12,18 +12,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from hettp.sim.noisy import straggle  # noqa: E402
+from hettp.sim.noisy import end_lags  # noqa: E402
 
-lags = []
-for tp, rank in ((2, 0), (4, 1), (4, 2)):
-    for factor in (1.5, 2.5, 4.0):
-        for stop in (20, 26):
-            for seed in range(4):
-                run = straggle(
-                    "migrate", factor, 0.05, seed, True, steps=44, tp=tp, slow_rank=rank,
-                    stop=stop,
-                )  # fmt: skip
-                lags.append(None if run.restored is None else run.restored - stop)
+lags = end_lags(((2, 0), (4, 1), (4, 2)), (1.5, 2.5, 4.0), (20, 26), 4, True)
 back = [lag for lag in lags if lag is not None]
 print(
     f"{len(lags)} ended straggles: never back {len(lags) - len(back)}, back within 2 steps "
