@@ -186,9 +186,11 @@ class SlowdownAnchor:
             return True
         if self._then is None or self._work is None:
             return True
-        compute, work = self._then
-        if compute[rank] <= 0 or self._work[rank] >= work[rank]:
+        if self._at_more_work(rank):
             return True  # read at no less work than continuity's level was: the better reading
+        compute, work = self._then
+        if compute[rank] <= 0:
+            return True
         after = self._anchor(rank)
         return after * self.band <= compute[rank] * min(1.0, self._work[rank] / work[rank])
 
