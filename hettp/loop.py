@@ -360,17 +360,16 @@ class ControlLoop:
         whose last steps came after a straggle ended has a median half way (2.7x where the
         detector read 1.4x after a 3.8x one, a TP=2 run); a rebalance planned on it moved
         units off the recovered rank."""
+        end, onset = self.detector.end, self.detector.onset
         for rank, slow in enumerate(relative(factors)):
             if slow is None:
                 continue
-            if rank in detection.stragglers and slow < self.detector.end:
-                return False
+            if rank not in detection.stragglers:
+                if slow >= onset:
+                    return False
+                continue
             level = detection.slowdown[rank]
-            if rank in detection.stragglers and max(slow, level) >= self.detector.onset * min(
-                slow, level
-            ):
-                return False
-            if rank not in detection.stragglers and slow >= self.detector.onset:
+            if slow < end or max(slow, level) >= onset * min(slow, level):
                 return False
         return True
 
