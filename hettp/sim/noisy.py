@@ -136,6 +136,7 @@ def end_lags(
     sharded_only: bool,
     noise: float = 0.05,
     steps: int = 44,
+    per_call: float = PER_CALL,
 ) -> list[int | None]:
     """Per run of migrate over `cases` (TP size, slow rank) x `factors` x `stops` x `seeds`, the
     steps from its straggle's stop to a split read as even again (None: never)."""
@@ -146,7 +147,7 @@ def end_lags(
                 for seed in range(seeds):
                     run = straggle(
                         "migrate", factor, noise, seed, sharded_only, steps=steps, tp=tp,
-                        slow_rank=rank, stop=stop,
+                        slow_rank=rank, per_call=per_call, stop=stop,
                     )  # fmt: skip
                     lags.append(None if run.restored is None else run.restored - stop)
     return lags
