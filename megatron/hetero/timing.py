@@ -30,7 +30,9 @@ sleeping until its wall time (TP collective waits left out) is D x f x its CPU t
 ranks than cores a region's wall time is up to ranks/cores x its CPU time, because ranks take
 turns on a core; with D above that, every region lasts what its own work and factor say, as if
 each rank had a device of its own, and a sleeping straggler no longer lends its core to the
-others. The dilated time counts as compute, so C and T_fast stay consistent.
+others. The dilated time counts as compute, so C and T_fast stay consistent. As with the
+emulated delay, the work before a collective inside a region is stretched before it: every rank
+reaches the collective at its own dilated time, rather than when the shared cores let it.
 """
 
 from __future__ import annotations
@@ -220,6 +222,7 @@ class ComputeTimer:
         self._paused = 0.0  # wall seconds of the running region spent in collectives
         self._delayed = 0.0  # of the running region's elapsed time, what was already delayed
         self._paused_clock = 0.0  # the same on the timer's clock
+        self._stretched = 0.0  # wall seconds of the running region's dilation slept in a pause
         self._step0 = time.thread_time()  # CPU time at reset()
         self._spun = 0.0  # CPU seconds of emulated delays spun since reset()
         self._emulated = 0.0  # seconds of emulated delay since reset()
@@ -313,6 +316,10 @@ class ComputeTimer:
         self._paused_clock += self._now() - clock
 
     def before_collective(self) -> None:
+        if self.dilation > 1.0:
+            if self._t0 is not None:
+                self._stretch_before_collective()
+            return
         if self.factor <= 1.0:
             return
         if self.device:
@@ -322,6 +329,17 @@ class ComputeTimer:
             elapsed = self._elapsed()
             self._delay((self.factor - 1.0) * (elapsed - self._delayed))
             self._delayed = elapsed
+
+    def _stretch_before_collective(self) -> None:
+        """Dilation: the region so far lasts its dilated time before the collective starts, so
+        every rank reaches it when a device of its own would have (the pause around the
+        collective began at `_paused_at`, so this sleep is measured here, not as wall time)."""
+        wall = self._paused_at[0] - self._w0 - self._paused + self._stretched
+        want = self._elapsed() * self.factor * self.dilation - wall
+        if want > 0.0:
+            start = time.perf_counter()
+            time.sleep(want)
+            self._stretched += time.perf_counter() - start
 
     def after_collective(self) -> None:
         if self.device:
@@ -338,7 +356,7 @@ class ComputeTimer:
             self._t0.record()
         else:
             self._t0, self._w0 = self._now(), time.perf_counter()
-            self._paused = self._paused_clock = self._delayed = 0.0
+            self._paused = self._paused_clock = self._delayed = self._stretched = 0.0
 
     def start_attention(self) -> None:
         """Open a region in an attention module."""
@@ -353,7 +371,7 @@ class ComputeTimer:
             end.record()
             self._events.append((self._t0, end, self._in_fixed, self._in_attention))
         else:
-            wall = time.perf_counter() - self._w0 - self._paused
+            wall = time.perf_counter() - self._w0 - self._paused + self._stretched
             elapsed = self._elapsed()
             seconds = elapsed * self.factor * self.dilation
             if self.dilation > 1.0:

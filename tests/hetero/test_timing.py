@@ -163,8 +163,35 @@ def test_dilation_leaves_out_waits_in_real_collectives(clock, collectives):
     handle.wait()
     early.wait()  # ... but waited on inside it
     timer.stop()
-    assert clock.slept == [pytest.approx(0.030 - 0.018)]  # 2 x 15 ms CPU, 18 ms of own wall
+    # 2 x 15 ms CPU, 18 ms of own wall: 2 x 10 ms - 12 ms before the first collective, the
+    # rest at the region's end
+    assert collectives.slept_before[1] == [pytest.approx(0.008)]
+    assert clock.slept == [pytest.approx(0.008), pytest.approx(0.030 - 0.018 - 0.008)]
     assert timer.read() == pytest.approx(0.030)
+
+
+def test_a_dilated_region_is_stretched_before_the_collective_inside_it(clock, collectives):
+    """Each rank reaches a row-parallel linear's all-reduce at its own dilated time (D x f x the
+    work before it), whatever the shared cores let it do; the rest at the region's end."""
+    timer = _timer(dilation=3.0)
+    timer.reset(factor=2.0)
+    timer.start()
+    clock.work(0.010, 0.015)  # the GEMM, time-shared
+    collectives.wait = 0.100  # the peers are later still: no stretch for the wait
+    dist.all_reduce(None)
+    clock.work(0.002, 0.002)
+    timer.stop()
+    assert collectives.slept_before == [[pytest.approx(0.060 - 0.015)]]
+    assert clock.slept == [pytest.approx(0.045), pytest.approx(0.072 - 0.062)]
+    assert timer.read() == pytest.approx(0.072)
+    # a region already past its dilated time at the collective sleeps nothing there
+    timer.start()
+    clock.work(0.010, 0.070)
+    dist.all_reduce(None)
+    timer.stop()
+    assert len(clock.slept) == 2
+    assert timer.read() == pytest.approx(0.072 + 0.060)
+    timer.remove()
 
 
 def test_a_wall_timer_wraps_all_reduce_until_it_is_removed(clock, collectives):
