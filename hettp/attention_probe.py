@@ -153,21 +153,14 @@ class _Gemm:
 
 
 def _timed(run, device) -> float:
-    """Seconds `run` takes: on a GPU by the wall clock around synchronisations; on CPU by the
-    thread's CPU time where torch computes on this thread alone (another process time-sharing
-    the core, such as a TP peer waiting in the broadcast of this price, does not inflate it: with
-    four probes on two cores the call's price spread 0-3.8 ms by the wall clock and 0.64-0.88 ms
-    by CPU time, results/dilation/probe_clock.txt), else by the wall clock."""
     synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
-    clock = time.thread_time if synchronize is None and torch.get_num_threads() == 1 else None
-    clock = clock or time.perf_counter
     if synchronize:
         synchronize()
-    start = clock()
+    start = time.perf_counter()
     run()
     if synchronize:
         synchronize()
-    return clock() - start
+    return time.perf_counter() - start
 
 
 def probe(shape: ProbeShape, rounds: int = ROUNDS) -> CallPrice:

@@ -6,7 +6,6 @@ import random
 import time
 
 import pytest
-import torch
 
 from hettp import attention_probe
 from hettp.attention_probe import CallPrice, ProbeShape, call_seconds, probe
@@ -64,12 +63,8 @@ def test_the_probe_finds_a_per_call_cost_that_is_there(monkeypatch):
     assert price.work == pytest.approx(price.call_s / price.gemm_s_per_param)
 
 
-def test_a_size_is_timed_by_cpu_time_where_torch_computes_on_one_thread(monkeypatch):
-    """On one thread, the thread's CPU time: a sleep (time another process could take on the
-    core) costs next to none of it; on more, the wall clock (a sleep never ends early)."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert attention_probe._timed(lambda: time.sleep(0.02), "cpu") < 0.005
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+def test_a_size_is_timed_by_the_wall_clock():
+    """The probe's timer reads what a run takes, sleeps included (a sleep never ends early)."""
     assert attention_probe._timed(lambda: time.sleep(0.01), "cpu") >= 0.01
 
 
