@@ -324,7 +324,7 @@ class ComputeTimer:
             return
         if self.device:
             self._delay((self.factor - 1.0) * (time.thread_time() - self._mark))
-        elif self._t0 is not None and self.dilation == 1.0:
+        elif self._t0 is not None:
             # sharded mode: the region's work so far is late to this collective
             elapsed = self._elapsed()
             self._delay((self.factor - 1.0) * (elapsed - self._delayed))
