@@ -75,6 +75,8 @@ class Scenario:
                     f"{flag} '{text}': '{item}' is not one of "
                     f"{sorted(_KEYS[kind]) or 'nothing'} (key=value)"
                 )
+            if key in params:
+                raise ScenarioError(f"{flag} '{text}': {key} is given twice")
             if key == "mode":
                 if value not in MODES:
                     raise ScenarioError(
@@ -122,6 +124,13 @@ class Scenario:
         for key in ("period", "length"):
             if key in params and params[key] < 1:
                 raise ScenarioError(f"{flag} '{text}': {key} must be >= 1")
+        if params.get("start", 0) < 0:
+            raise ScenarioError(f"{flag} '{text}': start must be >= 0")
+        if "stop" in params and params["stop"] <= params.get("start", 0):
+            raise ScenarioError(
+                f"{flag} '{text}': stop ({params['stop']}) must come after start "
+                f"({params.get('start', 0)}): the scenario would slow no iteration"
+            )
         if kind == "transient" and params["length"] > params["period"]:
             raise ScenarioError(f"{flag} '{text}': length exceeds period")
         return cls(kind, tp_size, tuple(sorted(params.items())))

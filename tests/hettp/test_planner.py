@@ -494,6 +494,11 @@ def test_scenarios():
         ("persistent:global=-1,factor=2", "global rank must be >= 0"),
         ("persistent:stage=-1,factor=2", "pipeline stage must be >= 0"),
         ("persistent:stage=1,global=2,factor=2", "stage= (every rank of one pipeline stage)"),
+        ("persistent:rank=0,factor=2,rank=1", "rank is given twice"),
+        ("persistent:rank=1,factor=2,start=50,stop=20", "stop (20) must come after start (50)"),
+        ("persistent:rank=1,factor=2,stop=0", "stop (0) must come after start (0)"),
+        ("persistent:rank=1,factor=2,start=-3", "start must be >= 0"),
+        ("transient:rank=1,factor=2,start=-1,length=1,period=2", "start must be >= 0"),
     ],
 )
 def test_bad_scenarios_name_the_flag(text, message):
