@@ -216,9 +216,14 @@ class PartitionPlan:
     ) -> PartitionPlan:
         """A JSON file path, or inline per-rank counts for every layer: 'attn=2,1,1;mlp=90,30,8'.
 
-        A block left out of an inline spec stays even.
+        A block left out of an inline spec stays even. Inline counts always hold '=', so a
+        spec without one is a file, whatever its name ends in: its error is the file's.
         """
-        if spec.lstrip().startswith("{") or spec.endswith(".json"):
+        if (
+            spec.lstrip().startswith("{")
+            or spec.endswith(".json")
+            or ("=" not in spec and spec.strip(" ;"))
+        ):
             text = spec if spec.lstrip().startswith("{") else _read(spec)
             plan = cls.from_json(text)
             plan.check_model(tp_size, num_layers, attn_units, mlp_units, mlp_unit_size)

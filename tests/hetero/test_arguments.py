@@ -255,6 +255,10 @@ def test_het_tp_flags():
             "--het-tp-plan: plan file missing.json: No such file or directory",
         ),
         (
+            "--het-tp-plan runs/plan1",
+            "--het-tp-plan: plan file runs/plan1: No such file or directory",
+        ),
+        (
             "--het-tp-resize 0,0.6",
             "--het-tp-resize: rank 1 would skip 60% of its units, more than --het-tp-max-resize "
             "0.5 allows",
