@@ -271,6 +271,32 @@ class HetTPConfig:
         """Units may be skipped: a Resizer keeps priorities and frozen skipped units."""
         return self.het_tp and (self.resize_shares is not None or self.policy_spec.resizes)
 
+    def ignored(self, run: HetTPConfig) -> tuple[str, ...]:
+        """Of these flags as given, those set away from their defaults that `run` (this config
+        validated) never reads, each with why: as Megatron-LM warns of an ignored flag rather
+        than refusing it, since launch scripts share one flag set across runs."""
+        default = HetTPConfig()
+        changed = [
+            name
+            for name in _IGNORABLE
+            if getattr(self, name) is not None and getattr(self, name) != getattr(default, name)
+        ]
+        out = []
+        for name in changed:
+            if name in ("granularity", "attn_granularity") and not run.het_tp:
+                why = (
+                    f"--het-tp-policy {run.policy} runs megatron-core's own layers (add "
+                    "--het-tp for het-TP layers)"
+                )
+            elif name in _RESIZE_FLAGS and not run.resizes:
+                why = f"no rank skips units under --het-tp-policy {run.policy}"
+            elif name in _TIMING_FLAGS and not run.timed:
+                why = f"nothing is timed under --het-tp-policy {run.policy}"
+            else:
+                continue
+            out.append(f"{self.flag(name)} is ignored: {why}")
+        return tuple(out)
+
     @property
     def active(self) -> bool:
         """Anything for the het-TP runtime to do at all."""
@@ -526,6 +552,22 @@ class HetTPConfig:
             validated_for=shape,
         )
 
+
+# Flags a run may not read (HetTPConfig.ignored): how units are cut, without het-TP layers;
+# priorities, without resizing; timing and detection, without timers.
+_RESIZE_FLAGS = ("priority", "priority_interval", "priority_sample_interval", "max_resize")
+_TIMING_FLAGS = (
+    "interval",
+    "onset",
+    "end",
+    "onset_at_once",
+    "patience",
+    "end_patience",
+    "window",
+    "timer",
+    "emulate_dilation",
+)
+_IGNORABLE = ("granularity", "attn_granularity", *_RESIZE_FLAGS, *_TIMING_FLAGS)
 
 # Fields whose flags are not --het-tp-<field> (the data-parallel ones).
 _OWN_FLAGS = {

@@ -1163,10 +1163,13 @@ def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
     checkout's); raises ArgumentError naming the flag. Reads `args`, never writes to it."""
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
+    given = HetTPConfig.from_args(args)
     try:
-        config = HetTPConfig.from_args(args).validated(model_shape(args), cuda_available)
+        config = given.validated(model_shape(args), cuda_available)
     except ConfigError as err:
         raise ArgumentError(str(err)) from None
+    for why in given.ignored(config):
+        warnings.warn(why, stacklevel=1)  # once a process, whoever asks
     if config.dp_compress != "none":
         for attr, why in (
             ("use_distributed_optimizer", "reduce-scatters into shards it owns"),

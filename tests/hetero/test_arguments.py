@@ -556,6 +556,15 @@ def test_a_bucket_size_without_overlap_is_ignored_with_a_warning():
         _args("--ddp-bucket-size 1000")
 
 
+def test_a_het_tp_flag_the_run_never_reads_is_warned_of_by_name():
+    with pytest.warns(UserWarning, match="--het-tp-attn-granularity is ignored: --het-tp-policy"):
+        _args("--het-tp-attn-granularity 1 --tensor-model-parallel-size 2", 2)
+    with pytest.warns(UserWarning, match="--het-tp-priority is ignored: no rank skips units"):
+        _args(
+            "--het-tp-policy migrate --het-tp-priority magnitude --tensor-model-parallel-size 2", 2
+        )
+
+
 def test_sequence_parallel_is_dropped_at_tp1_with_megatrons_warning():
     with pytest.warns(UserWarning, match="Disabling sequence parallelism"):
         args = _args("--sequence-parallel")

@@ -256,3 +256,29 @@ def test_a_memory_cap_with_pipeline_stages_keeps_layers_in_their_stages():
         HetTPConfig(policy="hybrid", memory_cap=1.2).validated(staged)
     ok = HetTPConfig(policy="hybrid", memory_cap=1.2, pipeline_moves="units").validated(staged)
     assert ok.memory_cap == 1.2
+
+
+@pytest.mark.parametrize(
+    "kwargs,warned",
+    [
+        ({}, []),
+        ({"attn_granularity": 1}, ["--het-tp-attn-granularity is ignored: --het-tp-policy static"]),
+        ({"attn_granularity": 1, "het_tp": True}, []),
+        ({"granularity": 4, "policy": "migrate"}, []),
+        ({"priority": "magnitude", "policy": "migrate"}, ["--het-tp-priority is ignored: no rank"]),
+        ({"max_resize": 0.3, "policy": "hybrid"}, []),
+        ({"max_resize": 0.3, "het_tp": True, "resize": "0,0.25"}, []),
+        (
+            {"onset": 1.5, "window": 5, "het_tp": True},
+            ["--het-tp-onset is ignored: nothing is timed", "--het-tp-window is ignored"],
+        ),
+        ({"onset": 1.5, "emulate": "persistent:rank=1,factor=2"}, []),
+        ({"interval": 10, "granularity": 1}, []),  # given at their defaults
+    ],
+)
+def test_flags_the_run_never_reads_are_named(kwargs, warned):
+    given = HetTPConfig(**kwargs)
+    ignored = given.ignored(given.validated(SHAPE))
+    assert len(ignored) == len(warned), ignored
+    for line, start in zip(ignored, warned):
+        assert line.startswith(start), ignored
