@@ -25,19 +25,20 @@ from megatron.hetero.arguments import parse_args  # noqa: E402
 
 def main(argv=None):
     args = parse_args(argv)
+    from hettp.memory import OverCapError
     from megatron.hetero.checkpointing import CheckpointError
     from megatron.hetero.ckpt_integrity import UnsafeCheckpointError
     from megatron.hetero.save_lock import SaveLockError
     from megatron.hetero.stopping import NonFiniteError
     from megatron.hetero.training import pretrain, shutdown
 
-    stops = (NonFiniteError, SaveLockError, CheckpointError, UnsafeCheckpointError)
+    stops = (NonFiniteError, SaveLockError, CheckpointError, UnsafeCheckpointError, OverCapError)
     try:
         pretrain(args)
     except stops as err:  # every rank stops alike: one line
         if int(os.environ.get("RANK", "0")) == 0:
             sys.stderr.write(f"pretrain_gpt.py: error: {err}\n")
-        sys.exit(2 if isinstance(err, SaveLockError) else 1)
+        sys.exit(2 if isinstance(err, (SaveLockError, OverCapError)) else 1)
     finally:
         shutdown()
 

@@ -13,8 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .plan import BLOCKS, PartitionPlan
+from .plan import BLOCKS, PartitionPlan, PlanError
 from .transfer import KV_REPLICA
+
+
+class OverCapError(PlanError):
+    """A plan a run is asked to start from (--het-tp-plan, or the checkpoint's) puts a rank
+    over --het-tp-memory-cap: bad input, refused before anything moves."""
 
 
 def held_params(plan: PartitionPlan, unit_params: Mapping[str, float]) -> tuple[float, ...]:

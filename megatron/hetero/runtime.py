@@ -31,7 +31,7 @@ from megatron.core import parallel_state
 from hettp.config import HetTPConfig
 from hettp.exchange import Migration, TransferError
 from hettp.loop import TimingReport, work_of
-from hettp.memory import MemoryCap
+from hettp.memory import MemoryCap, OverCapError
 from hettp.plan import PartitionPlan, PlanError
 from hettp.planner import Decision
 from hettp.resize import ResizeError, check_shares
@@ -861,7 +861,7 @@ class HetTPRuntime:
             held = memory.of_even(part)
             rank = max(range(len(held)), key=held.__getitem__)
             where = "" if layer is None else f" in layer {layer}"
-            raise PlanError(
+            raise OverCapError(
                 f"{what} puts {held[rank]:.2f}x the even split's unit state on TP rank "
                 f"{rank}{where}, over --het-tp-memory-cap {cap:g}"
             )

@@ -229,3 +229,21 @@ def test_load_refuses_damaged_and_crafted_checkpoints_by_name(tmp_path):
     out = load(0)[0].stdout
     assert f"WARNING: {good} has no manifest.json (saved before manifests): not verified" in out
     assert "loaded checkpoint from" in out
+
+
+def test_a_starting_plan_over_the_memory_cap_stops_every_rank_with_one_line(tmp_path):
+    """Bad input: the refusal names the flag on one line, exits 2 as a bad flag does, and
+    nothing is saved."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = FLAGS + ["--lr", "1e-3", "--train-iters", "2", "--save", ckpt, "--save-interval", "1"]
+    plan = ["--het-tp-policy", "migrate", "--het-tp-plan", "attn=3,1;mlp=160,96"]
+    plan += ["--het-tp-memory-cap", "1.2"]
+    ranks = run_job(argv + plan, 2)
+    assert [r.returncode for r in ranks] == [2, 2], [r.stderr[-2000:] for r in ranks]
+    lines = ranks[0].stderr.strip().splitlines()
+    assert lines[-1] == (
+        "pretrain_gpt.py: error: --het-tp-plan puts 1.33x the even split's unit state on TP "
+        "rank 0, over --het-tp-memory-cap 1.2"
+    )
+    assert "Traceback" not in ranks[0].stderr + ranks[1].stderr
+    assert not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))
