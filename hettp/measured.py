@@ -110,18 +110,11 @@ def measured_attention_split(
         return None
     heads = plan.heads
     kv = kv if heads is not None else 0.0
-
-    def units(p: PartitionPlan, layer: int, rank: int) -> float:
-        """Attention units at `rank` in `layer`, a K/V replica counted at `kv`."""
-        held = p.units(layer, "attn", rank)
-        return len(held) + (kv * len(heads.groups_of(held)) if kv and held else 0.0)
-
+    units = _attention_units(plan, kv)
     layers = range(plan.num_layers)
-    held = [sum(units(plan, i, r) for i in layers) for r in range(n)]
-    calls = [sum(1 for i in layers if plan.units(i, "attn", r)) for r in range(n)]
+    held, calls = _held_and_calls(plan, kv)
     rows = [(calls[r], held[r], attention[r] / factors[r]) for r in range(n) if held[r]]
-    per_call = [h / c for c, h, _ in rows]
-    if not rows or max(per_call) < ATTENTION_FIT_SPREAD * min(per_call):
+    if not attention_fits(plan, kv):
         return None
     cc = sum(c * c for c, _, _ in rows)
     ch = sum(c * h for c, h, _ in rows)
@@ -171,6 +164,35 @@ def measured_attention_split(
     target = plan.recounted(changes)
     predicted = tuple(sum(seconds(r, units(target, i, r)) for i in layers) for r in range(n))
     return MeasuredSplit(target, "attn", tuple(attention), predicted, gain)
+
+
+def _attention_units(plan: PartitionPlan, kv: float):
+    """A rank's attention units in a layer of a plan, a K/V replica counted at `kv`."""
+    heads = plan.heads
+
+    def units(p: PartitionPlan, layer: int, rank: int) -> float:
+        held = p.units(layer, "attn", rank)
+        return len(held) + (kv * len(heads.groups_of(held)) if kv and held else 0.0)
+
+    return units
+
+
+def _held_and_calls(plan: PartitionPlan, kv: float) -> tuple[list[float], list[int]]:
+    """Per rank, its attention units over the layers (replicas at `kv`) and the layers in
+    which it holds any (each a call)."""
+    units, layers = _attention_units(plan, kv), range(plan.num_layers)
+    held = [sum(units(plan, i, r) for i in layers) for r in range(plan.tp_size)]
+    calls = [sum(1 for i in layers if plan.units(i, "attn", r)) for r in range(plan.tp_size)]
+    return held, calls
+
+
+def attention_fits(plan: PartitionPlan, kv: float = 0.0) -> bool:
+    """Attention's seconds at `plan` can part a per-call cost from a per-unit one
+    (measured_attention_split): two ranks' units a call differ by ATTENTION_FIT_SPREAD."""
+    kv = kv if plan.heads is not None else 0.0
+    held, calls = _held_and_calls(plan, kv)
+    per_call = [h / c for h, c in zip(held, calls) if h]
+    return bool(per_call) and max(per_call) >= ATTENTION_FIT_SPREAD * min(per_call)
 
 
 def measured_against(

@@ -24,6 +24,7 @@ from .dealing import grouped_plan, proportional_plan, with_block
 from .detect import Detection
 from .measured import (
     Measured,
+    attention_fits,
     measured_against,
     measured_attention_split,
     measured_mlp_split,
@@ -293,8 +294,9 @@ class Planner:
         a row. The model learns after a move (the cost of the units a rank was left with, the
         per-call part), so the first move's split is corrected. First, a move the
         measurements say lost is undone (_measured_revert). Where the model asks for no move,
-        or for one it is not trusted with (it misses the report, _model_missed, or returns
-        attention to a split a measured re-deal left), the measured blocks decide
+        or for one it is not trusted with (it misses the report, _model_missed, returns
+        attention to a split a measured re-deal left, or moves attention the reports have read
+        at a split they can fit, _attention_read), the measured blocks decide
         (_measured_rebalance): in 21 of the 29 reports in results/ whose model move was
         refused as missing the report (and that timed attention), the measured splits
         predicted more than 1.5% of the step, and the plan had stayed
@@ -307,6 +309,13 @@ class Planner:
             self.refused = (
                 f"rebalance to {decision.plan.summary()} not made: its attention split is one "
                 "a measured re-deal left this straggle"
+            )
+            decision = None
+        if decision is not None and self._attention_read(plan, decision.plan):
+            self.refused = (
+                f"rebalance to {decision.plan.summary()} not made: attention at this split is "
+                f"read from {len(self._attention[attention_counts(plan)])} reports, and the "
+                "measured split deals it"
             )
             decision = None
         if decision is not None:
@@ -433,6 +442,20 @@ class Planner:
         steps; the model's rebalance is then not made, and the measured one may be."""
         there = attention_counts(target)
         return there != attention_counts(plan) and there in self._redealt
+
+    def _attention_read(self, plan: PartitionPlan, target: PartitionPlan) -> bool:
+        """`target` moves attention from a split whose seconds the reports can part into a
+        per-call and a per-unit cost (attention_fits) and have read ATTENTION_READINGS times.
+        The model prices the call by the probe, whose price of it moved by 40% between two runs
+        of one case (0.98 and 1.36 ms a layer): at TP=2 with a 2.7x rank holding 2 of 8 heads,
+        the run with the higher price moved them all off it (the step 3% longer than at 1 of 8,
+        where the measured re-deal took the other run; results/head-units-3-rounds/)."""
+        if attention_counts(target) == attention_counts(plan):
+            return False
+        read = self._attention.get(attention_counts(plan), [])
+        return len(read) >= ATTENTION_READINGS and attention_fits(
+            plan, _in_attention_units(self.unit_work, "kv")
+        )
 
     def _attention_pending(self, plan, seen: Measured, model: StepModel) -> bool:
         """This report alone asks to re-deal attention, and the split has fewer than

@@ -1064,6 +1064,47 @@ def test_attention_is_re_dealt_on_the_median_of_two_reports_at_its_split():
     assert fresh._attention == {((2, 6),) * 4: [(0.136, 0.109)]} and not fresh._redealt
 
 
+def test_attention_read_at_a_split_that_fits_is_moved_by_the_readings_not_the_model():
+    """results/head-units-3-rounds/tp2-2.7x-rank0, migrate-heads (TP=2, 8 heads in 2 groups,
+    rank 0 at 2.7x): the first move left the slow rank 2 heads a layer, and two reports read
+    its attention at 0.063-0.065 s a step against 0.056 for the other's 6. Where the step
+    model, on the probe's price of the call, then moved every head off it, the run stepped 3%
+    slower than the one whose measured re-deal left it one. Once the reports have read a
+    split they can fit (attention_fits) ATTENTION_READINGS times, attention moves by them."""
+    from hettp.detect import Detection
+    from hettp.measured import attention_fits, measured_attention_split
+
+    work = {"attn": 104743.7, "mlp": 1536.0, "kv": 65536.0, "call": 40929.3}
+    kv = work["kv"] / work["attn"]
+    plan = PartitionPlan.from_counts(2, 2, 8, 1408, (2, 6), (448, 960), 1, HeadUnits(1, 4, 2))
+    seen = Measured(0.2705, (0.2211, 0.1733), (0.0191, 0.0125), (0.0654, 0.0562))
+    assert attention_fits(plan, kv)
+    assert not attention_fits(
+        dataclasses.replace(plan, heads=None).recounted({0: {"attn": [4, 4]}, 1: {"attn": [4, 4]}})
+    )
+    measured = measured_attention_split(plan, seen, (2.19, 1.0), kv)
+    assert measured.plan.counts(0, "attn") == (1, 7)
+    steady = Detection((2.19, 1.0), frozenset({0}), False, frozenset(), frozenset())
+    level = StepModel(rest=0.02, factors=(2.19, 1.0), slope=3e-8, fixed=0.005, apart=0.0125)
+    harsher = dataclasses.replace(level, factors=(2.8, 1.0))
+    assert Planner("migrate", work)._target(plan, harsher).counts(0, "attn") == (0, 8)
+    # one reading at this split: the model's move is made
+    once = Planner("migrate", work)
+    assert once.decide(14, steady, harsher, plan, (0.0, 0.0), seen).plan.counts(0, "attn") == (
+        0,
+        8,
+    )
+    # two: it is not; the measured split deals attention, and the MLP's with it
+    planner = Planner("migrate", work)
+    assert planner.decide(10, steady, level, plan, (0.0, 0.0), seen) is None
+    decision = planner.decide(14, steady, harsher, plan, (0.0, 0.0), seen)
+    assert "attention at this split is read from 2 reports" in planner.refused
+    assert decision.reason.startswith("rebalance (measured)")
+    assert [decision.plan.counts(i, "attn") for i in range(2)] == [(1, 7)] * 2
+    # a model move that leaves attention where it is stays the model's to make
+    assert not planner._attention_read(plan, plan)
+
+
 def test_a_measured_gain_under_min_gain_is_made_where_two_reports_in_a_row_see_it():
     """Between MEASURED_LEAN x min_gain and min_gain of the step, a measured rebalance may be
     one report's noise: made at the second report in a row that asks for it, not the first,
