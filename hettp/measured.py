@@ -113,9 +113,9 @@ def measured_attention_split(
     units = _attention_units(plan, kv)
     layers = range(plan.num_layers)
     held, calls = _held_and_calls(plan, kv)
-    rows = [(calls[r], held[r], attention[r] / factors[r]) for r in range(n) if held[r]]
-    if not attention_fits(plan, kv):
+    if not _spread_fits(held, calls):
         return None
+    rows = [(calls[r], held[r], attention[r] / factors[r]) for r in range(n) if held[r]]
     cc = sum(c * c for c, _, _ in rows)
     ch = sum(c * h for c, h, _ in rows)
     hh = sum(h * h for _, h, _ in rows)
@@ -189,8 +189,10 @@ def _held_and_calls(plan: PartitionPlan, kv: float) -> tuple[list[float], list[i
 def attention_fits(plan: PartitionPlan, kv: float = 0.0) -> bool:
     """Attention's seconds at `plan` can part a per-call cost from a per-unit one
     (measured_attention_split): two ranks' units a call differ by ATTENTION_FIT_SPREAD."""
-    kv = kv if plan.heads is not None else 0.0
-    held, calls = _held_and_calls(plan, kv)
+    return _spread_fits(*_held_and_calls(plan, kv if plan.heads is not None else 0.0))
+
+
+def _spread_fits(held: Sequence[float], calls: Sequence[int]) -> bool:
     per_call = [h / c for h, c in zip(held, calls) if h]
     return bool(per_call) and max(per_call) >= ATTENTION_FIT_SPREAD * min(per_call)
 
