@@ -110,7 +110,6 @@ def measured_attention_split(
         return None
     heads = plan.heads
     kv = kv if heads is not None else 0.0
-    units = _attention_units(plan, kv)
     layers = range(plan.num_layers)
     held, calls = _held_and_calls(plan, kv)
     if not _spread_fits(held, calls):
@@ -155,33 +154,30 @@ def measured_attention_split(
     candidate = plan.recounted(dealing)  # the heads each rank then holds: its replicas
     changes, gain = {}, 0.0
     for index in dealing:
-        now = max(seconds(r, units(plan, index, r)) for r in range(n))
-        then = max(seconds(r, units(candidate, index, r)) for r in range(n))
+        now = max(seconds(r, _attention_units(plan, index, r, kv)) for r in range(n))
+        then = max(seconds(r, _attention_units(candidate, index, r, kv)) for r in range(n))
         if then < now - 1e-12:
             changes[index], gain = dealing[index], gain + now - then
     if not changes:
         return None
     target = plan.recounted(changes)
-    predicted = tuple(sum(seconds(r, units(target, i, r)) for i in layers) for r in range(n))
+    predicted = tuple(
+        sum(seconds(r, _attention_units(target, i, r, kv)) for i in layers) for r in range(n)
+    )
     return MeasuredSplit(target, "attn", tuple(attention), predicted, gain)
 
 
-def _attention_units(plan: PartitionPlan, kv: float):
-    """A rank's attention units in a layer of a plan, a K/V replica counted at `kv`."""
-    heads = plan.heads
-
-    def units(p: PartitionPlan, layer: int, rank: int) -> float:
-        held = p.units(layer, "attn", rank)
-        return len(held) + (kv * len(heads.groups_of(held)) if kv and held else 0.0)
-
-    return units
+def _attention_units(plan: PartitionPlan, layer: int, rank: int, kv: float) -> float:
+    """`rank`'s attention units in `layer`, a K/V replica counted at `kv`."""
+    held = plan.units(layer, "attn", rank)
+    return len(held) + (kv * len(plan.heads.groups_of(held)) if kv and held else 0.0)
 
 
 def _held_and_calls(plan: PartitionPlan, kv: float) -> tuple[list[float], list[int]]:
     """Per rank, its attention units over the layers (replicas at `kv`) and the layers in
     which it holds any (each a call)."""
-    units, layers = _attention_units(plan, kv), range(plan.num_layers)
-    held = [sum(units(plan, i, r) for i in layers) for r in range(plan.tp_size)]
+    layers = range(plan.num_layers)
+    held = [sum(_attention_units(plan, i, r, kv) for i in layers) for r in range(plan.tp_size)]
     calls = [sum(1 for i in layers if plan.units(i, "attn", r)) for r in range(plan.tp_size)]
     return held, calls
 
