@@ -43,6 +43,11 @@ class ModelShape:
     def heads(self) -> int:
         return self.attention_heads or self.query_groups
 
+    @property
+    def world_size(self) -> int:
+        """Processes of the run: het-TP runs without context or expert parallelism."""
+        return self.tp_size * self.pipeline_stages * self.data_parallel
+
 
 def _flag(default, **argparse_kwargs):
     return field(default=default, metadata={"argparse": argparse_kwargs})
@@ -445,6 +450,18 @@ class HetTPConfig:
                 scenario = Scenario.parse(self.emulate, tp)
             except ScenarioError as err:
                 raise ConfigError(str(err)) from None
+            # a rank or stage the run does not have would slow nothing, silently
+            slowed = max(scenario.global_ranks or (-1,))
+            _require(
+                slowed < shape.world_size,
+                f"--het-tp-emulate {self.emulate}: global rank {slowed} is not below the world "
+                f"size ({shape.world_size})",
+            )
+            _require(
+                scenario.stage is None or scenario.stage < shape.pipeline_stages,
+                f"--het-tp-emulate {self.emulate}: stage {scenario.stage} is not a pipeline "
+                f"stage (--pipeline-model-parallel-size {shape.pipeline_stages})",
+            )
         _require(
             1.0 <= self.emulate_dilation < math.inf,
             f"--het-tp-emulate-dilation must be a finite number >= 1, got {self.emulate_dilation}",

@@ -1065,19 +1065,6 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
 
     het_tp = het_tp_config(args, cuda_available)
-    slowed = het_tp.scenario.global_ranks if het_tp.scenario is not None else None
-    slowed = max(slowed) if slowed else None
-    _require(
-        slowed is None or slowed < world_size,
-        f"--het-tp-emulate {args.het_tp_emulate}: global rank {slowed} is not below the world "
-        f"size ({world_size})",
-    )
-    stage = het_tp.scenario.stage if het_tp.scenario is not None else None
-    _require(
-        stage is None or stage < pp,
-        f"--het-tp-emulate {args.het_tp_emulate}: stage {stage} is not a pipeline stage "
-        f"(--pipeline-model-parallel-size {pp})",
-    )
     _require(
         pp > 1 or args.het_tp_pipeline_moves == "both",
         f"--het-tp-pipeline-moves {args.het_tp_pipeline_moves} needs pipeline stages "

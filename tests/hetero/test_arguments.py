@@ -102,6 +102,12 @@ def test_gpu_defaults_and_precision():
             "(--pipeline-model-parallel-size > 1)",
         ),
         (
+            "--tensor-model-parallel-size 2 --het-tp-policy migrate "
+            "--het-tp-emulate persistent:global=0/4,factor=2",
+            4,
+            "persistent:global=0/4,factor=2: global rank 4 is not below the world size (4)",
+        ),
+        (
             "--pipeline-model-parallel-size 2 --het-tp-emulate persistent:stage=2,factor=2",
             2,
             "persistent:stage=2,factor=2: stage 2 is not a pipeline stage "

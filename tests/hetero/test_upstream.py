@@ -93,6 +93,12 @@ def _upstream_args(argv=(), **overrides):
         (["--het-tp"], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
         (["--het-tp"], {"ckpt_assume_constant_structure": True}, "assume-constant-structure"),
         (["--het-tp"], {"transformer_impl": "inference_optimized"}, "inference_optimized"),
+        # a slowed rank the run does not have (upstream's args: TP 2 x DP 1)
+        (
+            ["--het-tp-policy", "migrate", "--het-tp-emulate", "persistent:global=2,factor=2"],
+            {"data_parallel_size": 1},
+            "global rank 2 is not below the world size (2)",
+        ),
         # any runtime, timing only too
         (["--het-tp-policy", "none"], {"pipeline_model_parallel_size": 2}, "one pipeline stage"),
         (["--het-tp-policy", "none"], {"context_parallel_size": 2}, "--context-parallel-size 2"),
