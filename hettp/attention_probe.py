@@ -28,6 +28,13 @@ import torch.nn.functional as F
 ROUNDS = 12
 WARMUP_ROUNDS = 2
 
+# Sets of ROUNDS rounds, each pricing the call from its own fastest rounds; the price is the
+# median set's. The call is a difference of differences of the sizes' fastest rounds, and a
+# fast spell that one size alone catches moves it. Over interleaved probes the price's
+# standard deviation fell from 28% of its median to 20% (results/attention_call/
+# probe_spread.txt), for 4x the probe's time, once a run.
+SETS = 5
+
 # Units past the first that a unit's own cost is averaged over. A unit's marginal cost grows
 # with the units (larger GEMMs): the average over several is nearer what the cost fit's
 # per-unit rate sees, and it divides the larger size's noise by as many (results/notes.md).
@@ -163,19 +170,27 @@ def _timed(run, device) -> float:
     return time.perf_counter() - start
 
 
-def probe(shape: ProbeShape, rounds: int = ROUNDS) -> CallPrice:
+def probe(shape: ProbeShape, rounds: int = ROUNDS, sets: int = SETS) -> CallPrice:
     """Time attention at none, one and 1 + MORE_UNITS units and the MLP's GEMM, interleaved,
-    and price the call (each size's fastest round)."""
+    in `sets` sets of `rounds` rounds; price the call by the set whose fastest rounds price
+    it at the median (the GEMM by its fastest round of all)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if sets < 1:
+        raise ValueError(f"sets must be >= 1, got {sets}")
     sizes = [_Attention(shape, units) for units in (0, 1, 1 + MORE_UNITS)]
     gemm = _Gemm(shape)
     runs = [size.step for size in sizes] + [gemm.step]
-    best = [float("inf")] * len(runs)
-    for round_ in range(WARMUP_ROUNDS + rounds):
-        for i, run in enumerate(runs):
-            seconds = _timed(run, shape.device)
-            if round_ >= WARMUP_ROUNDS:
-                best[i] = min(best[i], seconds)
-    none, one, more, gemm_s = best
-    return CallPrice(call_seconds(none, one, more), gemm_s / gemm.params, (none, one, more))
+    for _ in range(WARMUP_ROUNDS):
+        for run in runs:
+            _timed(run, shape.device)
+    priced, gemm_s = [], float("inf")
+    for _ in range(sets):
+        best = [float("inf")] * len(sizes)
+        for _ in range(rounds):
+            for i, run in enumerate(runs[: len(sizes)]):
+                best[i] = min(best[i], _timed(run, shape.device))
+            gemm_s = min(gemm_s, _timed(gemm.step, shape.device))
+        priced.append((call_seconds(*best), tuple(best)))
+    call, best = sorted(priced)[len(priced) // 2]
+    return CallPrice(call, gemm_s / gemm.params, best)

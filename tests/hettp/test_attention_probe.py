@@ -63,6 +63,36 @@ def test_the_probe_finds_a_per_call_cost_that_is_there(monkeypatch):
     assert price.work == pytest.approx(price.call_s / price.gemm_s_per_param)
 
 
+def test_a_fast_spell_one_size_catches_does_not_price_the_call(monkeypatch):
+    """Every round of the one-unit size in the second set runs 6 ms fast (a spell that size
+    alone caught): its set prices the call at 2 ms, the others at the 8 ms there is, and the
+    median set's price is the probe's (the fastest round of all would read the 2 ms)."""
+    seen = {"one": 0}
+
+    def fake_timed(run, device):
+        size = run.__self__
+        if isinstance(size, attention_probe._Gemm):
+            return 0.004
+        if not size.heads:
+            return 1e-4
+        seconds = 1e-4 + 0.008 + 0.001 * size.groups
+        if size.groups == 1:
+            seen["one"] += 1
+            in_set = (seen["one"] - 1 - attention_probe.WARMUP_ROUNDS) // 12
+            if in_set == 1:
+                seconds -= 0.006
+        return seconds
+
+    monkeypatch.setattr(attention_probe, "_timed", fake_timed)
+    price = probe(SHAPE, rounds=12, sets=5)
+    assert price.call_s == pytest.approx(0.008)
+    assert price.sizes_s[1] == pytest.approx(1e-4 + 0.009)
+    seen["one"] = 0
+    assert probe(SHAPE, rounds=12, sets=1).call_s == pytest.approx(0.008)  # no spell in set 0
+    with pytest.raises(ValueError, match="sets must be >= 1"):
+        probe(SHAPE, sets=0)
+
+
 def test_a_size_is_timed_by_the_wall_clock():
     """The probe's timer reads what a run takes, sleeps included (a sleep never ends early)."""
     assert attention_probe._timed(lambda: time.sleep(0.01), "cpu") >= 0.01
