@@ -53,6 +53,8 @@ hettp_args() {
   if [ "$policy" != vanilla ]; then
     ARGS+=(--het-tp-policy "$policy" --het-tp-interval "$INTERVAL")
     [ -n "$emulate" ] && ARGS+=(--het-tp-emulate "$emulate")
+  elif [ -n "$emulate" ]; then  # vanilla's layers, slowed alike (as scripts/compare.py runs it)
+    ARGS+=(--het-tp-policy static --het-tp-emulate "$emulate")
   fi
   return 0
 }
@@ -70,6 +72,10 @@ hettp_srun() {
   local cmd=(srun --kill-on-bad-exit=1 bash "$HETTP_DIR/scripts/slurm/task.sh" "${ARGS[@]}")
   if [ "$DRY_RUN" = 1 ]; then
     echo "+ $(printf '%q ' "${cmd[@]}")"
+    if [ -z "${SLURM_JOB_ID:-}" ]; then  # outside an allocation: nothing to derive it from
+      echo "# task environment: each task derives it from Slurm's variables (hettp.launch_env)"
+      return 0
+    fi
     echo "# task environment (SLURM_PROCID=${SLURM_PROCID:-0}):"
     "$PYTHON" -m hettp.launch_env | sed 's/^/#   /'
     return 0

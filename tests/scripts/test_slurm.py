@@ -142,9 +142,27 @@ def test_sbatch_dry_runs_print_the_resolved_commands():
         SLURM_PROCID="0",
     )
     assert compare.returncode == 0, compare.stderr
-    assert compare.stdout.count("+ srun") == 2 * 2 * 2  # rounds x scenarios x policies
+    # rounds x scenarios x {vanilla, none (timed), POLICY}: every run compare.py reports on
+    assert compare.stdout.count("+ srun") == 2 * 2 * 3
+    srun = [line for line in compare.stdout.splitlines() if line.startswith("+ srun")]
+    plain = [line for line in srun if "emulated.vanilla." in line]
+    assert len(plain) == 2 and all(
+        "--het-tp-policy static --het-tp-emulate persistent:rank=1\\,factor=2" in line
+        for line in plain
+    )  # plain vanilla's layers, slowed as the others are
     assert "compare.py --report-only" in compare.stdout and "--repeats 2" in compare.stdout
     assert not os.path.exists("/tmp/hettp-dry-compare")  # a dry run writes nothing
+    # outside an allocation a dry run prints the commands all the same
+    outside = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for script in ("het_tp.sbatch", "het_tp_torchrun.sbatch"):
+        out = subprocess.run(
+            ["bash", os.path.join(SLURM, script), "--dry-run"],
+            env=dict(outside, HETTP_DIR=ROOT, OUT="/tmp/hettp-dry"),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert out.returncode == 0 and "+ srun" in out.stdout, (script, out.stderr)
 
 
 @pytest.mark.parametrize(
@@ -170,8 +188,8 @@ def test_sbatch_refuses_unknown_arguments():
     assert out.returncode == 2 and "unknown argument '--dryrun'" in out.stderr
 
 
-@pytest.fixture
-def cluster(tmp_path):
+@pytest.fixture(scope="module")  # one cluster for the module's jobs: it takes seconds to start
+def cluster():
     missing = [t for t in ("slurmctld", "slurmd", "sbatch", "munged") if not shutil.which(t)]
     if missing:
         if os.environ.get("HETTP_REQUIRE_SLURM") == "1":
@@ -201,25 +219,15 @@ def cluster(tmp_path):
         assert not left, f"{left} left running"
 
 
-def test_het_tp_sbatch_runs_on_a_real_slurm(cluster, tmp_path):
-    out = tmp_path / "out"
-    env = dict(
-        cluster,
-        HETTP_DIR=ROOT,
-        TP="2",
-        ITERS="20",
-        INTERVAL="5",
-        POLICY="migrate",
-        EMULATE="persistent:rank=1,factor=3",
-        OUT=str(out),
-    )
+def _sbatch(env, tmp_path, script) -> str:
+    """Submit `script` on 2 tasks, wait for it to leave the queue; its output."""
     sub = subprocess.run(
         [
             "sbatch",
             "--parsable",
             "--ntasks-per-node=2",
             f"--output={tmp_path}/job-%j.out",
-            os.path.join(SLURM, "het_tp.sbatch"),
+            os.path.join(SLURM, script),
         ],
         env=env,
         capture_output=True,
@@ -239,9 +247,47 @@ def test_het_tp_sbatch_runs_on_a_real_slurm(cluster, tmp_path):
         time.sleep(1)
     else:
         pytest.fail(f"job {job} still queued/running after 600 s")
-    log = (tmp_path / f"job-{job}.out").read_text()
+    return (tmp_path / f"job-{job}.out").read_text()
+
+
+def test_het_tp_sbatch_runs_on_a_real_slurm(cluster, tmp_path):
+    out = tmp_path / "out"
+    env = dict(
+        cluster,
+        HETTP_DIR=ROOT,
+        TP="2",
+        ITERS="20",
+        INTERVAL="5",
+        POLICY="migrate",
+        EMULATE="persistent:rank=1,factor=3",
+        OUT=str(out),
+    )
+    log = _sbatch(env, tmp_path, "het_tp.sbatch")
     assert "task 0 of 2" in log and "task 1 of 2" in log, log[-3000:]
     assert "iteration       20/      20" in log, log[-3000:]
     assert log.count(" iteration ") >= 4  # every --log-interval 5
     assert "het-TP decision at iteration" in log and ": migrate" in log, log[-3000:]
     assert (out / "het_tp.jsonl").exists()
+
+
+def test_compare_sbatch_reports_on_a_real_slurm(cluster, tmp_path):
+    """Every run compare.py's report reads, launched by Slurm, then the report itself."""
+    out = tmp_path / "out"
+    env = dict(
+        cluster,
+        HETTP_DIR=ROOT,
+        TP="2",
+        ITERS="6",
+        INTERVAL="2",
+        ROUNDS="1",
+        POLICY="migrate",
+        EMULATE="persistent:rank=1,factor=2",
+        OUT=str(out),
+    )
+    log = _sbatch(env, tmp_path, "compare.sbatch")
+    report = out / "report.md"
+    assert report.exists(), log[-3000:]
+    rows = [line for line in report.read_text().splitlines() if line.startswith("| ")]
+    for scenario in ("none", "emulated"):
+        for policy in ("vanilla", "none", "migrate"):
+            assert any(line.startswith(f"| {scenario} | {policy} |") for line in rows), rows
