@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU smoke test (for a lent GPU; CI never runs it): TP=1 GPT steps in bf16 on CUDA through the
 # same pretrain_gpt.py, then the median throughput of the timed iterations. With 2 or more GPUs,
-# also het-TP with sequence parallelism and the distributed optimizer (TP=2 x DP=GPUs/2, a
-# migration mid-run) against vanilla with the same flags: largest relative loss gap. Where
+# also het-TP with sequence parallelism and the distributed optimizer (TP=2 x DP=GPUs/2, GPU 1
+# shared with scripts/noisy_neighbor.py's kernel loop) against vanilla with the same flags:
+# the decisions taken and the largest relative loss gap. Where
 # Transformer Engine imports, checks that --transformer-impl transformer_engine --het-tp stops
 # at start naming the flag.
 #
@@ -84,14 +85,22 @@ PROD=(--bf16 --tensor-model-parallel-size 2 --sequence-parallel --use-distribute
   --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 2
   --global-batch-size $(( NPROC / 2 * 4 )) --train-iters 20 --lr 3e-4 --mock-data
   --vocab-size 32000 --log-interval 5 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0)
+NEIGHBOR=""
+trap '[ -z "$NEIGHBOR" ] || kill "$NEIGHBOR" 2>/dev/null || true' EXIT
 for NAME in vanilla het; do
   EXTRA=()
-  [ "$NAME" = het ] && EXTRA=(--het-tp-policy migrate --het-tp-emulate persistent:rank=1,factor=3,start=5 --het-tp-interval 2)
+  if [ "$NAME" = het ]; then
+    # a real straggler (emulation is CPU-only): a kernel loop shares GPU 1, TP rank 1's
+    EXTRA=(--het-tp-policy migrate --het-tp-interval 2)
+    "$PYTHON" scripts/noisy_neighbor.py --gpu 1 --duration 900 & NEIGHBOR=$!
+  fi
   rm -f "$OUT/prod-$NAME.jsonl"
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m torch.distributed.run \
     --nproc_per_node "$NPROC" pretrain_gpt.py "${PROD[@]}" "${EXTRA[@]}" \
     --metrics-file "$OUT/prod-$NAME.jsonl"
 done
+[ -z "$NEIGHBOR" ] || { kill "$NEIGHBOR" 2>/dev/null || true; wait "$NEIGHBOR" 2>/dev/null || true; }
+NEIGHBOR=""
 "$PYTHON" - "$OUT/prod-vanilla.jsonl" "$OUT/prod-het.jsonl" <<'PY'
 import json, sys
 def losses(path):
