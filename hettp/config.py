@@ -119,7 +119,8 @@ class HetTPConfig:
     Under resizing policies layers stay in their stages."""
 
     emulate: str | None = _flag(None, metavar="SCENARIO")
-    """Emulated stragglers (CPU): none, persistent:rank=R,factor=F[,start=I][,stop=I],
+    """Emulated stragglers (CPU): none (nothing slowed, as without the flag),
+    persistent:rank=R,factor=F[,start=I][,stop=I],
     transient:rank=R,factor=F,start=I,length=N,period=P, rotating:factor=F,period=P,
     multi:factors=8/6/4/2; each takes mode=sharded (default: the work the rank's units carry
     is slowed) or mode=device (all of its compute, as a slow GPU)."""
@@ -441,15 +442,18 @@ class HetTPConfig:
         )
         scenario = None
         if self.emulate is not None:
+            try:
+                scenario = Scenario.parse(self.emulate, tp)
+            except ScenarioError as err:
+                raise ConfigError(str(err)) from None
+            if scenario.kind == "none":  # slows nothing: as if not given (a launcher's default)
+                scenario = None
+        if scenario is not None:
             _require(
                 not cuda_available,
                 "--het-tp-emulate is implemented for CPU runs; on GPUs "
                 "create real contention (scripts/noisy_neighbor.py)",
             )
-            try:
-                scenario = Scenario.parse(self.emulate, tp)
-            except ScenarioError as err:
-                raise ConfigError(str(err)) from None
             # a rank or stage the run does not have would slow nothing, silently
             slowed = max(scenario.global_ranks or (-1,))
             _require(
@@ -522,6 +526,13 @@ class HetTPConfig:
                 self.priority == p.scorer,
                 f"--het-tp-policy {self.policy} ranks units by --het-tp-priority "
                 f"{p.scorer}; drop --het-tp-priority {self.priority}",
+            )
+        if p.cut is not None:
+            _require(
+                p.cut <= self.max_resize,
+                f"--het-tp-policy {self.policy} cuts a straggler's units by a fixed {p.cut:.0%}, "
+                f"above --het-tp-max-resize {self.max_resize:g}: raise the cap to {p.cut:g} or "
+                "choose another policy",
             )
         shares = None
         if self.resize is not None:

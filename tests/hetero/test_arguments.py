@@ -224,10 +224,19 @@ def test_het_tp_flags():
     assert not config.het_tp and config.timed
     with pytest.raises(ArgumentError, match="--het-tp-emulate is implemented for CPU runs"):
         _het_tp(
-            "--tensor-model-parallel-size 2 --het-tp-policy migrate --het-tp-emulate none",
+            "--tensor-model-parallel-size 2 --het-tp-policy migrate --het-tp-emulate "
+            "persistent:rank=1,factor=2",
             world_size=2,
             cuda=True,
         )
+    # `none` slows nothing: as without the flag, on GPUs too, and it times no rank by itself
+    for cuda in (False, True):
+        config = _het_tp(
+            "--tensor-model-parallel-size 2 --het-tp-policy static --het-tp-emulate none",
+            world_size=2,
+            cuda=cuda,
+        )
+        assert config.scenario is None and not config.timed
     config = _het_tp(
         "--tensor-model-parallel-size 2 --het-tp-policy migrate --het-tp-emulate-dilation 3",
         world_size=2,

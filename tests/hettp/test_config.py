@@ -122,6 +122,16 @@ def test_emulation_alone_asks_for_timing():
             "--het-tp-emulate 'persistent:rank=1,factor=2,mode=gpu': mode 'gpu' is not one of "
             "sharded, device",
         ),
+        (
+            {"policy": "zero", "max_resize": 0.25},
+            "--het-tp-policy zero cuts a straggler's units by a fixed 50%, above "
+            "--het-tp-max-resize 0.25",
+        ),
+        (
+            {"emulate": "persistent:global=2,factor=2"},
+            "--het-tp-emulate persistent:global=2,factor=2: global rank 2 is not below the "
+            "world size (2)",
+        ),
         ({"patience": 0}, "--het-tp-patience must be positive, got 0"),
         ({"end_patience": 0}, "--het-tp-end-patience must be positive, got 0"),
         (
