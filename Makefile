@@ -11,8 +11,10 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	# The CPU wheel first: a looser torch requirement would pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
+	# The CPU wheel first: a looser torch requirement would pull a multi-GB CUDA build (PyPI's
+	# Linux torch). From the configured sources (a wheel folder), else PyTorch's CPU index.
+	$(PY) -m pip install --quiet torch==2.13.0+cpu || \
+		$(PY) -m pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 	$(PY) -m pip install --quiet -e '.[cpu,test]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
