@@ -62,6 +62,10 @@ class SlowdownAnchor:
         self._then: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self._work: tuple[float, ...] | None = None
         self._modelled_then: Factors | None = None  # the model's reading of that level
+        # ranks whose straggle the model ended at the last anchor (of `overruled`)
+        self.model_ends: frozenset[int] = frozenset()
+        # ranks whose model end at a change was refuted (refute): kept for the run
+        self.refuted: frozenset[int] = frozenset()
 
     @property
     def active(self) -> bool:
@@ -77,8 +81,17 @@ class SlowdownAnchor:
         errors carried from anchor to anchor end here)."""
         self._before, self._base, self._pending = None, None, []
         self._modelled, self._same_level = [], []
-        self.overruled = frozenset()
+        self.overruled = self.model_ends = frozenset()
         self._then = self._work = self._modelled_then = None
+
+    def refute(self, ranks) -> None:
+        """The model's end of these ranks' straggles at a change was wrong: they were found
+        slow again at the next even split. From now on the model's reading of a rank as
+        recovered before a change is no evidence for its end at one (_shed): in a TP=2 run
+        (rank 0 at 2.7x, group units) a line whose intercept noisy points had inflated read
+        the rank at 1.0x at every split that left it few units, ended its straggle at each
+        rebalance, and the plan went back to even and out again every three steps."""
+        self.refuted = self.refuted | frozenset(ranks)
 
     def rebase(
         self,
@@ -98,7 +111,7 @@ class SlowdownAnchor:
             raise ValueError("compute and work before a change: both or neither, one per rank")
         self._before, self._base, self._pending = tuple(slowdown), None, []
         self._modelled, self._same_level = [], []
-        self.overruled = frozenset()
+        self.overruled = self.model_ends = frozenset()
         self._then = None if compute is None else (tuple(compute), tuple(work))
         self._work = None
         self._modelled_then = None if modelled is None else relative(modelled)
@@ -167,6 +180,7 @@ class SlowdownAnchor:
             for r, model in {**ends, **onsets}.items():
                 before[r] = model
             self.overruled = frozenset(ends) | frozenset(onsets)
+            self.model_ends = frozenset(ends)
         self._before = tuple(before)
 
     def _shed(self, rank: int) -> bool:
@@ -180,9 +194,15 @@ class SlowdownAnchor:
         generalize draw none held: a 1.9x rank moved from 5.06 to 2.13 units of work computed
         0.465 s and then 0.248 s (0.53 of it for 0.42 of the work), the model read 1.11x, and
         the plan went back to even and out again three steps later. Without the compute before
-        the change, the model decides alone."""
+        the change, the model decides alone. A rank whose model end was refuted (refute) is
+        not ended for the model's reading before the change."""
         then = self._modelled_then
-        if then is not None and then[rank] is not None and then[rank] <= self.normal:
+        if (
+            rank not in self.refuted
+            and then is not None
+            and then[rank] is not None
+            and then[rank] <= self.normal
+        ):
             return True
         if self._then is None or self._work is None:
             return True
@@ -273,6 +293,8 @@ class SlowdownAnchor:
             "then": None if self._then is None else [list(x) for x in self._then],
             "work": None if self._work is None else list(self._work),
             "modelled_then": None if self._modelled_then is None else list(self._modelled_then),
+            "model_ends": sorted(self.model_ends),
+            "refuted": sorted(self.refuted),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -291,3 +313,5 @@ class SlowdownAnchor:
         self._work = None if work is None else tuple(work)
         modelled = state.get("modelled_then")
         self._modelled_then = None if modelled is None else tuple(modelled)
+        self.model_ends = frozenset(state.get("model_ends", ()))  # absent before: none
+        self.refuted = frozenset(state.get("refuted", ()))

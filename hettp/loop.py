@@ -175,6 +175,10 @@ def step_model(
 
 
 WARMUP_STEPS = 3  # steps after a start or resume that detection leaves out
+# A straggle the model ended at a change that starts again within this many detector windows
+# was misread there (ControlLoop._check_model_ends): the end moves the plan back to even, where
+# the ranks' ratios are read without a model, and the onset there takes one window.
+REFUTE_WINDOWS = 2
 # Works this close (largest over smallest) read as an even split: the ranks' compute ratios are
 # their speed ratios to within the works' difference, with no model and no anchor to carry.
 NEAR_EVEN = 1.05
@@ -220,6 +224,10 @@ class ControlLoop:
         # the latest steps detected on, all of one split: the level a change leaves
         self._recent: deque[TimingReport] = deque(maxlen=detector.window)
         self._seen = 0  # steps seen since this loop was created
+        self._detected = 0  # steps detected on
+        # per rank, the detected step at which the model ended its straggle at a change (not
+        # checkpointed: a resume between an end and its refutation loses that refutation)
+        self._model_ended: dict[int, int] = {}
 
     def step(self, step: TimingReport) -> Due | None:
         """One step's timings (every rank): detect where a planner decides; returns what to
@@ -275,11 +283,13 @@ class ControlLoop:
         """One step's timings into the detector (every rank, every step). While the anchor
         after a change fills, the detector waits; then it takes the anchor's steps at once."""
         self._recent.append(step)
+        self._detected += 1
         if self.anchor.active and near_even(step.work):
             # An even split again, or within NEAR_EVEN of one (a move back after a straggle
             # lands on the MLP's chunks): the ranks' ratios need no anchor, and a slowdown it
             # carried across the change may be stale, read from one step at it.
             self.anchor.clear()
+        anchoring = self.anchor.active and not self.anchor.anchored
         if self.anchor.active:
             modelled = None
             if self.fit.fitted:
@@ -291,13 +301,27 @@ class ControlLoop:
             return self.detector.current()
         seen = [self.detector.update(row) for row in rows]
         last = seen[-1]
-        return Detection(
-            last.slowdown,
-            last.stragglers,
-            any(d.changed for d in seen),
-            frozenset().union(*(d.onsets for d in seen)) - last.ends,
-            frozenset().union(*(d.ends for d in seen)) - last.onsets,
-        )
+        onsets = frozenset().union(*(d.onsets for d in seen)) - last.ends
+        ends = frozenset().union(*(d.ends for d in seen)) - last.onsets
+        self._check_model_ends(onsets, ends & self.anchor.model_ends if anchoring else set())
+        return Detection(last.slowdown, last.stragglers, any(d.changed for d in seen), onsets, ends)
+
+    def _check_model_ends(self, onsets, model_ends) -> None:
+        """A straggle the model ended at a change (`model_ends`, as the anchor completed) and
+        that starts again within REFUTE_WINDOWS detector windows (read at the even split the
+        end moved back to) was misread: the anchor stops taking the model's word for it."""
+        for rank in model_ends:
+            self._model_ended[rank] = self._detected
+        within = REFUTE_WINDOWS * self.detector.window
+        refuted = {
+            rank
+            for rank in onsets
+            if rank in self._model_ended and self._detected - self._model_ended[rank] <= within
+        }
+        if refuted:
+            self.anchor.refute(refuted)
+        for rank in onsets:
+            self._model_ended.pop(rank, None)
 
     def observe(
         self,

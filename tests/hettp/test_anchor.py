@@ -8,6 +8,7 @@ import random
 import pytest
 
 from hettp.anchor import SlowdownAnchor
+from hettp.costfit import ComputeFit, Line
 from hettp.detect import StragglerDetector
 from hettp.loop import ControlLoop, TimingReport
 from hettp.plan import PartitionPlan
@@ -126,6 +127,58 @@ def test_the_model_ends_a_straggle_at_a_change_only_where_the_ranks_compute_fell
     assert again.step((0.435, 0.248), modelled=(1.0, 1.11))[-1] == pytest.approx((1.0, 1.92))
     with pytest.raises(ValueError, match="both or neither"):
         still.rebase((1.0, 1.0), compute=(0.3, 0.3))
+
+
+class _MisreadsFewUnits(ComputeFit):
+    """A fitted line that reads a rank with under half the largest work at full speed,
+    whatever its speed (as one whose intercept noisy points inflated did), and ranks of even
+    work by their compute ratios, as any line does."""
+
+    @property
+    def fitted(self) -> bool:
+        return True
+
+    def line(self, works=(), computes=(), fixed=None) -> Line:
+        return Line(0.0, 1e-3)
+
+    def factors(self, works, computes, fixed=None):
+        read = super().factors(works, computes, fixed)
+        return [1.0 if w < max(works) / 2 else f for f, w in zip(read, works)]
+
+
+def test_a_model_end_refuted_at_the_even_split_is_not_taken_again():
+    """Rank 1 at 2.5x throughout; the split goes even -> (114, 46) -> (120, 40) (a rebalance)
+    -> even (the model's end) -> and out again. The model reads rank 1 at 1.0x wherever it
+    holds few units, before the rebalance too, so its end there stood, and the plan went back
+    to even, where the straggle is read again: a misread end. The second time the rebalance
+    comes, continuity stands, and rank 1 stays at 2.5x."""
+    loop = ControlLoop(None, StragglerDetector(2), fit=_MisreadsFewUnits())
+    rng = random.Random(0)
+    ends, read = [], None
+
+    def run(works, steps):
+        nonlocal read
+        for _ in range(steps):
+            compute = tuple(
+                f * 1e-3 * w * (1 + rng.uniform(-0.02, 0.02)) for f, w in zip((1.0, 2.5), works)
+            )
+            detection = loop.detect(TimingReport(0, compute, works, max(compute) + 0.01))
+            ends.extend(detection.ends)
+            read = detection.slowdown[1]
+
+    run((80.0, 80.0), 4)
+    for _ in range(2):
+        for works in ((114.0, 46.0), (120.0, 40.0)):
+            loop.applied()
+            run(works, 6)
+        if ends:  # the model ended it at the rebalance: the plan goes back to even
+            loop.applied()
+            run((80.0, 80.0), 6)
+    assert ends == [1] and loop.anchor.refuted == {1}
+    assert read == pytest.approx(2.5, rel=0.1)
+    again = SlowdownAnchor(2, window=3)  # refuted ranks survive a checkpoint
+    again.load_state_dict(loop.anchor.state_dict())
+    assert again.refuted == {1}
 
 
 def test_a_level_inside_the_band_is_ended_by_the_model_where_the_rank_got_more_work():
