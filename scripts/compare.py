@@ -117,7 +117,15 @@ def model_flags(quick: bool) -> list[str]:
 
 
 def _flag_value(flags: list[str], name: str, default: str) -> str:
-    return flags[flags.index(name) + 1] if name in flags else default
+    """The value of Megatron flag `name` in `flags` (`--name value` or `--name=value`; the
+    last one given wins, as argparse takes it)."""
+    value = default
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.startswith(name + "="):
+            value = flag.split("=", 1)[1]
+    return value
 
 
 def _free_port() -> int:
@@ -225,7 +233,7 @@ def launch(
         )
     ranks = multiprocessing.get_context("forkserver")
     ranks.set_forkserver_preload(PRELOAD)
-    procs = []
+    procs, timed_out = [], False
     try:
         for rank in range(world):
             env = dict(
@@ -252,7 +260,10 @@ def launch(
             procs[-1].start()
         deadline = time.monotonic() + a.run_timeout
         while any(p.exitcode is None for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
                 break
             progress.show(label, _iterations_done(path), a.iters)
             time.sleep(0.5)
@@ -270,7 +281,10 @@ def launch(
     if any(codes):
         with open(log_path) as f:
             sys.stderr.write(f.read()[-4000:])
-        raise SystemExit(f"compare: run {label} failed (exit codes {codes}); log {log_path}")
+        why = (
+            f"ran past --run-timeout {a.run_timeout:g} s and was stopped" if timed_out else "failed"
+        )
+        raise SystemExit(f"compare: run {label} {why} (exit codes {codes}); log {log_path}")
     progress.show(label, a.iters, a.iters, final=True)
 
 
@@ -384,6 +398,8 @@ def parse(argv):
     ):
         if value < low:
             p.error(f"{name} must be >= {low}, got {value}")
+    if not 0 < a.run_timeout < math.inf:
+        p.error(f"--run-timeout must be a positive number of seconds, got {a.run_timeout:g}")
     if a.microbatches is None:
         a.microbatches = 2 * a.pp if a.pp > 1 else 4 if a.dp > 1 else 1
     if a.microbatches < 1:
@@ -436,6 +452,10 @@ def parse(argv):
     world = a.tp * a.dp * a.pp
     if a.dp > 1 and any(s.real for s in a.scenario_list):
         p.error("real-contention scenarios with --dp > 1: compare.py bounds them by one replica")
+    if a.report_only:  # nothing runs here: this machine's cores do not bound the runs
+        # how the runs were dilated comes from the previous report.json where there is one
+        a.dilation = 1.0 if a.dilation == "auto" else _dilation(p, a.dilation, world, world)
+        return a
     if world > len(_cores()) and any(s.real for s in a.scenario_list):
         p.error(
             f"real-contention scenarios need a core per rank: {world} ranks, {len(_cores())} cores"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -131,6 +132,11 @@ def test_report_only_rebuilds_the_same_table(quick):
         (["--policies", "migrate,joint"], "--policies joint: needs --dp > 1"),
         (["--scenarios", "crossed-3x"], "unknown scenario 'crossed-3x'"),  # a --dp scenario
         (["--dp", "2", "--scenarios", "noisy"], "real-contention scenarios with --dp > 1"),
+        (["--run-timeout", "0"], "--run-timeout must be a positive number of seconds, got 0"),
+        (
+            ["--pp", "4", "--policies", "migrate", "--", "--num-layers=6"],
+            "--pp 4: the model's --num-layers 6 do not split evenly over it",
+        ),
     ],
 )
 def test_bad_arguments_name_the_flag(argv, message, tmp_path):
@@ -248,6 +254,49 @@ def test_a_failing_run_is_named_with_its_log(tmp_path):
     assert f"run none / vanilla / round 1 failed (exit codes [2, 2]); log {log}" in proc.stderr
     assert "--hidden-size (63) must be divisible" in log.read_text()
     assert not (tmp_path / "report.json").exists()
+
+
+def test_a_run_past_its_timeout_is_named_so(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--quick",
+            "--scenarios",
+            "none",
+            "--repeats",
+            "1",
+            "--run-timeout",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    # the first run of the round (rounds start at different configurations)
+    assert re.search(
+        r"run none / \S+ / round 1 ran past --run-timeout 1 s and was stopped", proc.stderr
+    )
+
+
+def test_model_flags_are_read_in_either_form_and_a_report_reads_runs_made_elsewhere():
+    compare = load_script("compare")
+    flags = ["--num-layers=4", "--micro-batch-size", "2", "--micro-batch-size=3"]
+    assert compare._flag_value(flags, "--num-layers", "1") == "4"
+    assert compare._flag_value(flags, "--micro-batch-size", "1") == "3"  # the last, as argparse
+    assert compare._flag_value(flags, "--hidden-size", "64") == "64"
+    # --pp 2 splits 4 layers given as --num-layers=4 (read as 1 before: refused)
+    assert compare.parse(["--pp", "2", "--scenarios", "none", "--", "--num-layers=4"]).pp == 2
+    # a report of runs launched elsewhere (more ranks than cores here, or noisy) is not held
+    # to this machine's cores, and is not dilated unless told
+    many = str(4 * len(os.sched_getaffinity(0)))
+    for scenarios in ("none", "noisy"):
+        a = compare.parse(["--tp", many, "--scenarios", scenarios, "--report-only"])
+        assert a.dilation == 1.0
 
 
 def test_dilation_gives_each_rank_a_device_when_ranks_outnumber_cores():
