@@ -125,6 +125,10 @@ def verify(folder: str) -> str | None:
     """Every rank: raise UnsafeCheckpointError naming the first damaged, missing, unlisted or
     unsafe file; returns a warning for a checkpoint without a manifest, else None."""
     warning = None
+    if not os.path.isdir(folder):  # the tracker names an iteration whose folder is gone
+        raise UnsafeCheckpointError(f"{folder} is missing (named by the checkpoint's tracker)")
+    if not os.path.exists(os.path.join(folder, METADATA)):
+        raise UnsafeCheckpointError(f"{os.path.join(folder, METADATA)} is missing")
     manifest_path = os.path.join(folder, MANIFEST)
     if os.path.exists(manifest_path):
         try:
@@ -152,6 +156,5 @@ def verify(folder: str) -> str | None:
             raise UnsafeCheckpointError(f"{os.path.join(folder, name)} is damaged: {why}")
     else:
         warning = f"{folder} has no {MANIFEST} (saved before manifests): not verified"
-    if os.path.exists(os.path.join(folder, METADATA)):
-        check_metadata(os.path.join(folder, METADATA))
+    check_metadata(os.path.join(folder, METADATA))
     return warning

@@ -75,6 +75,13 @@ def test_a_checkpoint_without_manifest_loads_with_a_warning(tmp_path):
     folder = _folder(tmp_path)
     os.remove(folder / MANIFEST)
     assert "has no manifest.json" in verify(str(folder))
+    # ... but not without its metadata, nor where the tracker names a folder that is gone:
+    # one line naming it, where megatron-core's load failed with a traceback
+    os.remove(folder / ".metadata")
+    with pytest.raises(UnsafeCheckpointError, match=r"iter_0000001/\.metadata is missing"):
+        verify(str(folder))
+    with pytest.raises(UnsafeCheckpointError, match="iter_0000002 is missing"):
+        verify(str(tmp_path / "iter_0000002"))
 
 
 class _Runs:
