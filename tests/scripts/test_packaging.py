@@ -72,6 +72,15 @@ def test_run_local_picks_ranks_and_device():
     assert out.returncode == 0, out.stderr
     assert "--nproc_per_node 4" in out.stdout and "pretrain_gpt.py" in out.stdout
     assert "4 ranks on CPU" in out.stderr
+    out = subprocess.run(
+        ["bash", script, "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert "--nproc_per_node 4" in out.stdout  # TP x PP
+    out = subprocess.run(["bash", script], env=env, capture_output=True, text=True)
+    assert "--nproc_per_node 2" in out.stdout  # two data-parallel ranks
     out = subprocess.run(["bash", script], env=dict(env, NPROC="3"), capture_output=True, text=True)
     assert "--nproc_per_node 3" in out.stdout
     bad = subprocess.run(["bash", script], env=dict(env, NPROC="x"), capture_output=True, text=True)
