@@ -108,10 +108,21 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--straggler-iters", type=int, default=24)
+    p.add_argument("--iters", type=int, default=20, help="iterations of the loss comparison (>= 6)")
+    p.add_argument(
+        "--straggler-iters",
+        type=int,
+        default=24,
+        help="iterations of the straggler comparison (>= 12: the straggle starts at 5)",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "logs", "demo"))
     args = p.parse_args(argv)
+    # the loss check compares the mean of the first 3 losses with the last 3; the speed check
+    # takes the second half of the run, after the straggle's onset and the loop's first moves
+    if args.iters < 6:
+        p.error(f"--iters must be >= 6 (two windows of 3 losses), got {args.iters}")
+    if args.straggler_iters < 12:
+        p.error(f"--straggler-iters must be >= 12, got {args.straggler_iters}")
     os.makedirs(args.out, exist_ok=True)
     curves = {name: train(name, extra, args.iters, args.out) for name, extra in RUNS.items()}
     print()
