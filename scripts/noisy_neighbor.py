@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.duration <= 0 or a.delay < 0:
         p.error("--duration must be positive and --delay non-negative")
+    if a.pin and a.gpu is not None:
+        p.error("--pin pins processes to --cpu's core; a GPU is shared without it")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     if a.cpu is not None:
@@ -73,6 +75,8 @@ def main(argv=None) -> int:
                 os.sched_setaffinity(pid, {a.cpu})
             except ProcessLookupError:
                 p.error(f"--pin {pid}: no such process")
+            except PermissionError:
+                p.error(f"--pin {pid}: not permitted to set its affinity (another user's?)")
         os.sched_setaffinity(0, {a.cpu})
     time.sleep(a.delay)
     start = time.monotonic()

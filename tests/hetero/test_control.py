@@ -299,6 +299,20 @@ def test_noisy_neighbour_pins_itself_and_the_given_process(tmp_path):
             timeout=60,
         )
         assert bad.returncode == 2 and "--cpu 4096: this process may run on cores" in bad.stderr
+        gpu = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "scripts", "noisy_neighbor.py"),
+                "--gpu",
+                "0",
+                "--pin",
+                str(victim.pid),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert gpu.returncode == 2 and "--pin pins processes to --cpu's core" in gpu.stderr
     finally:
         victim.kill()
 
