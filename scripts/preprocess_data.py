@@ -135,8 +135,12 @@ def iter_documents(args):
             paths = [source]
         for path in paths:
             if path.endswith(".jsonl"):
-                with open(path, encoding="utf-8") as f:
-                    for number, line in enumerate(f, 1):
+                with open(path, "rb") as f:
+                    for number, raw in enumerate(f, 1):
+                        try:
+                            line = raw.decode("utf-8")
+                        except UnicodeDecodeError as err:
+                            raise SystemExit(f"{path}:{number}: not UTF-8 ({err})") from None
                         if not line.strip():
                             continue
                         try:
@@ -158,8 +162,9 @@ def bounded_documents(args):
     for key, text in iter_documents(args):
         if args.max_bytes is not None and total >= args.max_bytes:
             return
-        if args.max_bytes is not None:
-            text = text[: max(0, args.max_bytes - total)]
+        if args.max_bytes is not None:  # cut in bytes, at a whole character
+            cut = text.encode("utf-8")[: max(0, args.max_bytes - total)]
+            text = cut.decode("utf-8", errors="ignore")
         total += len(text.encode("utf-8"))
         yield key, text
 

@@ -72,7 +72,7 @@ def test_preprocess_text_folder_is_deterministic_and_bounded(tmp_path, capsys):
     (folder / "sub").mkdir(parents=True)
     (folder / "b.txt").write_text("bbbb")
     (folder / "a.txt").write_text("aaaa")
-    (folder / "sub" / "c.txt").write_text("cccc")
+    (folder / "sub" / "c.txt").write_text("cééé")  # 7 bytes: cut at a whole character
     (folder / "skip.md").write_text("not matched")
     status, _, err = _preprocess(
         capsys,
@@ -90,7 +90,7 @@ def test_preprocess_text_folder_is_deterministic_and_bounded(tmp_path, capsys):
 
     dataset = IndexedDataset(str(tmp_path / "out_text_document"))
     texts = [bytes(dataset[i].tolist()).decode() for i in range(len(dataset))]
-    assert texts == ["aaaa", "bbbb", "cc"]
+    assert texts == ["aaaa", "bbbb", "c"]  # 10 bytes; "cé" would be 11
 
 
 def test_preprocess_errors_are_clear(tmp_path, capsys):
@@ -104,6 +104,11 @@ def test_preprocess_errors_are_clear(tmp_path, capsys):
         capsys, "--input", str(bad), "--output-prefix", str(tmp_path / "o")
     )
     assert status == 1 and "bad.jsonl:1: no key 'text' (--json-keys)" in err
+    bad.write_bytes(b'{"text": "x"}\n{"text": "\xff"}\n')
+    status, _, err = _preprocess(
+        capsys, "--input", str(bad), "--output-prefix", str(tmp_path / "o")
+    )
+    assert status == 1 and "bad.jsonl:2: not UTF-8" in err
 
 
 @pytest.mark.parametrize(
