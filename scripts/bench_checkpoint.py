@@ -27,6 +27,8 @@ def main(argv=None):
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     opts = p.parse_args(argv)
+    if opts.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {opts.repeats}")
     import warnings
 
     warnings.filterwarnings("ignore")

@@ -119,6 +119,8 @@ def main(argv=None):
     p.add_argument("--head-units", action="store_true", help="vanilla against head units")
     p.add_argument("--repeats", type=int, default=3)
     opts = p.parse_args(argv)
+    if opts.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {opts.repeats}")
     from tests.utils import run_ranks
 
     modes = HEAD_MODES if opts.head_units else MODES

@@ -33,6 +33,16 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=os.path.join(ROOT, "results", "resize_compute"))
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
+    try:
+        given = {float(f) for f in a.fractions.split(",")}
+    except ValueError:
+        p.error(f"--fractions {a.fractions!r}: comma-separated numbers in [0, 1]")
+    if not {0.0, 1.0} <= given or not all(0.0 <= f <= 1.0 for f in given):
+        p.error(
+            "--fractions must include 0 and 1 (the fixed part and the full step), all in [0, 1]"
+        )
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -79,8 +89,6 @@ def main(argv=None):
                     block.set_active(n - skipped_count(n, 1.0 - f))
                 times[f].append(step())
         med = {f: statistics.median(v) for f, v in times.items()}
-        if 0.0 not in med or 1.0 not in med:
-            raise SystemExit("--fractions must include 0 and 1 (the fixed part and the full step)")
         full = med[1.0] - med[0.0]
         rows = []
         lines = [

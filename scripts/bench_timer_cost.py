@@ -259,6 +259,9 @@ def main(argv=None):
     p.add_argument("--policy", default="migrate", choices=["none", "migrate", "hybrid", "resize"])
     p.add_argument("--out", default=os.path.join(ROOT, "results", "timer_cost"))
     opts = p.parse_args(argv)
+    for name in ("rounds", "steps"):
+        if getattr(opts, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(opts, name)}")
     raw = opts.out + ".json"
     os.makedirs(os.path.dirname(raw) or ".", exist_ok=True)
     began = time.perf_counter()
