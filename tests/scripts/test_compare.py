@@ -216,38 +216,24 @@ def test_pipeline_stages_run_and_the_slow_stage_is_measured(tmp_path):
     assert "PP=2 (4 micro-batches per step)" in (tmp_path / "report.md").read_text()
 
 
-def test_a_failing_run_is_named_with_its_log(tmp_path):
-    # compare.py's own flags are fine; pretrain_gpt.py refuses the model on every rank
-    proc = subprocess.run(
-        [
-            sys.executable,
-            SCRIPT,
-            "--quick",
-            "--scenarios",
-            "none",
-            "--repeats",
-            "1",
-            "--out",
-            str(tmp_path),
-            "--",
-            "--num-layers",
-            "1",
-            "--hidden-size",
-            "63",
-            "--num-attention-heads",
-            "4",
-            "--seq-length",
-            "16",
-            "--micro-batch-size",
-            "1",
-            "--lr",
-            "1e-3",
-            "--mock-data",
-        ],
+def _one_run(tmp_path, *argv) -> subprocess.CompletedProcess:
+    """compare.py --quick on the no-straggler scenario, one round, into `tmp_path`."""
+    return subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--scenarios", "none", "--repeats", "1"]
+        + ["--out", str(tmp_path), *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
+    )
+
+
+def test_a_failing_run_is_named_with_its_log(tmp_path):
+    # compare.py's own flags are fine; pretrain_gpt.py refuses the model on every rank
+    proc = _one_run(
+        tmp_path,
+        *"-- --num-layers 1 --hidden-size 63 --num-attention-heads 4 --seq-length 16".split(),
+        *"--micro-batch-size 1 --lr 1e-3 --mock-data".split(),
     )
     log = tmp_path / "runs" / "none.vanilla.0.log"
     assert proc.returncode == 1, proc.stderr[-2000:]
@@ -257,25 +243,7 @@ def test_a_failing_run_is_named_with_its_log(tmp_path):
 
 
 def test_a_run_past_its_timeout_is_named_so(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            SCRIPT,
-            "--quick",
-            "--scenarios",
-            "none",
-            "--repeats",
-            "1",
-            "--run-timeout",
-            "1",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _one_run(tmp_path, "--run-timeout", "1")
     assert proc.returncode == 1, proc.stderr[-2000:]
     # the first run of the round (rounds start at different configurations)
     assert re.search(

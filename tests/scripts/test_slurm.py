@@ -219,8 +219,12 @@ def cluster():
         assert not left, f"{left} left running"
 
 
-def _sbatch(env, tmp_path, script) -> str:
-    """Submit `script` on 2 tasks, wait for it to leave the queue; its output."""
+def _sbatch(cluster, tmp_path, script, **knobs) -> str:
+    """Submit `script` on 2 tasks at TP=2 with migrate and `knobs` (common.sh's), output in
+    `tmp_path`/out; wait for it to leave the queue; its output."""
+    env = dict(
+        cluster, HETTP_DIR=ROOT, TP="2", POLICY="migrate", OUT=str(tmp_path / "out"), **knobs
+    )
     sub = subprocess.run(
         [
             "sbatch",
@@ -252,17 +256,14 @@ def _sbatch(env, tmp_path, script) -> str:
 
 def test_het_tp_sbatch_runs_on_a_real_slurm(cluster, tmp_path):
     out = tmp_path / "out"
-    env = dict(
+    log = _sbatch(
         cluster,
-        HETTP_DIR=ROOT,
-        TP="2",
+        tmp_path,
+        "het_tp.sbatch",
         ITERS="20",
         INTERVAL="5",
-        POLICY="migrate",
         EMULATE="persistent:rank=1,factor=3",
-        OUT=str(out),
     )
-    log = _sbatch(env, tmp_path, "het_tp.sbatch")
     assert "task 0 of 2" in log and "task 1 of 2" in log, log[-3000:]
     assert "iteration       20/      20" in log, log[-3000:]
     assert log.count(" iteration ") >= 4  # every --log-interval 5
@@ -273,18 +274,15 @@ def test_het_tp_sbatch_runs_on_a_real_slurm(cluster, tmp_path):
 def test_compare_sbatch_reports_on_a_real_slurm(cluster, tmp_path):
     """Every run compare.py's report reads, launched by Slurm, then the report itself."""
     out = tmp_path / "out"
-    env = dict(
+    log = _sbatch(
         cluster,
-        HETTP_DIR=ROOT,
-        TP="2",
+        tmp_path,
+        "compare.sbatch",
         ITERS="6",
         INTERVAL="2",
         ROUNDS="1",
-        POLICY="migrate",
         EMULATE="persistent:rank=1,factor=2",
-        OUT=str(out),
     )
-    log = _sbatch(env, tmp_path, "compare.sbatch")
     report = out / "report.md"
     assert report.exists(), log[-3000:]
     rows = [line for line in report.read_text().splitlines() if line.startswith("| ")]
