@@ -36,10 +36,10 @@ def main(argv=None):
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
     try:
-        given = {float(f) for f in a.fractions.split(",")}
+        fractions = [float(f) for f in a.fractions.split(",")]
     except ValueError:
         p.error(f"--fractions {a.fractions!r}: comma-separated numbers in [0, 1]")
-    if not {0.0, 1.0} <= given or not all(0.0 <= f <= 1.0 for f in given):
+    if not {0.0, 1.0} <= set(fractions) or not all(0.0 <= f <= 1.0 for f in fractions):
         p.error(
             "--fractions must include 0 and 1 (the fixed part and the full step), all in [0, 1]"
         )
@@ -79,7 +79,6 @@ def main(argv=None):
             model(tokens, position, mask, labels=tokens).mean().backward()
             return time.thread_time() - start
 
-        fractions = [float(f) for f in a.fractions.split(",")]
         times = {f: [] for f in fractions}
         step()  # warm-up
         for _ in range(a.repeats):
