@@ -41,6 +41,10 @@ SHAPE_ARGS = (
 )
 # Shape flags added after checkpoints existed: what an older checkpoint was saved with.
 SHAPE_DEFAULTS = {"apply_layernorm_1p": False}
+# The tokenizer's vocabulary before padding. The padded embedding may differ between TP sizes
+# (megatron-core re-pads it at load), so its shape cannot catch a changed tokenizer; this can.
+# Checkpoints from before it was saved are not checked.
+VOCAB_KEY = "tokenizer_vocab_size"
 
 # The learning-rate scheduler counts samples (Megatron-LM's unit); checkpoints without this
 # mark counted iterations.
@@ -173,10 +177,13 @@ def save_checkpoint(
     args,
     runtime=None,
     staging: str | None = None,
+    *,
+    vocab_size: int | None = None,
 ) -> str:
     """`runtime`: the het-TP runtime, whose plan (common) and per-TP-rank state (priorities,
     detector) the checkpoint keeps, so a resumed run starts where this one stands. `staging`:
-    this job's name for the folder being written (SaveLock.staging), the same on every rank."""
+    this job's name for the folder being written (SaveLock.staging), the same on every rank.
+    `vocab_size`: the tokenizer's, unpadded, which a load checks."""
     saved = checkpoint_optimizer(optimizer, model, is_loading=False)
     state = _sharded_state(model, saved, scheduler, with_rng=True, is_loading=False)
     if runtime is not None:
@@ -190,6 +197,7 @@ def save_checkpoint(
     state["args"]["het_tp_state"] = runtime is not None
     state["args"]["data_parallel_size"] = parallel_state.get_data_parallel_world_size()
     state["args"]["het_dp_compress"] = _compression(model)
+    state["args"][VOCAB_KEY] = vocab_size
     residues = _residues(model)
     if residues is not None:
         state["het_dp_residues"] = residues
@@ -247,13 +255,13 @@ def scheduler_state_in_samples(state: dict, global_batch_size: int) -> dict:
 
 
 def load_checkpoint(
-    root: str, model, optimizer, scheduler, args, runtime=None
+    root: str, model, optimizer, scheduler, args, runtime=None, *, vocab_size: int | None = None
 ) -> tuple[int, int] | None:
     """Restores the newest checkpoint under `root`; returns (iteration, consumed samples), or
     None when `root` holds no checkpoint yet (training then starts from scratch).
 
     `runtime` gets its saved per-TP-rank state when the checkpoint has one of the same TP
-    size."""
+    size. `vocab_size`: this run's tokenizer's, checked against the saved one."""
     iteration = latest_iteration(root)
     if iteration is None:
         return None
@@ -266,6 +274,11 @@ def load_checkpoint(
         for name in SHAPE_ARGS
         if saved.get(name, SHAPE_DEFAULTS.get(name)) != getattr(args, name)
     ]
+    if None not in (saved.get(VOCAB_KEY), vocab_size) and saved[VOCAB_KEY] != vocab_size:
+        mismatched.append(
+            f"a vocabulary of {saved[VOCAB_KEY]} entries (this run's --tokenizer-type and "
+            f"--vocab-size give {vocab_size})"
+        )
     if mismatched:
         raise CheckpointError(
             f"checkpoint {path} was saved with a different model: " + ", ".join(mismatched)

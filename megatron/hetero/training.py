@@ -389,7 +389,13 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     iteration, consumed = 0, 0
     if args.load:
         restored = checkpointing.load_checkpoint(
-            args.load, state.model, state.optimizer, state.scheduler, args, runtime
+            args.load,
+            state.model,
+            state.optimizer,
+            state.scheduler,
+            args,
+            runtime,
+            vocab_size=tokenizer.vocab_size,
         )
         if restored is not None:
             iteration, consumed = restored
@@ -443,6 +449,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
             args,
             runtime,
             staging=lock.staging(checkpointing.checkpoint_dir(args.save, iteration)),
+            vocab_size=tokenizer.vocab_size,
         )
         logger.saved(iteration, path)
         return iteration
