@@ -38,6 +38,16 @@ MODEL = (
 )  # compare.py's default model
 
 
+def model_flags(model: str) -> list[str]:
+    """`--model`'s flags; without a --global-batch-size, two micro-batches a step (so the
+    gradient accumulation path is measured too)."""
+    flags = model.split()
+    if "--global-batch-size" not in flags:
+        micro = flags[flags.index("--micro-batch-size") + 1] if "--micro-batch-size" in flags else 1
+        flags += ["--global-batch-size", str(2 * int(micro))]
+    return flags
+
+
 def worker(rank, world, port, opts, out_path):
     join(rank, world, port)
     import torch
@@ -56,9 +66,12 @@ def worker(rank, world, port, opts, out_path):
     )
 
     argv = (
-        f"{MODEL} --global-batch-size 8 --train-iters 100000 "
-        f"--tensor-model-parallel-size {opts.tp} --het-tp --het-tp-policy {opts.policy}"
-    ).split()
+        model_flags(opts.model)
+        + (
+            f"--train-iters 100000 "
+            f"--tensor-model-parallel-size {opts.tp} --het-tp --het-tp-policy {opts.policy}"
+        ).split()
+    )
     args = parse_args(argv)
     freeze_imported_objects()
     initialize(args)
@@ -211,7 +224,9 @@ def ratios(rows: dict, kind: str, over: str, under: str) -> float:
 
 def table(rows: dict, opts, extra: dict) -> list[str]:
     lines = [
-        f"het-TP's cost with no straggler: TP={opts.tp}, compare.py's default model, "
+        f"het-TP's cost with no straggler: TP={opts.tp}, "
+        + ("compare.py's default model" if opts.model == MODEL else f"model {opts.model}")
+        + ", "
         f"--het-tp-policy {opts.policy}, {opts.rounds} rounds x {opts.steps} steps per "
         "variant after one unmeasured, interleaved (all six orders in turn)",
         f"{'variant':<12} {'wall ms/step':>12} {'cpu ms/step':>12} {'wall vs plain':>14} "
@@ -258,6 +273,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4, help="steps per variant per round")
     p.add_argument("--policy", default="migrate", choices=["none", "migrate", "hybrid", "resize"])
     p.add_argument("--out", default=os.path.join(ROOT, "results", "timer_cost"))
+    p.add_argument(
+        "--model",
+        default=MODEL,
+        help="pretrain_gpt.py's model flags, in one string (default: compare.py's default "
+        "model; without --global-batch-size, two micro-batches a step)",
+    )
     opts = p.parse_args(argv)
     for name in ("rounds", "steps"):
         if getattr(opts, name) < 1:

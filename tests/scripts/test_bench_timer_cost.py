@@ -29,10 +29,19 @@ def test_table_ratios_are_per_round_medians():
         "hook_seconds": 1e-4,
         "hooked_calls": 5,
     }
-    opts = types.SimpleNamespace(tp=2, policy="migrate", rounds=3, steps=1)
+    opts = types.SimpleNamespace(tp=2, policy="migrate", rounds=3, steps=1, model=bench.MODEL)
     lines = bench.table(rows, opts, extra)
     plain, untimed, timed = (line.split() for line in lines[2:5])
     assert untimed[-2:] == ["1.1000", "1.0000"]  # vs plain: wall, cpu
     assert timed[-4:] == ["1.2100", "1.0000", "1.1000", "1.0000"]  # vs plain, vs untimed
     # Counted: 1 ms a step at the boundary + 5 x 0.1 ms of hooks over a 1.21 s median step.
     assert "together 1.50 ms, 0.12% of het timed's step" in lines[5]
+
+
+def test_model_flags_add_two_micro_batches_a_step_unless_given():
+    bench = load_script("bench_timer_cost")
+    flags = bench.model_flags(bench.MODEL)
+    assert flags[-2:] == ["--global-batch-size", "8"]  # the default model's 4 x 2
+    given = bench.model_flags("--micro-batch-size 3 --global-batch-size 3")
+    assert given == ["--micro-batch-size", "3", "--global-batch-size", "3"]
+    assert bench.model_flags("--num-layers 2")[-1] == "2"  # Megatron's default micro-batch 1
