@@ -30,6 +30,10 @@ from .step_model import StepModel
 PLAIN = "vanilla"
 
 REACTION_BAND = 0.10  # "within 10% of the new steady state"
+# Iterations a run's mean leaves out as start-up, for every policy alike: the first (cold) step,
+# and the second, whose time holds the boundary after the first, where het-TP probes
+# attention's per-call cost once a run (hettp.attention_probe).
+START_UP = 2
 
 
 @dataclass
@@ -113,9 +117,12 @@ class Run:
         return max(self.step_s)
 
     def window(self, varying: bool) -> list[int]:
-        """The iterations a step time is taken over."""
+        """The iterations a step time is taken over: the second half, or where who is slow
+        changes, all but the start-up's (START_UP)."""
         its = sorted(self.step_s)
-        return [i for i in its if i > 1] if varying else [i for i in its if i > len(its) // 2]
+        if varying:
+            return [i for i in its if i > START_UP]
+        return [i for i in its if i > len(its) // 2]
 
     def step_time(self, varying: bool) -> float:
         times = [self.step_s[i] for i in self.window(varying)]

@@ -624,7 +624,7 @@ def main(argv=None) -> int:
         f"`{command}` on {date}, {machine}; {progress.total} runs in {minutes:.1f} min.",
         f"Model: `{' '.join(a.model)}`; {a.iters} iterations per run, reports every "
         f"{a.interval}; medians over {a.repeats} interleaved rounds (spread = max - min); "
-        "step time = median of the second half, or the mean after iteration 1 where "
+        "step time = median of the second half, or the mean after iteration 2 where "
         "who is slow changes."
         + (
             f" Each sharded GEMM is stretched to {dilation:g}x its CPU time "

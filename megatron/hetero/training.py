@@ -6,6 +6,7 @@ switched on later without restructuring the loop.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -424,6 +425,29 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     return dataclasses.replace(result, metrics_file=metrics_file if rank == 0 else None)
 
 
+class IterationClock:
+    """Megatron-LM's "elapsed time per iteration": the wall time from one iteration's line to
+    the next, with evaluation, checkpoint saves and test hooks left out. The step boundary's
+    work (het-TP's report, decisions and migrations, which run after an iteration's line)
+    counts in the next iteration, so throughput and comparisons include what moving costs."""
+
+    def __init__(self):
+        self._mark = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self._mark = now - self._mark, now
+        return elapsed
+
+    @contextlib.contextmanager
+    def paused(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._mark += time.perf_counter() - start
+
+
 def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end, lock):
     """The loop of pretrain(): train, evaluate, save, until --train-iters or --exit-interval."""
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
@@ -435,7 +459,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
         train_iterator = iter(build_loader(train_ds, consumed, args, dp_rank, dp_size))
 
     def save(iteration):
-        with gathered_params(state):
+        with clock.paused(), gathered_params(state):
             return _save(iteration)
 
     def _save(iteration):
@@ -465,6 +489,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
     if args.manual_gc:  # as Megatron-LM: no automatic collection pauses mid-step
         gc.disable()
         gc.collect()
+    clock = IterationClock()
     try:
         while iteration < args.train_iters:
             previous, batch = batch, batches.at(consumed)
@@ -495,7 +520,8 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
             loss, grad_norm, skipped = train_step(
                 args, state, train_iterator, runtime, here, weight
             )
-            elapsed = time.perf_counter() - start
+            step_seconds = time.perf_counter() - start  # the control loop's: the step alone
+            elapsed = clock.lap()
             iteration += 1
             profiler.after_step(iteration)
             if args.manual_gc and args.manual_gc_interval:
@@ -511,20 +537,21 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
             # The step boundary: decisions first, so that a checkpoint taken here holds them
             # (as in upstream's train(), where the hook runs right after the step).
             if runtime is not None:
-                runtime.end_step(iteration, elapsed)  # a migration replaces model/optimizer
+                runtime.end_step(iteration, step_seconds)  # a migration replaces model/optimizer
             if on_step_end is not None:
-                with gathered_params(state):
+                with clock.paused(), gathered_params(state):
                     on_step_end(iteration, state, runtime)
 
             if args.eval_iters and valid_ds is not None and iteration % args.eval_interval == 0:
-                if args.manual_gc and args.manual_gc_eval:
-                    gc.collect()
-                with gathered_params(state):
-                    eval_losses[iteration] = evaluate(args, state.model, valid_ds)
-                if args.manual_gc and args.manual_gc_eval:
-                    gc.collect()
-                _empty_cache(args, 1)
-                logger.evaluation(iteration, eval_losses[iteration])
+                with clock.paused():
+                    if args.manual_gc and args.manual_gc_eval:
+                        gc.collect()
+                    with gathered_params(state):
+                        eval_losses[iteration] = evaluate(args, state.model, valid_ds)
+                    if args.manual_gc and args.manual_gc_eval:
+                        gc.collect()
+                    _empty_cache(args, 1)
+                    logger.evaluation(iteration, eval_losses[iteration])
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 saved_at = save(iteration)
             if args.exit_interval and iteration % args.exit_interval == 0:

@@ -8,7 +8,7 @@ import pytest
 from hettp.metrics import read_metrics
 from hettp.plan import PartitionPlan
 from megatron.hetero.checkpointing import TRACKER_FILE
-from tests.utils import run_ranks, train
+from tests.utils import run_ranks, train, train_with_slow_boundary
 from tests.utils.scripts import load_script
 
 MODEL = (
@@ -146,3 +146,24 @@ def test_a_resized_run_resumes_with_its_shares_and_priorities(tmp_path):
     # (a move, and where its measured MLP blocks stay uneven a rebalance)
     actions = [d["action"] for d in _records(other, "decision")]
     assert actions and set(actions) == {"migrate"}, actions
+
+
+def test_the_step_boundary_counts_in_the_next_iterations_time(tmp_path):
+    """As Megatron-LM's elapsed time per iteration (line to line): het-TP's boundary work
+    (reports, decisions, migrations) counts, in the iteration after it; test hooks do not."""
+    slow = 0.3
+    argv = MODEL[:-2] + [  # no straggler: no decision, the boundary is the injected sleep
+        "--het-tp-policy",
+        "static",
+        "--het-tp",
+        "--train-iters",
+        "6",
+        "--metrics-file",
+        str(tmp_path / "m.jsonl"),
+    ]
+    result = run_ranks(train_with_slow_boundary, 2, argv, slow)[0]
+    elapsed = {r["iteration"]: r["elapsed_ms"] / 1e3 for r in _records(result, "train")}
+    assert sorted(elapsed) == list(range(1, 7))
+    for iteration in range(2, 7):
+        # the boundary before it counted; the hook's sleep, left out, would add another `slow`
+        assert slow <= elapsed[iteration] < 1.8 * slow, (iteration, elapsed)

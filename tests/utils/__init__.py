@@ -25,6 +25,7 @@ from tests.utils.workers import (
     train_with_layer_moves,
     train_with_repartitions,
     train_with_resizes,
+    train_with_slow_boundary,
 )
 
 __all__ = [
@@ -57,5 +58,6 @@ __all__ = [
     "train_with_failing_save",
     "train_with_repartitions",
     "train_with_resizes",
+    "train_with_slow_boundary",
     "workers",
 ]

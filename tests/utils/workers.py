@@ -158,6 +158,27 @@ def compat_paths(tmp_dir: str) -> dict:
     return report
 
 
+def train_with_slow_boundary(argv: list[str], seconds: float) -> dict:
+    """pretrain with the het-TP runtime's step boundary and the on_step_end hook each taking
+    `seconds` longer."""
+    import time
+
+    from megatron.hetero.runtime import HetTPRuntime
+
+    real_end_step = HetTPRuntime.end_step
+
+    def slow_end_step(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real_end_step(self, *args, **kwargs)
+
+    HetTPRuntime.end_step = slow_end_step
+    try:
+        result, stdout = _pretrain(argv, hook=lambda *_: time.sleep(seconds))
+    finally:
+        HetTPRuntime.end_step = real_end_step
+    return {"metrics_file": result.metrics_file, "stdout": stdout}
+
+
 def train_with_failing_save(argv: list[str], fail_at_iteration: int) -> dict:
     """pretrain with dist_checkpointing.save breaking half-way through one save."""
     from megatron.hetero import checkpointing
