@@ -10,7 +10,10 @@ or exchange failed still reaches the vote, so no peer blocks on it.
 Point-to-point, the usual choice, streams: receives are posted first, then a sender hands each
 message to the process group as soon as it is ready, straight from its own tensor where that
 is contiguous, so packing the next one overlaps sending the last. A rank that fails to pack
-sends zeros in place of what it could not, and the vote aborts. The collectives need whole
+sends zeros in place of what it could not, and the vote aborts. On NCCL a pair's sends and
+receives run in order on one stream, so two ranks that swap units would each wait in a receive
+whose matching send is queued behind the peer's own receive: there every rank packs first and
+posts all its operations as one group (`_groups_p2p`). The collectives need whole
 buffers: their ranks pack, vote (nothing was sent yet), then exchange.
 """
 
@@ -189,17 +192,31 @@ def _packed(layout: BundleLayout, payload, device) -> torch.Tensor:
     return buffer
 
 
+def _groups_p2p(group) -> bool:
+    """Whether point-to-point operations must go out as one group (NCCL; see the module
+    docstring). Gloo matches them as they come, so they stream."""
+    return "nccl" in str(dist.get_backend(group))
+
+
 def _stream(layouts, group, rank, payload, device, fault, failures, stages):
     """Point-to-point, packing overlapped with sending (see the module docstring). Returns the
-    staging buffers and, per source, the sum of what arrived, taken as each message landed."""
+    staging buffers and, per source, the sum of what arrived, taken as each message landed
+    (grouped: none, the verify stage sums the buffers)."""
     start = time.perf_counter()
     recv, arrivals = {}, {}
+    grouped = [] if _groups_p2p(group) else None  # the group's operations, posted together
     try:
         for (src, dst), layout in layouts.items():
             if dst == rank:
                 buffer = torch.empty(layout.size, dtype=torch.uint8, device=device)
                 peer = _global(group, src)
                 recv[src] = buffer
+                if grouped is not None:
+                    grouped += [
+                        dist.P2POp(dist.irecv, buffer[lo:hi], peer, group, tag)
+                        for tag, (lo, hi) in enumerate(layout.spans)
+                    ]
+                    continue
                 arrivals[src] = [
                     (dist.irecv(buffer[lo:hi], peer, group=group, tag=tag), lo, hi)
                     for tag, (lo, hi) in enumerate(layout.spans)
@@ -211,7 +228,7 @@ def _stream(layouts, group, rank, payload, device, fault, failures, stages):
     for (src, dst), layout in layouts.items():
         if src == rank:
             t0 = time.perf_counter()
-            out = _Outbox(layout, _global(group, dst), group, works, device)
+            out = _Outbox(layout, _global(group, dst), group, works, device, grouped)
             try:
                 if failures:
                     raise RuntimeError("an earlier stage failed on this rank")
@@ -226,6 +243,8 @@ def _stream(layouts, group, rank, payload, device, fault, failures, stages):
 
     sums = {}
     try:
+        if grouped:
+            works += dist.batch_isend_irecv(grouped)
         for src, pieces in arrivals.items():  # in order: sum each while later ones arrive
             buffer, total = recv[src], torch.zeros((), dtype=torch.int64, device=device)
             for work, lo, hi in pieces[:-1]:
@@ -244,16 +263,20 @@ def _stream(layouts, group, rank, payload, device, fault, failures, stages):
 class _Outbox:
     """One destination's messages, each sent as soon as it is ready; the checksum last."""
 
-    def __init__(self, layout: BundleLayout, peer: int, group, works: list, device):
+    def __init__(self, layout: BundleLayout, peer: int, group, works: list, device, grouped=None):
         self.layout = layout
         self.peer, self.group = peer, group
         self.works = works  # shared by every outbox of the transfer: waited on together
+        self.grouped = grouped  # where sends are posted as one group: the group's operations
         self.device = device
         self.sent = 0  # messages handed to the process group
         self.keep: list[torch.Tensor] = []  # staging buffers in flight
 
     def _send(self, data: torch.Tensor) -> None:
-        self.works.append(dist.isend(data, self.peer, group=self.group, tag=self.sent))
+        if self.grouped is not None:
+            self.grouped.append(dist.P2POp(dist.isend, data, self.peer, self.group, self.sent))
+        else:
+            self.works.append(dist.isend(data, self.peer, group=self.group, tag=self.sent))
         self.keep.append(data)
         self.sent += 1
 

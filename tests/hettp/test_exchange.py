@@ -31,10 +31,15 @@ CASES = [
     ("p2p runs", "p2p", RUNS, 64, None),
     ("all_to_all runs", "all_to_all", RUNS, 64, None),
     ("p2p runs one message", "p2p", RUNS, BIG, None),
+    # as on NCCL, where a pair's operations must go out as one group (MANY and RUNS swap units
+    # between pairs of ranks, the case where streamed operations deadlock there)
+    ("p2p grouped", "p2p grouped", MANY, BIG, None),
+    ("p2p grouped runs", "p2p grouped", RUNS, 64, None),
 ]
 FAULTS = [
     ("p2p pack fault", "p2p", RUNS, 64, (0, "pack")),  # rank 0 sends zeros in place of its runs
     ("p2p pack fault receiver", "p2p", RUNS, 64, (2, "pack")),
+    ("p2p grouped pack fault", "p2p grouped", RUNS, 64, (0, "pack")),
     ("all_to_all pack fault", "all_to_all", RUNS, 64, (1, "pack")),
 ]
 

@@ -597,10 +597,12 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
 def exchange_primitives(world_cases: list) -> dict:
     """run_transfer with every primitive on synthetic schedules; returns what each rank got
     (or the error it raised) and the cost model measured on this group. A case is (name,
-    primitive, moves, message_bytes, (faulty rank, stage) or None)."""
+    primitive, moves, message_bytes, (faulty rank, stage) or None); primitive "p2p grouped" is
+    p2p with its operations posted as one group, as on NCCL."""
     import torch
     import torch.distributed as dist
 
+    from hettp import exchange
     from hettp.exchange import TensorSpec, TransferError, measure_costs, run_transfer
     from hettp.transfer import TransferSchedule, UnitMove
 
@@ -627,7 +629,11 @@ def exchange_primitives(world_cases: list) -> dict:
         return fault
 
     got = {}
+    streams = exchange._groups_p2p
     for name, primitive, moves, message_bytes, case_fault in world_cases:
+        grouped = primitive == "p2p grouped"
+        exchange._groups_p2p = (lambda group: True) if grouped else streams
+        primitive = "p2p" if grouped else primitive
         schedule = TransferSchedule(n, tuple(UnitMove(*m, 15 * 4 + 7 * 8) for m in moves))
         try:
             result = run_transfer(
@@ -647,6 +653,7 @@ def exchange_primitives(world_cases: list) -> dict:
             for m, tensors in result.received.items()
         }
         assert result.payload_bytes == schedule.total_bytes
+    exchange._groups_p2p = streams
     model = measure_costs(None, sizes=(4096, 1 << 16), repeats=2)
     dist.destroy_process_group()
     return {
