@@ -334,6 +334,18 @@ def _add_learning_rate_args(parser):
     )
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="On --load, take the learning-rate and weight-decay schedule from this run's flags "
+        "(by default a schedule that differs from the checkpoint's is refused).",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="On --load, keep the checkpoint's learning-rate and weight-decay schedule, "
+        "whatever this run's flags say.",
+    )
+    g.add_argument(
         "--decoupled-lr",
         type=float,
         default=None,
@@ -860,7 +872,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     for flag in ("eval_iters", "lr_warmup_iters", "num_workers"):
         value = getattr(args, flag)
         _require(value >= 0, f"--{flag.replace('_', '-')} must be >= 0, got {value}")
-    for flag in ("attention_dropout", "hidden_dropout"):
+    for flag in ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2"):
         value = getattr(args, flag)
         _require(0.0 <= value < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
 
@@ -944,8 +956,25 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         0.0 <= args.min_lr <= args.lr,
         f"--min-lr ({args.min_lr}) must be between 0 and --lr ({args.lr})",
     )
+    _require(
+        0.0 <= args.lr_warmup_init <= args.lr,
+        f"--lr-warmup-init ({args.lr_warmup_init}) must be between 0 and --lr ({args.lr})",
+    )
     _validate_schedule(args)
+    _require(
+        not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+        "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually "
+        "exclusive",
+    )
     _require(args.clip_grad >= 0.0, f"--clip-grad must be >= 0, got {args.clip_grad}")
+    _require(args.weight_decay >= 0.0, f"--weight-decay must be >= 0, got {args.weight_decay}")
+    _require(args.adam_eps > 0.0, f"--adam-eps must be positive, got {args.adam_eps}")
+    # as Megatron-LM; and numpy's generator takes seeds below 2**32 (pipeline stage p seeds
+    # with --seed + 100 p)
+    _require(
+        0 < args.seed and args.seed + 100 * (args.pipeline_model_parallel_size - 1) < 2**32,
+        f"--seed must be positive and below 2**32 - 100 x (pipeline stages - 1), got {args.seed}",
+    )
 
     # Precision and device.
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive")

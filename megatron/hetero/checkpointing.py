@@ -51,8 +51,73 @@ VOCAB_KEY = "tokenizer_vocab_size"
 SCHEDULER_UNITS = "samples"
 
 
+# The scheduler's values a resumed run's flags set, and the flags that set them.
+SCHEDULE_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters/-samples/-fraction",
+    "lr_decay_style": "--lr-decay-style",
+    "lr_decay_steps": "--lr-decay-iters/-samples (or the run's length)",
+    "start_wd": "--weight-decay",
+    "end_wd": "--weight-decay",
+    "wd_incr_style": "--weight-decay",
+    "wd_incr_steps": "the run's length",
+}
+
+# What the optimizer's parameter groups keep of the flags (the per-group rates that
+# --decoupled-lr sets, Adam's constants): a loaded optimizer state brings the checkpoint's.
+GROUP_FLAGS = {
+    "max_lr": "--decoupled-lr",
+    "min_lr": "--decoupled-min-lr",
+    "betas": "--adam-beta1/--adam-beta2",
+    "eps": "--adam-eps",
+}
+
+
 class CheckpointError(RuntimeError):
     pass
+
+
+def _group_values(groups, key) -> list:
+    return sorted({tuple(v) if isinstance(v, list) else v for g in groups if (v := g.get(key))})
+
+
+def group_changes(saved_groups, groups, schedule: list[str]) -> list[str]:
+    """How the optimizer's parameter groups' flag values differ from a checkpoint's (the group
+    rates only where the schedule's own did not change: --lr moves them all)."""
+    changes = []
+    for key, flag in GROUP_FLAGS.items():
+        if key in ("max_lr", "min_lr") and any(
+            c.startswith(("--lr ", "--min-lr ")) for c in schedule
+        ):
+            continue
+        before, now = _group_values(saved_groups, key), _group_values(groups, key)
+        if before != now:
+            changes.append(f"{flag} {before} (this run: {now})")
+    return changes
+
+
+def schedule_changes(saved: dict, current: dict) -> list[str]:
+    """How this run's learning-rate and weight-decay schedule differs from a checkpoint's, in
+    what changes the rates: a decay length under a constant rate, or the length of a constant
+    weight decay's ramp, does not (so a run may be extended without a flag)."""
+    changes = {}
+    for key, flag in SCHEDULE_FLAGS.items():
+        if saved.get(key) == current[key] or flag in changes:
+            continue
+        if key == "lr_decay_steps" and saved["lr_decay_style"] == current["lr_decay_style"] == (
+            "constant"
+        ):
+            continue
+        constant_wd = saved.get("start_wd") == saved.get("end_wd")
+        if (
+            key in ("wd_incr_steps", "wd_incr_style")
+            and constant_wd
+            and (current["start_wd"] == current["end_wd"])
+        ):
+            continue
+        changes[flag] = f"{flag} {saved.get(key)} (this run: {current[key]})"
+    return list(changes.values())
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -283,11 +348,32 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {path} was saved with a different model: " + ", ".join(mismatched)
         )
+    saved_scheduler = common["opt_param_scheduler"]
+    if common.get("scheduler_units") != SCHEDULER_UNITS and common["iteration"] > 0:
+        batch = common["consumed_train_samples"] // common["iteration"]
+        saved_scheduler = scheduler_state_in_samples(saved_scheduler, batch)
+    changes = schedule_changes(saved_scheduler, scheduler.state_dict())
+    saved_groups = (common.get("optimizer") or {}).get("param_groups")
+    if saved_groups is not None:
+        changes += group_changes(saved_groups, optimizer.param_groups, changes)
+    if changes and not (
+        args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler
+    ):
+        raise CheckpointError(
+            f"checkpoint {path} was saved with a different learning-rate schedule or "
+            "optimizer (steps in samples): "
+            + ", ".join(changes)
+            + "; pass --override-opt_param-scheduler to "
+            "follow this run's flags, or --use-checkpoint-opt_param-scheduler to keep the "
+            "checkpoint's"
+        )
     # RNG states are per TP rank and stage: they only carry over to the same TP and PP sizes.
     with_rng = (
         saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
         and saved.get("pipeline_model_parallel_size", 1) == args.pipeline_model_parallel_size
     )
+    # this run's per-group values, which an override puts back over the checkpoint's
+    fresh = [{k: g[k] for k in GROUP_FLAGS if k in g} for g in optimizer.param_groups]
     loading = checkpoint_optimizer(optimizer, model, is_loading=True)
     state = _sharded_state(model, loading, scheduler, with_rng=with_rng, is_loading=True)
     with_runtime = runtime is not None and with_rng and saved.get("het_tp_state", False)
@@ -306,10 +392,9 @@ def load_checkpoint(
     model.module.load_state_dict(loaded["model"])
     loading.load_state_dict(loaded["optimizer"])
     restore_from(loading, optimizer)
-    saved_scheduler = loaded["opt_param_scheduler"]
-    if common.get("scheduler_units") != SCHEDULER_UNITS and loaded["iteration"] > 0:
-        batch = loaded["consumed_train_samples"] // loaded["iteration"]
-        saved_scheduler = scheduler_state_in_samples(saved_scheduler, batch)
+    if args.override_opt_param_scheduler:
+        for group, values in zip(optimizer.param_groups, fresh, strict=True):
+            group.update(values)
     scheduler.load_state_dict(saved_scheduler)
     if with_rng:
         _set_rng_state(loaded["rng_state"])

@@ -165,7 +165,14 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
     else:
         model = HetDDP(config, ddp_config(args), module, compress=compress)
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
-    scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
+    # At --load, checkpointing.load_checkpoint refuses a changed schedule unless a flag says
+    # whose to follow; megatron-core then takes that one.
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        **scheduler_kwargs(args),
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+    )
     config.no_sync_func = model.no_sync
     if args.overlap_grad_reduce:  # as Megatron-LM's train() (a rebuild rebinds both)
         config.grad_sync_func = model.start_grad_sync

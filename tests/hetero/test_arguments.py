@@ -154,6 +154,17 @@ def test_gpu_defaults_and_precision():
             "--seq-length (32) exceeds --max-position-embeddings (16)",
         ),
         ("--hidden-dropout 1.5", 1, "--hidden-dropout must be in [0, 1)"),
+        ("--adam-beta1 1.5", 1, "--adam-beta1 must be in [0, 1), got 1.5"),
+        ("--adam-eps 0", 1, "--adam-eps must be positive, got 0.0"),
+        ("--weight-decay -0.1", 1, "--weight-decay must be >= 0, got -0.1"),
+        ("--lr-warmup-init 1", 1, "--lr-warmup-init (1.0) must be between 0 and --lr"),
+        ("--seed 0", 1, "--seed must be positive and below 2**32"),
+        ("--seed 4294967296", 1, "--seed must be positive and below 2**32"),
+        (
+            "--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",
+            1,
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually",
+        ),
         (
             "--tokenizer-type ByteLevelTokenizer",
             1,

@@ -77,7 +77,11 @@ def test_a_starting_plan_over_the_cap_is_refused_naming_the_flag(tmp_path):
     )
     # within the cap, it resumes in its plan
     resumed = run_ranks(
-        train, 2, MODEL + ["--load", ckpt, "--het-tp-memory-cap", "1.4", "--train-iters", "3"]
+        train,
+        2,
+        MODEL
+        + ["--load", ckpt, "--het-tp-memory-cap", "1.4", "--train-iters", "3"]
+        + ["--use-checkpoint-opt_param-scheduler"],  # a longer run: the saved decay goes on
     )[0]
     assert "het-TP plan at iteration 2 (resumed from the checkpoint)" in resumed["stdout"]
 

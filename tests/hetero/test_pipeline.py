@@ -396,7 +396,7 @@ def test_a_straggler_in_one_stage_is_resized_in_that_stage_only(tmp_path):
     assert saved.stage_shares == ((0.0, 0.0), shares) and saved.shares == (0.0, 0.0)
     argv = (
         TIMED.replace("--train-iters 14", f"--train-iters {last + 2}")
-        + f" {TP2_PP2} --het-tp-policy resize --load {save}"
+        + f" {TP2_PP2} --het-tp-policy resize --load {save} --use-checkpoint-opt_param-scheduler"
     ).split()
     resumed = run_ranks(train_with_control, 4, argv)
     assert [r["seen"][last + 1][1] for r in resumed] == [(0.0, 0.0)] * 2 + [shares] * 2

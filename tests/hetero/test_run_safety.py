@@ -134,7 +134,8 @@ def test_a_second_job_on_the_same_save_folder_is_refused_and_the_first_ones_chec
         train,
         2,
         argv
-        + ["--train-iters", str(saved + 2), "--load", ckpt, "--metrics-file", metrics(tmp_path)],
+        + ["--train-iters", str(saved + 2), "--load", ckpt, "--metrics-file", metrics(tmp_path)]
+        + ["--use-checkpoint-opt_param-scheduler"],  # a longer run: the saved decay goes on
     )
     assert f"WARNING: took over the stale lock of PID {holder} on " in third[0]["stdout"]
     assert f"loaded checkpoint from {ckpt} at iteration {saved}" in third[0]["stdout"]
@@ -199,7 +200,9 @@ def test_load_refuses_damaged_and_crafted_checkpoints_by_name(tmp_path):
     shutil.copytree(good, pristine)
 
     def load(expect):
-        ranks = run_job(argv + ["--train-iters", "3", "--load", ckpt], 2)
+        ranks = run_job(
+            argv + ["--train-iters", "3", "--load", ckpt, "--use-checkpoint-opt_param-scheduler"], 2
+        )
         assert [r.returncode for r in ranks] == [expect] * 2, [r.stderr[-2000:] for r in ranks]
         return ranks
 

@@ -233,5 +233,43 @@ def test_loading_with_a_different_tokenizer_names_it(tmp_path):
         in message
     )
     # the same tokenizer loads
-    resumed = run_ranks(train, 1, flags + ["--train-iters", "4", "--load", str(ckpt)])[0]
+    resumed = run_ranks(
+        train,
+        1,
+        flags + ["--train-iters", "4", "--load", str(ckpt), "--use-checkpoint-opt_param-scheduler"],
+    )[0]
     assert sorted(resumed["losses"]) == [4]
+
+
+def test_a_changed_schedule_on_resume_is_refused_unless_a_flag_says_whose(tmp_path):
+    """As Megatron-LM: a resumed run whose --lr differs from the checkpoint's is refused
+    (megatron-core's default took the checkpoint's silently); --override-opt_param-scheduler
+    follows this run's flags, --use-checkpoint-opt_param-scheduler the checkpoint's. Making
+    the run longer under a constant rate changes no rate, so it needs neither."""
+    ckpt = tmp_path / "ckpt"
+    base = " ".join(MODEL).replace("--lr-warmup-iters 2", "--lr-decay-style constant").split()
+    run_ranks(train, 1, base + ["--train-iters", "3", "--save", str(ckpt)])
+    tracker = (ckpt / "latest_checkpointed_iteration.txt").read_text()
+    higher = [a if a != "1e-3" else "2e-3" for a in base] + ["--load", str(ckpt)]
+    with pytest.raises(AssertionError) as err:
+        run_ranks(train, 1, higher + ["--train-iters", "4"])
+    assert "CheckpointError" in str(err.value)
+    assert "different learning-rate schedule or optimizer" in str(err.value)
+    assert "--lr 0.001 (this run: 0.002)" in str(err.value)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == tracker
+    # the optimizer's own constants come back from its state too: a change is named alike
+    with pytest.raises(AssertionError) as err:
+        run_ranks(
+            train, 1, base + ["--load", str(ckpt), "--train-iters", "4", "--adam-beta1", "0.8"]
+        )
+    assert "--adam-beta1/--adam-beta2 [(0.9, 0.999)] (this run: [(0.8, 0.999)])" in str(err.value)
+
+    def lr_at_4(*flags, argv=higher):
+        metrics = tmp_path / f"m{len(flags)}{flags[:1]}.jsonl"
+        run_ranks(train, 1, argv + ["--train-iters", "4", "--metrics-file", str(metrics), *flags])
+        (record,) = read_metrics(str(metrics), "train")
+        return record["lr"]
+
+    assert lr_at_4("--override-opt_param-scheduler") == pytest.approx(2e-3)
+    assert lr_at_4("--use-checkpoint-opt_param-scheduler") == pytest.approx(1e-3)
+    assert lr_at_4(argv=base + ["--load", str(ckpt)]) == pytest.approx(1e-3)  # longer, same rate
