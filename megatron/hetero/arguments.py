@@ -20,6 +20,7 @@ import torch
 
 from hettp.config import ConfigError, HetTPConfig, ModelShape
 from megatron.hetero.batch_schedule import BatchSchedule, Rampup
+from megatron.hetero.stopping import EXIT_SIGNALS
 
 TOKENIZER_TYPES = (
     "NullTokenizer",
@@ -270,7 +271,13 @@ def _add_training_args(parser):
     g.add_argument(
         "--exit-signal-handler",
         action="store_true",
-        help="On SIGTERM or SIGINT (to any rank): finish the step, save (with --save), exit 0.",
+        help="On --exit-signal (to any rank): finish the step, save (with --save), exit 0.",
+    )
+    g.add_argument(
+        "--exit-signal",
+        default="SIGTERM",
+        choices=EXIT_SIGNALS,
+        help="The signal --exit-signal-handler acts on (Slurm's --signal=USR1@120: SIGUSR1).",
     )
     g.add_argument(
         "--calculate-per-token-loss",

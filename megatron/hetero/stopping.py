@@ -11,13 +11,31 @@ when the signal lands finishes first.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")  # --exit-signal's choices
+
+
+def process_start_time() -> float:
+    """When this process started, in wall-clock seconds (Linux: from /proc; elsewhere the
+    moment this module was imported). A job's time budget counts from its start, as
+    Megatron-LM's does: building the model and loading a checkpoint spend it too."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+_IMPORTED = time.time()
 
 
 class NonFiniteError(RuntimeError):
@@ -41,26 +59,37 @@ def check_finite(iteration: int, loss: float, grad_norm) -> None:
 
 
 class ExitWatch:
-    """--exit-signal-handler and --exit-duration-in-mins. `install()` before training,
-    `due()` at every step boundary, `close()` after (restores the previous handlers)."""
+    """--exit-signal-handler (on --exit-signal) and --exit-duration-in-mins. `install()` before
+    training, `due()` at every step boundary, `close()` after (restores the previous
+    handlers)."""
 
-    def __init__(self, signal_handler: bool, duration_mins: float | None, device="cpu"):
+    def __init__(
+        self,
+        signal_handler: bool,
+        duration_mins: float | None,
+        device="cpu",
+        exit_signal: str = "SIGTERM",
+    ):
         self.signal_handler = signal_handler
+        self.signal = signal.Signals[exit_signal]
         self.duration_s = duration_mins * 60.0 if duration_mins is not None else None
         self.device = device
         self.received: int | None = None  # the signal this rank got
         self._previous = {}
-        self._start = time.monotonic()
+        self._start = time.time()
 
     @property
     def active(self) -> bool:
         return self.signal_handler or self.duration_s is not None
 
     def install(self) -> ExitWatch:
-        self._start = time.monotonic()
+        """Collective where a time budget is set: it counts from the earliest rank's start."""
+        if self.duration_s is not None:
+            start = torch.tensor([process_start_time()], dtype=torch.float64, device=self.device)
+            dist.all_reduce(start, op=dist.ReduceOp.MIN)
+            self._start = float(start.item())
         if self.signal_handler:
-            for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+            self._previous[self.signal] = signal.signal(self.signal, self._on_signal)
         return self
 
     def _on_signal(self, signum, frame) -> None:
@@ -71,7 +100,7 @@ class ExitWatch:
         active, so call it on every rank at every step boundary)."""
         if not self.active:
             return None
-        over = self.duration_s is not None and time.monotonic() - self._start > self.duration_s
+        over = self.duration_s is not None and time.time() - self._start > self.duration_s
         got = self.received is not None
         flags = torch.tensor(
             [float(self.received or 0), float(dist.get_rank() + 1 if got else 0), float(over)],

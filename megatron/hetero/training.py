@@ -490,7 +490,9 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
     batches = BatchSchedule.from_args(args)
     batch = batches.at(consumed)
     state.model.train()
-    watch = ExitWatch(args.exit_signal_handler, args.exit_duration_in_mins, comm_device())
+    watch = ExitWatch(
+        args.exit_signal_handler, args.exit_duration_in_mins, comm_device(), args.exit_signal
+    )
     watch.install()
     profiler = StepProfiler(args)
     if args.manual_gc:  # as Megatron-LM: no automatic collection pauses mid-step

@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from tests.utils import Job, run_job, run_ranks, train
+from tests.utils import Job, exit_watch, run_job, run_ranks, train
 
 FLAGS = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -94,6 +94,21 @@ def test_sigterm_to_one_rank_saves_at_that_step_and_resumes_on_the_same_losses(t
         got = (interrupted if step <= stopped else resumed)[step]["lm_loss"]
         want = reference[step]["lm_loss"]
         assert abs(got - want) <= 1e-6 * abs(want), (step, got, want)
+
+
+def test_the_exit_signal_is_the_one_named_and_the_budget_counts_from_process_start():
+    """--exit-signal SIGUSR1 (Slurm's --signal=USR1@120) stops every rank when one gets it;
+    Ctrl-C keeps its default; --exit-duration-in-mins counts from the earliest rank's start,
+    as Megatron-LM's does, so set-up (imports, the model, a checkpoint load) spends it too."""
+    ranks = run_ranks(exit_watch, 2, 2)
+    for result in ranks:
+        assert result["untouched"]  # SIGINT's handler is not replaced
+        assert result["before"] is None
+        assert result["after"] == "SIGUSR1 received by rank 1"
+        # each rank slept a second before install: the budget had run that long already (from
+        # the earlier rank's start, so a little longer than some rank's own)
+        assert 1.0 <= result["elapsed"] < 60
+        assert abs(result["elapsed"] - result["started"]) < 0.5
 
 
 def test_the_time_budget_ends_the_run_with_a_checkpoint(tmp_path):

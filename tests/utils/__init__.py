@@ -14,6 +14,7 @@ from tests.utils.upstream import PATCH, fresh_megatron_lm
 from tests.utils.workers import (
     compat_paths,
     exchange_primitives,
+    exit_watch,
     het_numerics,
     preloaded,
     train,
@@ -43,6 +44,7 @@ __all__ = [
     "damage",
     "load_script",
     "exchange_primitives",
+    "exit_watch",
     "fresh_megatron_lm",
     "het_numerics",
     "make_corpus",

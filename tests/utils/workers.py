@@ -179,6 +179,39 @@ def train_with_slow_boundary(argv: list[str], seconds: float) -> dict:
     return {"metrics_file": result.metrics_file, "stdout": stdout}
 
 
+def exit_watch(world: int) -> dict:
+    """ExitWatch on --exit-signal SIGUSR1 and a time budget: which signal stops the run, what
+    SIGINT does, and how long the budget had run at install (it counts from process start)."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from megatron.hetero.stopping import ExitWatch, process_start_time
+
+    dist.init_process_group("gloo")
+    try:
+        sigint = signal.getsignal(signal.SIGINT)
+        time.sleep(1.0)  # set-up, which the budget must count
+        watch = ExitWatch(True, 10.0, exit_signal="SIGUSR1").install()
+        untouched = signal.getsignal(signal.SIGINT) is sigint
+        elapsed = time.time() - watch._start
+        before = watch.due()
+        if dist.get_rank() == world - 1:
+            signal.raise_signal(signal.SIGUSR1)
+        after = watch.due()
+        watch.close()
+        return {
+            "untouched": untouched,
+            "elapsed": elapsed,
+            "started": time.time() - process_start_time(),
+            "before": before,
+            "after": after,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
 def train_with_failing_save(argv: list[str], fail_at_iteration: int) -> dict:
     """pretrain with dist_checkpointing.save breaking half-way through one save."""
     from megatron.hetero import checkpointing
