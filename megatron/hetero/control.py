@@ -32,6 +32,17 @@ from .partition import comm_device
 from .timing import ComputeTimer
 
 
+class DecisionFailed(str):
+    """What the deciding rank sends its peers instead of a decision (or a price) it failed to
+    take: every rank then raises, and none is left waiting in the broadcast."""
+
+
+def raise_if_failed(value, what: str):
+    if isinstance(value, DecisionFailed):
+        raise RuntimeError(f"{what} failed on the deciding rank: {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class _SplitWork:
     """This rank's work at one split: in all, and by kind (attention GEMMs, core attention,
@@ -167,21 +178,29 @@ class Controller:
         if due is None:
             return None
         decide = dist.get_rank(self.decider_group) == 0
-        verdict = self.loop.observe(
-            due.report,
-            due.detection,
-            plan,
-            shares,
-            decide,
-            unit_bytes() if decide and self.migrates else None,
-        )
-        if self.decides and dist.get_world_size(self.decider_group) > 1:
-            box = [verdict.decision]
+        shared = self.decides and dist.get_world_size(self.decider_group) > 1
+        failed = None
+        try:
+            verdict = self.loop.observe(
+                due.report,
+                due.detection,
+                plan,
+                shares,
+                decide,
+                unit_bytes() if decide and self.migrates else None,
+            )
+        except Exception as err:  # noqa: BLE001 - the peers learn of it below, then all raise
+            if not (decide and shared):
+                raise
+            failed = DecisionFailed(f"{type(err).__name__}: {err}")
+        if shared:
+            box = [failed if failed is not None else verdict.decision]
             dist.broadcast_object_list(
                 box,
                 src=dist.get_global_rank(self.decider_group, 0),
                 group=self.decider_group,
             )
+            raise_if_failed(box[0], f"het-TP's decision at iteration {due.report.iteration}")
             verdict = dataclasses.replace(verdict, decision=box[0])
         self.loop.close(due, verdict)
         return due.report, verdict
@@ -211,14 +230,20 @@ class Controller:
         if self._tokens is None:  # every rank ran the same layers: all raise, none waits
             raise RuntimeError("het-TP: the first step ran no attention to probe the shape of")
         price = [None]
+        shared = dist.get_world_size(self.decider_group) > 1
         if dist.get_rank(self.decider_group) == 0:
             seq, batch, device, dtype = self._tokens
-            price = [probe(self.partition.probe_shape(seq, batch, device, dtype))]
-        if dist.get_world_size(self.decider_group) > 1:
+            try:
+                price = [probe(self.partition.probe_shape(seq, batch, device, dtype))]
+            except Exception as err:  # noqa: BLE001 - as a failed decision: every rank raises
+                if not shared:
+                    raise
+                price = [DecisionFailed(f"{type(err).__name__}: {err}")]
+        if shared:
             dist.broadcast_object_list(
                 price, src=dist.get_global_rank(self.decider_group, 0), group=self.decider_group
             )
-        self._set_call_price(price[0])
+        self._set_call_price(raise_if_failed(price[0], "het-TP's attention probe"))
 
     def _set_call_price(self, price: CallPrice) -> None:
         self._probe_hook.remove()

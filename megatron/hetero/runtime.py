@@ -597,6 +597,8 @@ class HetTPRuntime:
         if self.joint is not None:
             self.joint.account(self._moved, report.wall + self._moved)
             self._moved = 0.0
+        from .control import DecisionFailed, raise_if_failed
+
         choice = None
         if dist.get_rank() == 0:
             try:
@@ -604,13 +606,10 @@ class HetTPRuntime:
                     self._joint_choice(report) if self.joint is not None else self._rebatch(report)
                 )
             except Exception as err:  # noqa: BLE001 - every rank raises it, none waits
-                choice = _Failed(f"{type(err).__name__}: {err}")
+                choice = DecisionFailed(f"{type(err).__name__}: {err}")
         box = [choice]
         dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], _Failed):
-            raise RuntimeError(
-                f"het-DP decision at iteration {iteration} failed on rank 0: {box[0]}"
-            )
+        raise_if_failed(box[0], f"het-DP's decision at iteration {iteration}")
         if box[0] is not None:
             self._apply_data_decision(iteration, report, box[0])
 
@@ -881,10 +880,6 @@ class _Moved:
 
     moves: list | None
     seconds: float
-
-
-class _Failed(str):
-    """What the deciding rank sends instead of a decision it failed to take."""
 
 
 def _layer_compute(report) -> list[float]:

@@ -8,7 +8,7 @@ import pytest
 from hettp.metrics import read_metrics
 from hettp.plan import PartitionPlan
 from megatron.hetero.checkpointing import TRACKER_FILE
-from tests.utils import run_ranks, train, train_with_slow_boundary
+from tests.utils import run_ranks, train, train_with_failing_planner, train_with_slow_boundary
 from tests.utils.scripts import load_script
 
 MODEL = (
@@ -167,3 +167,17 @@ def test_the_step_boundary_counts_in_the_next_iterations_time(tmp_path):
     for iteration in range(2, 7):
         # the boundary before it counted; the hook's sleep, left out, would add another `slow`
         assert slow <= elapsed[iteration] < 1.8 * slow, (iteration, elapsed)
+
+
+def test_a_planner_failure_on_the_deciding_rank_stops_every_rank_by_name(tmp_path):
+    """Only TP rank 0 plans; had it raised alone, its peer would wait in the decision's
+    broadcast until the job's time ran out."""
+    argv = MODEL + ["--het-tp-policy", "migrate", "--train-iters", "12"]
+    argv += ["--metrics-file", str(tmp_path / "m.jsonl")]
+    with pytest.raises(AssertionError) as err:
+        run_ranks(train_with_failing_planner, 2, argv, timeout=120)
+    message = str(err.value)
+    assert "exceeded" not in message
+    for rank in (0, 1):
+        assert f"rank {rank}: RuntimeError: het-TP's decision at iteration" in message
+    assert message.count("failed on the deciding rank: ValueError: planner broke (injected)") >= 2

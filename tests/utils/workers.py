@@ -179,6 +179,24 @@ def train_with_slow_boundary(argv: list[str], seconds: float) -> dict:
     return {"metrics_file": result.metrics_file, "stdout": stdout}
 
 
+def train_with_failing_planner(argv: list[str]) -> dict:
+    """pretrain with the deciding rank's planner raising whenever it runs."""
+    from hettp.loop import ControlLoop
+
+    real = ControlLoop.observe
+
+    def failing(self, report, detection, plan, shares, decide, unit_bytes=None):
+        if decide:
+            raise ValueError("planner broke (injected)")
+        return real(self, report, detection, plan, shares, decide, unit_bytes)
+
+    ControlLoop.observe = failing
+    try:
+        return train(argv)
+    finally:
+        ControlLoop.observe = real
+
+
 def exit_watch(world: int) -> dict:
     """ExitWatch on --exit-signal SIGUSR1 and a time budget: which signal stops the run, what
     SIGINT does, and how long the budget had run at install (it counts from process start)."""
