@@ -188,6 +188,13 @@ class Planner:
         self._work: tuple[float, ...] = ()  # per rank, its work at the plan being decided on
         self.refused: str | None = None  # the last decide's move refused by what it measured
 
+    def forget_measured(self) -> None:
+        """Drop the steps measured per plan, and the plans to move back to: a new straggle, or
+        a stage whose layers changed, measures afresh (a remembered plan of another layer count
+        could not be applied)."""
+        self._measured, self._visited, self._reverted = {}, {}, set()
+        self._attention, self._redealt = {}, set()
+
     def state_dict(self) -> dict:
         return {
             "onset": self._onset,
@@ -231,8 +238,7 @@ class Planner:
         shares = tuple(shares)
         self._seen, self.refused = measured, None
         if detection.changed:
-            self._measured, self._visited, self._reverted = {}, {}, set()
-            self._attention, self._redealt = {}, set()
+            self.forget_measured()
         if measured is not None and measured.step > 0 and not any(shares):
             seen = self._measured.setdefault(unit_counts(plan), [])
             seen[:] = [*seen, measured.step][-MEASURED_REPORTS:]
@@ -350,6 +356,7 @@ class Planner:
             for key, steps in self._measured.items()
             if key != unit_counts(plan)
             and key in self._visited
+            and self._visited[key].num_layers == plan.num_layers
             and key not in self._reverted
             and len(steps) >= REVERT_READINGS
         ]

@@ -275,9 +275,11 @@ class Controller:
         self.loop.applied()
 
     def layers_changed(self, model) -> None:
-        """Layers moved between pipeline stages: time the ones held now."""
+        """Layers moved between pipeline stages: time the ones held now, and let the planner
+        forget the steps measured under the stage's old layers (they are not this stage's)."""
         self.timer.rehook(model)
         self._work = None
+        self.loop.planner.forget_measured()
 
     def close(self) -> None:
         self.timer.remove()

@@ -1130,3 +1130,24 @@ def test_a_measured_gain_under_min_gain_is_made_where_two_reports_in_a_row_see_i
     assert decision is not None
     assert decision.reason.startswith("rebalance (measured) at 2 reports in a row")
     assert decision.plan == measured_mlp_split(plan, leaning).plan
+
+
+def test_no_revert_to_a_plan_of_another_layer_count():
+    """A pipeline stage whose layers moved has plans of its old layer count remembered: none
+    is a revert target (applied, it failed every rank), and the layer move forgets them."""
+    from hettp.detect import Detection
+    from hettp.planner import REVERT_GAIN
+
+    even = PartitionPlan.even(2, 1, 4, 2048)
+    slower = StepModel(rest=0.0, factors=(1.0, 2.0), slope=1.0)
+    b = balanced_target(even, slower, UNIT_WORK)
+    old = PartitionPlan.even(2, 2, 4, 2048)  # the stage's plan before a layer joined it
+    steady = Detection((1.0, 2.0), frozenset({1}), False, frozenset(), frozenset())
+    lost = 1.0 / (1.0 - REVERT_GAIN) + 0.02
+    planner = Planner("migrate", UNIT_WORK)
+    planner._measured[unit_counts(old)], planner._visited[unit_counts(old)] = [1.0, 1.0], old
+    planner._measured[unit_counts(b)], planner._visited[unit_counts(b)] = [lost], b
+    decision = planner.decide(18, steady, slower, b, (0.0, 0.0), Measured(lost))
+    assert decision is None or decision.plan.num_layers == 1, decision
+    planner.forget_measured()
+    assert not planner._measured and not planner._visited
