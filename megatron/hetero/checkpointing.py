@@ -278,12 +278,18 @@ def save_checkpoint(
     ckpt_integrity.write_manifest(staging)  # collective; rank 0 writes it
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        # An older save of this iteration is moved aside, not deleted, until the new one is in
+        # place: deleting first left the tracker naming a half-deleted folder if killed then.
+        aside = staging + ".replaced" if os.path.exists(final) else None
+        if aside is not None:
+            os.rename(final, aside)
         os.rename(staging, final)
         tracker = os.path.join(root, TRACKER_FILE)
         with open(tracker + ".tmp", "w") as f:
             f.write(str(iteration))
         os.replace(tracker + ".tmp", tracker)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     dist.barrier()
     return final
 

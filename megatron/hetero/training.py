@@ -486,7 +486,11 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
         return iteration
 
     losses, eval_losses = {}, {}
-    saved_at = None
+    # a run resumed from --save's own newest checkpoint has it saved already
+    resumed_here = (
+        args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save)
+    )
+    saved_at = iteration if resumed_here and iteration > 0 else None
     batches = BatchSchedule.from_args(args)
     batch = batches.at(consumed)
     state.model.train()

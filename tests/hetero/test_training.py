@@ -273,3 +273,20 @@ def test_a_changed_schedule_on_resume_is_refused_unless_a_flag_says_whose(tmp_pa
     assert lr_at_4("--override-opt_param-scheduler") == pytest.approx(2e-3)
     assert lr_at_4("--use-checkpoint-opt_param-scheduler") == pytest.approx(1e-3)
     assert lr_at_4(argv=base + ["--load", str(ckpt)]) == pytest.approx(1e-3)  # longer, same rate
+
+
+def test_a_resume_with_nothing_left_to_train_does_not_save_again(tmp_path):
+    """A job resumed from --save's own newest checkpoint with --train-iters already reached
+    keeps that checkpoint as it is; a save over an existing iteration (a fresh run into the
+    same folder) replaces it whole, leaving nothing aside."""
+    ckpt = tmp_path / "ckpt"
+    argv = MODEL + ["--train-iters", "3", "--save", str(ckpt)]
+    run_ranks(train, 1, argv)
+    saved = (ckpt / "iter_0000003" / "common.pt").stat()
+    again = run_ranks(train, 1, argv + ["--load", str(ckpt)])[0]
+    assert "saved checkpoint" not in again["stdout"] and not again["losses"]
+    assert (ckpt / "iter_0000003" / "common.pt").stat().st_mtime_ns == saved.st_mtime_ns
+    fresh = run_ranks(train, 1, argv)[0]
+    assert "saved checkpoint" in fresh["stdout"]
+    assert (ckpt / "iter_0000003" / "common.pt").stat().st_mtime_ns != saved.st_mtime_ns
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
