@@ -473,7 +473,10 @@ def _rebuild(state, replaced, extra=None, *, old):
         model = old_ddp.rebuilt()
     else:  # upstream Megatron-LM's own wrapper
         model = type(old_ddp)(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
-    optimizer = get_megatron_optimizer(old_opt.config, [model])
+    # Upstream Megatron-LM under --disable-gloo-process-groups has none, and megatron-core
+    # asserts on them unless told (this trainer always creates them).
+    gloo = getattr(parallel_state, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
+    optimizer = get_megatron_optimizer(old_opt.config, [model], use_gloo_process_groups=gloo)
     carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
     for old_param, (master, param_state) in whole_state(old).items():
         new_param, moved = replaced.get(old_param, (old_param, {}))
