@@ -290,6 +290,12 @@ def _add_training_args(parser):
         action="store_true",
         help="megatron-core's fused vocab-parallel cross entropy (GPU).",
     )
+    for fusion in NEVER_FUSED:  # Megatron-LM's scripts pass these; here they ask for the default
+        g.add_argument(
+            f"--no-{fusion}",
+            action="store_true",
+            help="Accepted as Megatron-LM's: this trainer never uses that fused kernel.",
+        )
     g.add_argument(
         "--manual-gc",
         action="store_true",
@@ -364,6 +370,19 @@ def _add_learning_rate_args(parser):
         default=None,
         help="Minimum learning rate of those (default: --min-lr).",
     )
+
+
+# The fused kernels megatron-core's model runs without here (megatron/hetero/model.py), whose
+# --no-* flags Megatron-LM command lines carry.
+NEVER_FUSED = (
+    "gradient-accumulation-fusion",
+    "masked-softmax-fusion",
+    "bias-gelu-fusion",
+    "bias-swiglu-fusion",
+    "bias-dropout-fusion",
+    "persist-layer-norm",
+    "rope-fusion",
+)
 
 
 def _add_distributed_args(parser):
@@ -1133,8 +1152,6 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             0 < args.exit_duration_in_mins < math.inf,
             f"--exit-duration-in-mins must be a positive number, got {args.exit_duration_in_mins}",
         )
-    if args.save is not None:
-        _check_writable(args.save)
     if args.load is not None and not os.path.isdir(args.load):
         # A missing --load is a typo that would silently start from scratch, except in
         # Megatron's auto-resume pattern (--load and --save the same folder), whose first run
@@ -1143,17 +1160,23 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load),
             f"--load {args.load}: no such directory (to start from scratch, drop --load)",
         )
+    # last: these create the folders, which nothing refused above should leave behind
+    if args.save is not None:
+        _check_writable(args.save, "--save")
+    if args.metrics_file is not None:
+        _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
     return het_tp
 
 
-def _check_writable(folder: str) -> None:
-    """--save must take files now, not fail at the first save hours into the run."""
+def _check_writable(folder: str, flag: str) -> None:
+    """A folder the run writes must take files now, not fail at the first save hours into the
+    run (or after the model was built)."""
     try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
             pass
     except OSError as err:
-        raise ArgumentError(f"--save {folder}: not writable ({err.strerror or err})") from None
+        raise ArgumentError(f"{flag} {folder}: not writable ({err.strerror or err})") from None
 
 
 # Megatron-LM features the het-TP layers do not implement: (args attribute, what it is).

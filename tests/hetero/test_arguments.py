@@ -597,3 +597,23 @@ def test_sequence_parallel_is_dropped_at_tp1_with_megatrons_warning():
     assert args.sequence_parallel is False
     assert _args("--sequence-parallel --tensor-model-parallel-size 2", 2).sequence_parallel
     assert _args("--recompute-activations").recompute_granularity == "selective"
+
+
+def test_megatron_lm_no_fusion_flags_are_accepted():
+    """Megatron-LM command lines turn fusions off; this trainer never fuses, so they pass."""
+    from megatron.hetero.arguments import NEVER_FUSED
+
+    args = _args(" ".join(f"--no-{fusion}" for fusion in NEVER_FUSED))
+    assert args.no_masked_softmax_fusion and args.no_persist_layer_norm
+
+
+def test_refused_load_and_unwritable_metrics_leave_no_folder(tmp_path):
+    """The checks that refuse a run come before the ones that create its folders."""
+    save = tmp_path / "new-save"
+    with pytest.raises(ArgumentError, match="no such directory"):
+        _args(f"--save {save} --load {tmp_path / 'typo'}")
+    assert not save.exists()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(ArgumentError, match=f"--metrics-file {blocked}: not writable"):
+        _args(f"--metrics-file {blocked / 'm.jsonl'}")
