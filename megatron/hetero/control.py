@@ -279,7 +279,8 @@ class Controller:
         forget the steps measured under the stage's old layers (they are not this stage's)."""
         self.timer.rehook(model)
         self._work = None
-        self.loop.planner.forget_measured()
+        if self.loop.planner is not None:  # a policy that moves only layers has none
+            self.loop.planner.forget_measured()
 
     def close(self) -> None:
         self.timer.remove()
