@@ -1163,7 +1163,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     # last: these create the folders, which nothing refused above should leave behind
     if args.save is not None:
         _check_writable(args.save, "--save")
-    if args.metrics_file is not None:
+    if args.metrics_file is not None and int(os.environ.get("RANK", "0")) == 0:  # its writer
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
     return het_tp
 

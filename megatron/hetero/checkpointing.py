@@ -19,7 +19,12 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from . import ckpt_integrity
-from .portable_optimizer import checkpoint_optimizer, restore_from
+from .portable_optimizer import (
+    checkpoint_optimizer,
+    restore_from,
+    saved_param_groups,
+    set_group_values,
+)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -64,8 +69,8 @@ SCHEDULE_FLAGS = {
     "wd_incr_steps": "the run's length",
 }
 
-# What the optimizer's parameter groups keep of the flags (the per-group rates that
-# --decoupled-lr sets, Adam's constants): a loaded optimizer state brings the checkpoint's.
+# The flags behind the optimizer's parameter-group values (portable_optimizer.FLAG_GROUP_KEYS): a
+# loaded optimizer state brings the checkpoint's.
 GROUP_FLAGS = {
     "max_lr": "--decoupled-lr",
     "min_lr": "--decoupled-min-lr",
@@ -280,8 +285,10 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         # An older save of this iteration is moved aside, not deleted, until the new one is in
         # place: deleting first left the tracker naming a half-deleted folder if killed then.
-        aside = staging + ".replaced" if os.path.exists(final) else None
+        # (not a ".tmp-" name: the next job's lock clears those as dead staging)
+        aside = final + ".replaced" if os.path.exists(final) else None
         if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)  # a crashed job's, older than `final`
             os.rename(final, aside)
         os.rename(staging, final)
         tracker = os.path.join(root, TRACKER_FILE)
@@ -359,7 +366,7 @@ def load_checkpoint(
         batch = common["consumed_train_samples"] // common["iteration"]
         saved_scheduler = scheduler_state_in_samples(saved_scheduler, batch)
     changes = schedule_changes(saved_scheduler, scheduler.state_dict())
-    saved_groups = (common.get("optimizer") or {}).get("param_groups")
+    saved_groups = saved_param_groups(common.get("optimizer"))
     if saved_groups is not None:
         changes += group_changes(saved_groups, optimizer.param_groups, changes)
     if changes and not (
@@ -379,7 +386,7 @@ def load_checkpoint(
         and saved.get("pipeline_model_parallel_size", 1) == args.pipeline_model_parallel_size
     )
     # this run's per-group values, which an override puts back over the checkpoint's
-    fresh = [{k: g[k] for k in GROUP_FLAGS if k in g} for g in optimizer.param_groups]
+    fresh = [dict(g) for g in optimizer.param_groups]
     loading = checkpoint_optimizer(optimizer, model, is_loading=True)
     state = _sharded_state(model, loading, scheduler, with_rng=with_rng, is_loading=True)
     with_runtime = runtime is not None and with_rng and saved.get("het_tp_state", False)
@@ -398,9 +405,12 @@ def load_checkpoint(
     model.module.load_state_dict(loaded["model"])
     loading.load_state_dict(loaded["optimizer"])
     restore_from(loading, optimizer)
+    # Whose group values hold from here, whatever the optimizer's layout carried over (the
+    # distributed optimizer's restore carries per-parameter state only).
     if args.override_opt_param_scheduler:
-        for group, values in zip(optimizer.param_groups, fresh, strict=True):
-            group.update(values)
+        set_group_values(optimizer, fresh)
+    elif saved_groups is not None and len(saved_groups) == len(optimizer.param_groups):
+        set_group_values(optimizer, saved_groups)
     scheduler.load_state_dict(saved_scheduler)
     if with_rng:
         _set_rng_state(loaded["rng_state"])

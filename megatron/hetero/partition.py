@@ -30,6 +30,7 @@ from . import cpu_compat
 from .ddp import HetDDP, gathered_params
 from .layers import UnitBlock
 from .model import unwrap_model
+from .portable_optimizer import set_group_values
 from .unit_state import (
     OptimizerView,
     carry_into,
@@ -477,6 +478,8 @@ def _rebuild(state, replaced, extra=None, *, old):
     # asserts on them unless told (this trainer always creates them).
     gloo = getattr(parallel_state, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
     optimizer = get_megatron_optimizer(old_opt.config, [model], use_gloo_process_groups=gloo)
+    if len(optimizer.param_groups) == len(old_opt.param_groups):  # built from the flags: a
+        set_group_values(optimizer, old_opt.param_groups)  # resumed run's rates may differ
     carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
     for old_param, (master, param_state) in whole_state(old).items():
         new_param, moved = replaced.get(old_param, (old_param, {}))

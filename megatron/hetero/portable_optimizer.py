@@ -19,6 +19,37 @@ from megatron.core.optimizer import get_megatron_optimizer
 
 from .unit_state import OptimizerView, carry_into, whole_state
 
+# Parameter-group values the flags set (the rates --lr and --decoupled-lr give each group, Adam's
+# constants); the scheduler derives each group's lr and weight decay from them every step.
+FLAG_GROUP_KEYS = ("max_lr", "min_lr", "betas", "eps")
+
+
+def saved_param_groups(state) -> list | None:
+    """The parameter groups in a checkpoint's (common) optimizer state, wherever megatron-core's
+    wrapper put them: at the top (fp32), under "optimizer" (half precision), per optimizer of a
+    chain (a dict by index). None where they are not found."""
+    if not isinstance(state, dict):
+        return None
+    if isinstance(state.get("param_groups"), list):
+        return state["param_groups"]
+    if isinstance(state.get("optimizer"), dict):
+        return saved_param_groups(state["optimizer"])
+    chained = [state[k] for k in sorted(k for k in state if isinstance(k, int))]
+    found = [saved_param_groups(s) for s in chained]
+    if not found or any(f is None for f in found):
+        return None
+    return [group for groups in found for group in groups]
+
+
+def set_group_values(optimizer, groups) -> None:
+    """`groups`' flag-set values (FLAG_GROUP_KEYS) onto `optimizer`'s parameter groups, in
+    order: the same model and code build them alike."""
+    live = optimizer.param_groups
+    if len(live) != len(groups):
+        raise ValueError(f"{len(groups)} parameter groups to take values from, {len(live)} here")
+    for group, values in zip(live, groups):
+        group.update({k: values[k] for k in FLAG_GROUP_KEYS if k in values})
+
 
 def is_distributed(optimizer) -> bool:
     return bool(OptimizerView(optimizer).sharded)

@@ -32,7 +32,8 @@ def process_start_time() -> float:
             uptime = float(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return _IMPORTED
-    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    # never after the import (a container's /proc/uptime may count from its own start)
+    return min(time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK"), _IMPORTED)
 
 
 _IMPORTED = time.time()

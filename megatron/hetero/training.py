@@ -504,6 +504,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
         gc.disable()
         gc.collect()
     clock = IterationClock()
+    stopped = False  # by --exit-interval, a signal or the time budget
     try:
         while iteration < args.train_iters:
             previous, batch = batch, batches.at(consumed)
@@ -570,10 +571,12 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
                 saved_at = save(iteration)
             if args.exit_interval and iteration % args.exit_interval == 0:
                 logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
+                stopped = True
                 break
             why = watch.due()
             if why is not None:
                 logger.info(f"exiting program at iteration {iteration}: {why}")
+                stopped = True
                 break
     finally:
         watch.close()
@@ -584,7 +587,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
     if args.save and saved_at != iteration and iteration > 0:
         save(iteration)
     test_loss = None
-    if iteration >= args.train_iters and args.eval_iters:  # finished, not stopped early
+    if iteration >= args.train_iters and args.eval_iters and not stopped:
         # as Megatron-LM: the validation split once more, then the test split
         for split, dataset in (("validation", valid_ds), ("test", test_ds)):
             if dataset is None:

@@ -263,6 +263,16 @@ def test_a_changed_schedule_on_resume_is_refused_unless_a_flag_says_whose(tmp_pa
             train, 1, base + ["--load", str(ckpt), "--train-iters", "4", "--adam-beta1", "0.8"]
         )
     assert "--adam-beta1/--adam-beta2 [(0.9, 0.999)] (this run: [(0.8, 0.999)])" in str(err.value)
+    # under --bf16 megatron-core nests the groups a level deeper: found there too
+    half = tmp_path / "half"
+    run_ranks(train, 1, base + ["--bf16", "--train-iters", "3", "--save", str(half)])
+    with pytest.raises(AssertionError) as err:
+        run_ranks(
+            train,
+            1,
+            base + ["--bf16", "--load", str(half), "--train-iters", "4", "--adam-eps", "1e-6"],
+        )
+    assert "--adam-eps [1e-08] (this run: [1e-06])" in str(err.value)
 
     def lr_at_4(*flags, argv=higher):
         metrics = tmp_path / f"m{len(flags)}{flags[:1]}.jsonl"
