@@ -65,11 +65,7 @@ class CorpusRun:
 
     @classmethod
     def of(cls, name: str, flags: list[str], records: list[dict], seconds: float) -> CorpusRun:
-        evals = {
-            r["iteration"]: r["lm_loss"]
-            for r in records
-            if r["kind"] == "eval" and r.get("split", "validation") == "validation"
-        }
+        evals = {r["iteration"]: r["lm_loss"] for r in records if r["kind"] == "eval"}
         if not evals:
             raise ValueError(f"run '{name}': its metrics hold no evaluation")
         losses = [r["lm_loss"] for r in records if r["kind"] == "train"]

@@ -32,8 +32,10 @@ def process_start_time() -> float:
             uptime = float(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return _IMPORTED
-    # never after the import (a container's /proc/uptime may count from its own start)
-    return min(time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK"), _IMPORTED)
+    # never in the future (a container's /proc/uptime may count from its own start; then the
+    # budget counts from install). Not clamped to the import: a rank forked from a server
+    # that imported this long ago started when it was forked.
+    return min(time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK"), time.time())
 
 
 _IMPORTED = time.time()
