@@ -372,6 +372,9 @@ def _add_learning_rate_args(parser):
     )
 
 
+# Megatron-LM's seeding: pipeline stage p seeds with --seed + SEED_STRIDE x p (training.set_seed).
+SEED_STRIDE = 100
+
 # The fused kernels megatron-core's model runs without here (megatron/hetero/model.py), whose
 # --no-* flags Megatron-LM command lines carry.
 NEVER_FUSED = (
@@ -995,10 +998,9 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     _require(args.clip_grad >= 0.0, f"--clip-grad must be >= 0, got {args.clip_grad}")
     _require(args.weight_decay >= 0.0, f"--weight-decay must be >= 0, got {args.weight_decay}")
     _require(args.adam_eps > 0.0, f"--adam-eps must be positive, got {args.adam_eps}")
-    # as Megatron-LM; and numpy's generator takes seeds below 2**32 (pipeline stage p seeds
-    # with --seed + 100 p)
+    # as Megatron-LM; and numpy's generator takes seeds below 2**32, every stage's included
     _require(
-        0 < args.seed and args.seed + 100 * (args.pipeline_model_parallel_size - 1) < 2**32,
+        0 < args.seed and args.seed + SEED_STRIDE * (args.pipeline_model_parallel_size - 1) < 2**32,
         f"--seed must be positive and below 2**32 - 100 x (pipeline stages - 1), got {args.seed}",
     )
 

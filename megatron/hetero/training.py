@@ -29,6 +29,7 @@ from megatron.core.transformer.module import Float16Module
 from hettp.metrics import MetricsWriter
 
 from . import checkpointing, child_processes, cpu_compat
+from .arguments import SEED_STRIDE
 from .batch_schedule import BatchSchedule, StepBatch
 from .data import build_datasets, build_loader, get_batch, tokenizer_from_args
 from .ddp import HetDDP, gathered_params
@@ -95,7 +96,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed on every rank matters on CPU: with --use-cpu-initialization each rank
     builds the full weight and keeps its slice, so all ranks must draw the same numbers.
     """
-    seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
+    seed += SEED_STRIDE * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
