@@ -106,20 +106,15 @@ def schedule_changes(saved: dict, current: dict) -> list[str]:
     """How this run's learning-rate and weight-decay schedule differs from a checkpoint's, in
     what changes the rates: a decay length under a constant rate, or the length of a constant
     weight decay's ramp, does not (so a run may be extended without a flag)."""
+    constant_lr = saved["lr_decay_style"] == current["lr_decay_style"] == "constant"
+    constant_wd = saved.get("start_wd") == saved.get("end_wd") and (
+        current["start_wd"] == current["end_wd"]
+    )
+    moot = {"lr_decay_steps"} if constant_lr else set()
+    moot |= {"wd_incr_steps", "wd_incr_style"} if constant_wd else set()
     changes = {}
     for key, flag in SCHEDULE_FLAGS.items():
-        if saved.get(key) == current[key] or flag in changes:
-            continue
-        if key == "lr_decay_steps" and saved["lr_decay_style"] == current["lr_decay_style"] == (
-            "constant"
-        ):
-            continue
-        constant_wd = saved.get("start_wd") == saved.get("end_wd")
-        if (
-            key in ("wd_incr_steps", "wd_incr_style")
-            and constant_wd
-            and (current["start_wd"] == current["end_wd"])
-        ):
+        if saved.get(key) == current[key] or flag in changes or key in moot:
             continue
         changes[flag] = f"{flag} {saved.get(key)} (this run: {current[key]})"
     return list(changes.values())
