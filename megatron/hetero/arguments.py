@@ -1159,7 +1159,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         # Megatron's auto-resume pattern (--load and --save the same folder), whose first run
         # finds nothing yet.
         _require(
-            args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load),
+            args.save is not None and same_folder(args.save, args.load),
             f"--load {args.load}: no such directory (to start from scratch, drop --load)",
         )
     # last: these create the folders, which nothing refused above should leave behind
@@ -1168,6 +1168,12 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     if args.metrics_file is not None and int(os.environ.get("RANK", "0")) == 0:  # its writer
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
     return het_tp
+
+
+def same_folder(a: str, b: str) -> bool:
+    """Whether two folder flags name one folder (links resolved), e.g. --load and --save in
+    Megatron's auto-resume pattern. One test for the start-time check and the training loop."""
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _check_writable(folder: str, flag: str) -> None:

@@ -91,7 +91,7 @@ def _moved_fields(moved) -> dict:
 
 
 def _stamp() -> str:
-    return datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 class EventLog:
@@ -353,7 +353,8 @@ class Logger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
-        self._window = []  # (loss, grad_norm, elapsed) since the last printed line
+        self._window = []  # (loss, grad_norm, elapsed, batch) since the last interval's line
+        self._first = True  # the job's first iteration is printed too (start-up cost shown)
         self._skipped = 0
         self._nan = 0
         self._t0 = time.perf_counter()
@@ -415,12 +416,12 @@ class Logger:
                 args={k: _jsonable(v) for k, v in sorted(vars(args).items())},
             )
 
-    def train_step(
-        self, iteration, consumed, global_batch_size, loss, grad_norm, skipped, lr, elapsed
-    ) -> None:
+    def train_step(self, iteration, consumed, global_batch_size, step, lr, elapsed) -> None:
+        """`step`: training.StepResult."""
         args = self.args
+        loss, skipped = step.loss, step.skipped
         tokens_per_s = global_batch_size * args.seq_length / max(elapsed, 1e-12)
-        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        grad_norm = float(step.grad_norm) if step.grad_norm is not None else float("nan")
         if self.metrics is not None:
             self.metrics.write(
                 "train",
@@ -429,6 +430,7 @@ class Logger:
                 global_batch_size=global_batch_size,
                 lm_loss=loss,
                 grad_norm=grad_norm,
+                loss_scale=step.loss_scale,
                 lr=lr,
                 skipped=bool(skipped),
                 elapsed_ms=elapsed * 1000.0,
@@ -438,11 +440,14 @@ class Logger:
             self.writer.add_scalar("lm loss", loss, iteration)
             self.writer.add_scalar("learning-rate", lr, iteration)
             self.writer.add_scalar("grad-norm", grad_norm, iteration)
+            self.writer.add_scalar("loss-scale", step.loss_scale, iteration)
             self.writer.add_scalar("iteration-time", elapsed, iteration)
         self._skipped += int(skipped)
         self._nan += int(not math.isfinite(loss))
         self._window.append((loss, grad_norm, elapsed, global_batch_size))
-        if iteration % args.log_interval and iteration != args.train_iters:
+        first, self._first = self._first, False
+        interval = not iteration % args.log_interval or iteration == args.train_iters
+        if not (interval or first):
             return
         n = len(self._window)
         mean_loss = sum(w[0] for w in self._window) / n
@@ -456,6 +461,7 @@ class Logger:
             )
             shown = f"{per_device:.1f}" if per_device >= 1 else f"{per_device:.4f}"  # CPU ranks
             throughput = f" throughput per GPU (TFLOP/s/GPU): {shown} |"
+        norm = f" grad norm: {grad_norm:.3f} |" if step.grad_norm is not None else ""
         line = (
             f" [{_stamp()}] iteration {iteration:8d}/{args.train_iters:8d} |"
             f" consumed samples: {consumed:12d} |"
@@ -465,12 +471,14 @@ class Logger:
             f" learning rate: {lr:.6E} |"
             f" global batch size: {global_batch_size:5d} |"
             f" lm loss: {mean_loss:.6E} |"
-            f" grad norm: {grad_norm:.3f} |"
+            f" loss scale: {step.loss_scale:.1f} |"
+            f"{norm}"
             f" number of skipped iterations: {self._skipped:3d} |"
             f" number of nan iterations: {self._nan:3d} |"
         )
         self.info(line)
-        self._window, self._skipped, self._nan = [], 0, 0
+        if interval:  # as Megatron-LM, the first line's steps count in the next line's means
+            self._window, self._skipped, self._nan = [], 0, 0
 
     def evaluation(self, iteration, loss) -> None:
         ppl = math.exp(min(20.0, loss))

@@ -29,7 +29,7 @@ from megatron.core.transformer.module import Float16Module
 from hettp.metrics import MetricsWriter
 
 from . import checkpointing, child_processes, cpu_compat
-from .arguments import SEED_STRIDE
+from .arguments import SEED_STRIDE, same_folder
 from .batch_schedule import BatchSchedule, StepBatch
 from .data import build_datasets, build_loader, get_batch, tokenizer_from_args
 from .ddp import HetDDP, gathered_params
@@ -40,6 +40,16 @@ from .profiling import StepProfiler
 from .runtime import HetTPRuntime, SavedPlan, TrainState
 from .save_lock import SaveLock, SaveLockError
 from .stopping import ExitWatch, check_finite
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One optimizer step, as the iteration line reports it."""
+
+    loss: float  # lm loss, token mean over the global batch
+    grad_norm: float | None  # None where gradients are not clipped
+    skipped: bool  # the update was not applied (fp16 overflow)
+    loss_scale: float  # 1.0 unless fp16's scaler is on
 
 
 @dataclasses.dataclass
@@ -303,7 +313,12 @@ def train_step(
     _empty_cache(args, 2)
     if update_successful:
         state.scheduler.step(increment=batch.global_batch_size)
-    return token_mean_loss(losses_reduced), grad_norm, not update_successful
+    return StepResult(
+        loss=token_mean_loss(losses_reduced),
+        grad_norm=grad_norm,
+        skipped=not update_successful,
+        loss_scale=float(optimizer.get_loss_scale()),  # read after the step: fp16 updates it
+    )
 
 
 def evaluate(args, model, valid_dataset) -> float:
@@ -488,9 +503,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
 
     losses, eval_losses = {}, {}
     # a run resumed from --save's own newest checkpoint has it saved already
-    resumed_here = (
-        args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save)
-    )
+    resumed_here = args.load and args.save and same_folder(args.load, args.save)
     saved_at = iteration if resumed_here and iteration > 0 else None
     batches = BatchSchedule.from_args(args)
     batch = batches.at(consumed)
@@ -531,9 +544,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
                 runtime.begin_step(iteration + 1, batch.num_microbatches)
             profiler.before_step(iteration + 1)
             start = time.perf_counter()
-            loss, grad_norm, skipped = train_step(
-                args, state, train_iterator, runtime, here, weight
-            )
+            step = train_step(args, state, train_iterator, runtime, here, weight)
             step_seconds = time.perf_counter() - start  # the control loop's: the step alone
             elapsed = clock.lap()
             iteration += 1
@@ -542,12 +553,10 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
                 if iteration % args.manual_gc_interval == 0:
                     gc.collect()
             consumed += batch.global_batch_size
-            losses[iteration] = loss
-            logger.train_step(
-                iteration, consumed, batch.global_batch_size, loss, grad_norm, skipped, lr, elapsed
-            )
+            losses[iteration] = step.loss
+            logger.train_step(iteration, consumed, batch.global_batch_size, step, lr, elapsed)
             if args.check_for_nan_in_loss_and_grad:
-                check_finite(iteration, loss, grad_norm)  # before any decision or save
+                check_finite(iteration, step.loss, step.grad_norm)  # before any decision or save
             # The step boundary: decisions first, so that a checkpoint taken here holds them
             # (as in upstream's train(), where the hook runs right after the step).
             if runtime is not None:

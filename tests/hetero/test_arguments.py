@@ -465,6 +465,10 @@ def test_load_and_save_are_checked_at_start(tmp_path):
     # Megatron's auto-resume pattern: the first run's --load (= --save) does not exist yet
     _args(f"--load {missing} --save {missing}")
     assert os.path.isdir(missing) and os.listdir(missing) == []  # created, probe removed
+    # the same folder through a link is the same folder (the training loop's test, too)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    _args(f"--load {tmp_path}/real/ckpt --save {tmp_path}/link/ckpt")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(ArgumentError, match=f"--save {blocker}/ckpt: not writable"):

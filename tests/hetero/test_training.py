@@ -66,10 +66,11 @@ def test_log_lines_and_metrics_file(tp1_run):
     lines = [x for x in stdout.splitlines() if " iteration " in x and "lm loss:" in x]
     assert len(lines) == 10
     pattern = re.compile(
-        r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +10 \| consumed samples: +(\d+) \|"
+        r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration +(\d+)/ +10 \|"
+        r" consumed samples: +(\d+) \|"
         r" elapsed time per iteration \(ms\): [\d.]+ \| tokens per second: [\d.]+ \|"
         r" learning rate: [\d.E+-]+ \| global batch size: +8 \| lm loss: ([\d.E+-]+) \|"
-        r" grad norm: [\d.]+ \| number of skipped iterations: +0 \|"
+        r" loss scale: 1\.0 \| grad norm: [\d.]+ \| number of skipped iterations: +0 \|"
         r" number of nan iterations: +0 \|$"
     )
     records = list(read_metrics(tp1_run["metrics_file"], "train"))
@@ -182,6 +183,18 @@ def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
     assert losses[0] == pytest.approx(uniform, rel=0.05)  # untrained: about uniform over bytes
     assert sum(losses[-5:]) / 5 < 0.7 * uniform
     assert result["eval_losses"][40] < result["eval_losses"][20] < uniform
+    # Megatron-LM's lines: the job's first iteration, then every --log-interval; a line's lm
+    # loss is the mean since the last interval's line (the first line's step counts in it)
+    printed = {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(
+            r"iteration +(\d+)/ +40 \|.* lm loss: ([\d.E+-]+) \|", result["stdout"]
+        )
+    }
+    assert sorted(printed) == [1, 10, 20, 30, 40]
+    assert printed[1] == pytest.approx(losses[0], rel=1e-6)
+    assert printed[10] == pytest.approx(sum(losses[:10]) / 10, rel=1e-6)
+    assert printed[20] == pytest.approx(sum(losses[10:20]) / 10, rel=1e-6)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "tb"))

@@ -130,13 +130,11 @@ def compat_paths(tmp_dir: str) -> dict:
         state = setup_model_and_optimizer(args, tokenizer.vocab_size)
         model = state.model
         train_ds, _, _ = build_datasets(args, tokenizer)
-        loss, grad_norm, skipped = train_step(
-            args, state, iter(build_loader(train_ds, 0, args, 0, 1))
-        )
+        step = train_step(args, state, iter(build_loader(train_ds, 0, args, 0, 1)))
         clipped = torch.sqrt(
             sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)
         ).item()
-        report["step"] = (loss, float(grad_norm), skipped, clipped)
+        report["step"] = (step.loss, float(step.grad_norm), step.skipped, clipped)
         # synchronize: dist_checkpointing's writer, then a load that restores the weights
         state = model.module.sharded_state_dict()
         dist_checkpointing.save(state, tmp_dir)
