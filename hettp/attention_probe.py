@@ -87,6 +87,16 @@ def call_seconds(none: float, one: float, more: float, units: int = MORE_UNITS) 
     return max(0.0, one - none - (more - one) / units)
 
 
+def _random(shape: ProbeShape):
+    """The probe's own generator: it runs on one rank of a TP group, and a draw from the
+    default one would leave that rank's dropout masks out of step with its peers'."""
+    return {
+        "device": shape.device,
+        "dtype": shape.dtype,
+        "generator": torch.Generator(device=shape.device).manual_seed(0),
+    }
+
+
 class _Attention:
     """Tensors for one size: `units` units, each in its own group."""
 
@@ -95,9 +105,10 @@ class _Attention:
         self.shape, self.heads, self.groups = s, units * s.heads_per_unit, units
         kw = {"device": s.device, "dtype": s.dtype}
         rows = (self.heads + 2 * self.groups) * s.head_dim
-        self.x = torch.randn(s.seq, s.batch, s.hidden, **kw, requires_grad=True)
-        self.qkv = torch.randn(rows, s.hidden, **kw).mul_(0.02).requires_grad_()
-        self.proj = torch.randn(s.hidden, self.heads * s.head_dim, **kw).mul_(0.02)
+        drawn = _random(s)
+        self.x = torch.randn(s.seq, s.batch, s.hidden, **drawn, requires_grad=True)
+        self.qkv = torch.randn(rows, s.hidden, **drawn).mul_(0.02).requires_grad_()
+        self.proj = torch.randn(s.hidden, self.heads * s.head_dim, **drawn).mul_(0.02)
         self.proj.requires_grad_()
         angle = torch.arange(s.seq, **kw)[:, None] * torch.ones(s.head_dim // 2, **kw)
         self.cos = angle.cos().repeat(1, 2)[:, None, None, :]
@@ -148,9 +159,9 @@ class _Attention:
 
 class _Gemm:
     def __init__(self, shape: ProbeShape):
-        kw = {"device": shape.device, "dtype": shape.dtype}
-        self.x = torch.randn(shape.seq * shape.batch, shape.hidden, **kw, requires_grad=True)
-        self.weight = torch.randn(shape.mlp_rows, shape.hidden, **kw).mul_(0.02)
+        drawn = _random(shape)
+        self.x = torch.randn(shape.seq * shape.batch, shape.hidden, **drawn, requires_grad=True)
+        self.weight = torch.randn(shape.mlp_rows, shape.hidden, **drawn).mul_(0.02)
         self.weight.requires_grad_()
         self.params = shape.mlp_rows * shape.hidden
 

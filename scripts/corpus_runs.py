@@ -65,7 +65,11 @@ class CorpusRun:
 
     @classmethod
     def of(cls, name: str, flags: list[str], records: list[dict], seconds: float) -> CorpusRun:
-        evals = {r["iteration"]: r["lm_loss"] for r in records if r["kind"] == "eval"}
+        evals = {
+            r["iteration"]: r["lm_loss"]
+            for r in records
+            if r["kind"] == "eval" and r.get("split", "validation") == "validation"
+        }
         if not evals:
             raise ValueError(f"run '{name}': its metrics hold no evaluation")
         losses = [r["lm_loss"] for r in records if r["kind"] == "train"]

@@ -355,6 +355,7 @@ class Logger:
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
         self._window = []  # (loss, grad_norm, elapsed, batch) since the last interval's line
         self._first = True  # the job's first iteration is printed too (start-up cost shown)
+        self._evaluated: set[tuple[str, int]] = set()  # (split, iteration) recorded
         self._skipped = 0
         self._nan = 0
         self._t0 = time.perf_counter()
@@ -480,18 +481,25 @@ class Logger:
         if interval:  # as Megatron-LM, the first line's steps count in the next line's means
             self._window, self._skipped, self._nan = [], 0, 0
 
-    def evaluation(self, iteration, loss) -> None:
+    def evaluation(self, iteration, loss, split: str | None = None) -> None:
+        """Megatron-LM's lines: "at iteration N" in the loop, "at iteration N on validation
+        set" / "on test set" after it (the word "validation" in both, as there). A split's loss
+        is recorded once an iteration (the final validation repeats the loop's last)."""
         ppl = math.exp(min(20.0, loss))
+        where = f"iteration {iteration}" + (f" on {split} set" if split else "")
         text = (
-            f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
-            f" lm loss PPL: {ppl:.6E} | "
+            f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         )
         rule = "-" * (len(text) + 1)
         self.info(f"{rule}\n{text}\n{rule}")
+        split = split or "validation"
+        if (split, iteration) in self._evaluated:
+            return
+        self._evaluated.add((split, iteration))
         if self.metrics is not None:
-            self.metrics.write("eval", iteration=iteration, lm_loss=loss, ppl=ppl)
+            self.metrics.write("eval", iteration=iteration, lm_loss=loss, ppl=ppl, split=split)
         if self.writer is not None:
-            self.writer.add_scalar("lm loss validation", loss, iteration)
+            self.writer.add_scalar(f"lm loss {split}", loss, iteration)
 
     def saved(self, iteration, path) -> None:
         self.info(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")

@@ -59,6 +59,7 @@ class TrainResult:
     losses: dict  # iteration -> lm loss
     eval_losses: dict  # iteration -> lm loss on the validation split
     metrics_file: str | None
+    test_loss: float | None = None  # on the test split, after the last iteration
 
 
 def initialize(args) -> None:
@@ -473,7 +474,7 @@ class IterationClock:
 
 def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end, lock):
     """The loop of pretrain(): train, evaluate, save, until --train-iters or --exit-interval."""
-    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    train_ds, valid_ds, test_ds = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     loader_for = None  # under --het-dp: the (counts, global batch) the loader deals
@@ -592,8 +593,20 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
 
     if args.save and saved_at != iteration and iteration > 0:
         save(iteration)
+    test_loss = None
+    if iteration >= args.train_iters and args.eval_iters:  # finished, not stopped early
+        # as Megatron-LM: the validation split once more, then the test split
+        for split, dataset in (("validation", valid_ds), ("test", test_ds)):
+            if dataset is None:
+                continue
+            loss = eval_losses.get(iteration) if split == "validation" else None
+            if loss is None:  # the same batches as an evaluation at this iteration
+                with gathered_params(state):
+                    loss = evaluate(args, state.model, dataset)
+            test_loss = loss if split == "test" else test_loss
+            logger.evaluation(iteration, loss, split)
     logger.run_end(iteration)
-    return TrainResult(iteration, consumed, losses, eval_losses, None)
+    return TrainResult(iteration, consumed, losses, eval_losses, None, test_loss)
 
 
 def shutdown() -> None:

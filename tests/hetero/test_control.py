@@ -235,6 +235,9 @@ def test_attention_s_per_call_part_is_probed_once_and_weighed_alike_on_every_ran
     assert priced["call_s"] >= 0 and call >= 0 and (call > 0) == (priced["call_s"] > 0)
     assert all(ranks[r]["unit_work"][i]["call"] == call for r in (0, 1) for i in (1, 3, 40))
     assert ranks[0]["stdout"].count("per-call part") == 1
+    # the probe runs on the deciding rank alone and draws from its own generator: the TP
+    # peers' default generators (hidden dropout's) stay in step
+    assert ranks[0]["rng"] == ranks[1]["rng"]
 
 
 def test_a_steady_cluster_sees_no_decision(steady):

@@ -313,3 +313,25 @@ def test_a_resume_with_nothing_left_to_train_does_not_save_again(tmp_path):
     assert "saved checkpoint" in fresh["stdout"]
     assert (ckpt / "iter_0000003" / "common.pt").stat().st_mtime_ns != saved.st_mtime_ns
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
+
+
+def test_after_the_last_iteration_validation_then_test_as_megatron_lm(tmp_path):
+    """Megatron-LM's end of training: the validation split once more and the test split, in its
+    lines; the loop's own evaluation at the last iteration is not recorded twice. A run stopped
+    early (--exit-interval) skips them, as there."""
+    evals = ["--eval-iters", "1", "--eval-interval", "2", "--split", "90,5,5"]
+    metrics = tmp_path / "m.jsonl"
+    flags = " ".join(MODEL).replace("--eval-iters 0", "").split() + evals
+    result = run_ranks(train, 1, flags + ["--train-iters", "4", "--metrics-file", str(metrics)])[0]
+    lines = [x for x in result["stdout"].splitlines() if "validation loss at" in x]
+    assert [x.split(" | ")[0].strip() for x in lines] == [
+        "validation loss at iteration 2",
+        "validation loss at iteration 4",
+        "validation loss at iteration 4 on validation set",
+        "validation loss at iteration 4 on test set",
+    ]
+    records = [(r["iteration"], r["split"]) for r in read_metrics(str(metrics), "eval")]
+    assert records == [(2, "validation"), (4, "validation"), (4, "test")]
+    assert result["test_loss"] is not None and result["test_loss"] != result["eval_losses"][4]
+    stopped = run_ranks(train, 1, flags + ["--train-iters", "4", "--exit-interval", "3"])[0]
+    assert "on validation set" not in stopped["stdout"] and stopped["test_loss"] is None

@@ -6,6 +6,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from hettp import attention_probe
 from hettp.attention_probe import CallPrice, ProbeShape, call_seconds, probe
@@ -133,3 +134,13 @@ def test_a_slow_rank_s_first_head_is_dealt_with_its_call():
     speeds = (1.0, 4.0)
     assert proportional_plan(even, speeds, kv=1.0).counts(0, "attn") == (1, 7)
     assert proportional_plan(even, speeds, kv=1.0, call=1.0).counts(0, "attn") == (0, 8)
+
+
+def test_the_probe_leaves_the_default_generator_alone(monkeypatch):
+    """It runs on the deciding rank only: a draw from the default generator there would put
+    that rank's dropout masks out of step with the rest of its TP group from then on."""
+    monkeypatch.setattr(attention_probe, "_timed", lambda run, device: run() or 1e-3)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    probe(SHAPE, rounds=1, sets=1)
+    assert torch.equal(torch.get_rng_state(), before)

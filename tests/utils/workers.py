@@ -28,6 +28,7 @@ def train(argv: list[str]) -> dict:
     return {
         "losses": result.losses,
         "eval_losses": result.eval_losses,
+        "test_loss": result.test_loss,
         "iteration": result.iteration,
         "stdout": stdout,
         "metrics_file": result.metrics_file,
