@@ -4,10 +4,13 @@ Two jobs saving into one folder overwrite each other's staging folders and metri
 them reports a checkpoint as saved that cannot be loaded. A job therefore claims the folder for
 its whole life with a lock file that appears atomically (link(), which also holds on NFS), naming
 the holder: host, PID, the PID's start time (so a reused PID is not mistaken for the holder) and
-the Slurm job. A second job is refused with that name. A lock whose holder is gone (same host
-and the process is dead, or a host that no longer resolves) is taken over with a warning; the
-staging folders the dead job left are removed then. Staging folders carry the job's token in
-their name, so even jobs that bypass the lock cannot write into each other's.
+the Slurm job. A second job is refused with that name. A lock whose holder is gone is taken
+over with a warning, and the staging folders the dead job left are removed then: on the same
+host, its process is dead; on another, a host that no longer resolves, or its Slurm job has
+ended (squeue says so) or is this job requeued (a higher SLURM_RESTART_COUNT: a requeued job
+usually lands on another node, and its earlier run was killed before it could let go).
+Staging folders carry the job's token in their name, so even jobs that bypass the lock cannot
+write into each other's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -56,6 +60,47 @@ def _resolves(host: str) -> bool:
     return True
 
 
+# squeue's states of a job that has not ended
+_SLURM_ACTIVE = {
+    "PENDING",
+    "RUNNING",
+    "SUSPENDED",
+    "COMPLETING",
+    "CONFIGURING",
+    "RESIZING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESV_DEL_HOLD",
+    "SIGNALING",
+    "SPECIAL_EXIT",
+    "STAGE_OUT",
+    "STOPPED",
+}
+
+
+def _slurm_job_ended(job: str) -> bool | None:
+    """Whether squeue shows Slurm job `job` ended (True), not ended (False), or cannot tell
+    (None: no squeue, or it failed for another reason than an unknown job)."""
+    try:
+        proc = subprocess.run(
+            ["squeue", "--noheader", "--jobs", job, "--format", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:  # a job long gone is one the controller no longer knows
+        return True if "invalid job id" in proc.stderr.lower() else None
+    states = set(proc.stdout.split())
+    return not states & _SLURM_ACTIVE
+
+
+def _restarts(count: str | None) -> int:
+    return int(count) if count and count.isdigit() else 0
+
+
 @dataclass(frozen=True)
 class Holder:
     host: str
@@ -64,6 +109,7 @@ class Holder:
     job: str | None
     since: float
     token: str
+    restart: str | None = None  # SLURM_RESTART_COUNT: how often Slurm requeued the job
 
     @classmethod
     def me(cls) -> Holder:
@@ -75,19 +121,28 @@ class Holder:
             os.environ.get("SLURM_JOB_ID"),
             time.time(),
             f"{socket.gethostname()}-{pid}-{uuid.uuid4().hex[:8]}",
+            os.environ.get("SLURM_RESTART_COUNT"),
         )
 
     def describe(self) -> str:
         job = f"Slurm job {self.job}, " if self.job else ""
+        if self.job and _restarts(self.restart):
+            job = f"Slurm job {self.job} (requeued {self.restart}x), "
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         return f"{job}PID {self.pid} on {self.host}, since {since}"
 
-    def gone(self, here: str) -> bool:
-        """Whether the holder can be shown to have ended (never guessed: a live remote job on a
-        host that resolves is taken as alive)."""
-        if self.host == here:
+    def gone(self, me: Holder) -> bool:
+        """Whether the holder can be shown to have ended (never guessed: a remote holder whose
+        end neither Slurm nor its host's name shows is taken as alive)."""
+        if self.host == me.host:
             return not _alive(self.pid, self.started)
-        return not _resolves(self.host)
+        if not _resolves(self.host):
+            return True
+        if self.job is None:
+            return False
+        if self.job == me.job:  # another step of this job runs alongside, unless requeued
+            return _restarts(me.restart) > _restarts(self.restart)
+        return bool(_slurm_job_ended(self.job))
 
 
 class SaveLock:
@@ -119,7 +174,7 @@ class SaveLock:
                             f"--save {self.folder}: the lock {self.path} is unreadable; "
                             "delete it if no job uses this folder"
                         ) from None
-                    if not other.gone(self.holder.host):
+                    if not other.gone(self.holder):
                         raise SaveLockError(
                             f"--save {self.folder} is in use by another job "
                             f"({other.describe()}; lock {self.path}): give this job its own "

@@ -73,3 +73,75 @@ def test_a_live_remote_holder_is_respected_and_an_unreadable_lock_refused(tmp_pa
     (tmp_path / LOCK_FILE).write_text("{not json")
     with pytest.raises(SaveLockError, match="is unreadable; delete it"):
         SaveLock(str(tmp_path)).acquire()
+
+
+def _squeue(tmp_path, monkeypatch, script: str | None) -> None:
+    """A fake `squeue` (its shell body) alone on PATH; None: no squeue at all."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if script is not None:
+        (bin_dir / "squeue").write_text(f"#!/bin/sh\n{script}\n")
+        (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+
+
+@pytest.mark.parametrize(
+    "squeue, taken_over",
+    [
+        ("echo COMPLETED", True),
+        ("echo CANCELLED", True),
+        ("", True),  # no longer listed
+        ("echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1", True),
+        ("echo RUNNING", False),
+        ("echo COMPLETING", False),
+        ("echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1", False),
+        (None, False),  # no Slurm here: a remote holder on a resolving host stays
+    ],
+    ids=[
+        "completed",
+        "cancelled",
+        "unlisted",
+        "unknown-job",
+        "running",
+        "completing",
+        "controller-down",
+        "no-squeue",
+    ],
+)
+def test_a_remote_holder_whose_slurm_job_ended_is_taken_over(
+    tmp_path, monkeypatch, squeue, taken_over
+):
+    """A job killed on another node (a time limit, scancel) cannot let go of the lock: Slurm
+    tells whether it ended; where squeue cannot tell, the holder is taken as alive."""
+    folder = tmp_path / "ckpt"
+    monkeypatch.setenv("SLURM_JOB_ID", "43")
+    SaveLock(str(folder), _other(host="localhost", pid=1, job="42")).acquire()
+    _squeue(tmp_path, monkeypatch, squeue)
+    lock = SaveLock(str(folder))
+    if taken_over:
+        assert lock.acquire().startswith("took over the stale lock of Slurm job 42, PID 1")
+    else:
+        with pytest.raises(SaveLockError, match="in use by another job .Slurm job 42, PID 1"):
+            lock.acquire()
+
+
+@pytest.mark.parametrize("restarts, taken_over", [("1", True), ("0", False), (None, False)])
+def test_a_requeued_job_takes_over_its_earlier_run_s_lock(
+    tmp_path, monkeypatch, restarts, taken_over
+):
+    """Slurm requeues a job under its own ID, often onto another node: a higher
+    SLURM_RESTART_COUNT shows the earlier run ended; the same count is another step of the
+    same run, alive."""
+    _squeue(tmp_path, monkeypatch, "echo RUNNING")  # the job itself runs: squeue cannot tell
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    SaveLock(str(tmp_path / "ckpt"), _other(host="localhost", pid=1, restart="0")).acquire()
+    if restarts is None:
+        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
+    lock = SaveLock(str(tmp_path / "ckpt"))
+    if taken_over:
+        assert lock.acquire().startswith("took over the stale lock of Slurm job 42, PID 1")
+    else:
+        with pytest.raises(SaveLockError, match="in use by another job"):
+            lock.acquire()
