@@ -33,6 +33,7 @@ from .model import unwrap_model
 from .portable_optimizer import set_group_values
 from .unit_state import (
     OptimizerView,
+    carry_group_steps,
     carry_into,
     held_params,
     permute,
@@ -489,6 +490,7 @@ def _rebuild(state, replaced, extra=None, *, old):
         )
     carried.update(extra or {})
     carry_into(optimizer, carried)
+    carry_group_steps(old_opt, optimizer)
     # The old wrapper's backward hooks stay on unchanged parameters: make them no-ops.
     old_ddp.param_to_bucket_group = {}
     new = OptimizerView(optimizer)

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from megatron.core.optimizer import get_megatron_optimizer
 
-from .unit_state import OptimizerView, carry_into, whole_state
+from .unit_state import OptimizerView, carry_group_steps, carry_into, whole_state
 
 # Parameter-group values the flags set (the rates --lr and --decoupled-lr give each group, Adam's
 # constants); the scheduler derives each group's lr and weight decay from them every step.
@@ -68,6 +68,7 @@ def checkpoint_optimizer(optimizer, model, *, is_loading: bool):
         view = OptimizerView(optimizer)
         view.gather()
         carry_into(twin, whole_state(view))
+        carry_group_steps(optimizer, twin)
         _copy_scalers(optimizer, twin)
     return twin
 
@@ -97,6 +98,7 @@ def restore_from(twin, optimizer) -> None:
     if twin is optimizer:
         return
     carry_into(optimizer, whole_state(OptimizerView(twin)))
+    carry_group_steps(twin, optimizer)
     _copy_scalers(twin, optimizer)
 
 

@@ -208,6 +208,19 @@ def carry_into(optimizer, carried: dict) -> None:
                     sub.optimizer.state[main]["step"] = _copied(step)
 
 
+def carry_group_steps(source, target) -> None:
+    """Transformer Engine's and apex's fused Adams (megatron-core's choice wherever either is
+    installed) count steps per parameter group, not per parameter: a freshly built optimizer
+    would restart Adam's bias correction on warm moments. Each group of `target` gets its
+    counterpart's count, or where the groups differ in number, the count they share."""
+    steps = [group["step"] for group in source.param_groups if "step" in group]
+    if not steps:
+        return  # per-parameter counts (torch's Adam): carried with the state
+    paired = len(steps) == len(source.param_groups) == len(target.param_groups)
+    for i, group in enumerate(target.param_groups):
+        group["step"] = _copied(steps[i] if paired else max(steps))
+
+
 def held_params(sub) -> list:
     """Every model parameter distributed optimizer `sub` updates, in its buffers' order (the
     same on every DP rank; megatron-core's own maps keep only the parameters a rank holds a

@@ -17,6 +17,7 @@ from tests.utils import (
     run_ranks,
     train,
     train_with_repartitions,
+    using_group_step_adam,
 )
 
 CASES = {
@@ -345,3 +346,29 @@ def test_core_attention_refuses_a_per_head_softmax_offset():
         )
         with pytest.raises(NotImplementedError, match=f"--softmax-type {softmax}"):
             HetDotProductAttention(config, 1, AttnMaskType.causal, "self")
+
+
+def test_a_fused_adam_s_group_step_count_survives_a_migration_and_a_resume(tmp_path):
+    """Transformer Engine's and apex's FusedAdam (megatron-core's choice wherever one is
+    installed) count steps per parameter group: a rebuilt optimizer, after a migration or under
+    the distributed optimizer after a load, must not restart Adam's bias correction on warm
+    moments. tests/utils/fused_adam.py stands in for FusedAdam here."""
+    argv = _migrate_argv(iters=8) + ["--use-distributed-optimizer"]
+    plain = run_ranks(using_group_step_adam, 2, train_with_repartitions, argv, {})[0]
+    ckpt = str(tmp_path / "ckpt")
+    moved = run_ranks(
+        using_group_step_adam,
+        2,
+        train_with_repartitions,
+        argv + ["--save", ckpt, "--exit-interval", "5"],
+        {3: "attn=3,1;mlp=48,16"},
+    )[0]
+    assert [e["iteration"] for e in moved["events"]] == [3]
+    _same_losses(moved["losses"], plain["losses"], range(1, 6))
+    resumed = run_ranks(using_group_step_adam, 2, train, argv + ["--load", ckpt])[0]
+    _same_losses(resumed["losses"], plain["losses"], range(6, 9))
+
+
+def _same_losses(got: dict, want: dict, steps) -> None:
+    for step in steps:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
