@@ -64,7 +64,7 @@ def main(argv=None):
             rows["save"].setdefault(mode, []).append(time.perf_counter() - t0)
             size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
             t0 = time.perf_counter()
-            checkpointing.verify_latest(root)  # no manifest in plain: just the metadata check
+            checkpointing.verify_latest(root, 1)  # no manifest in plain: the metadata check
             checkpointing.load_checkpoint(root, state.model, state.optimizer, state.scheduler, args)
             rows["load"].setdefault(mode, []).append(time.perf_counter() - t0)
     shutdown()

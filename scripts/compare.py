@@ -116,7 +116,7 @@ def model_flags(quick: bool) -> list[str]:
     ).split()
 
 
-def _flag_value(flags: list[str], name: str, default: str) -> str:
+def _flag_value(flags: list[str], name: str, default: str | None) -> str | None:
     """The value of Megatron flag `name` in `flags` (`--name value` or `--name=value`; the
     last one given wins, as argparse takes it)."""
     value = default
@@ -548,6 +548,10 @@ def main(argv=None) -> int:
     ]
     if a.dilation > 1:
         common += ["--het-tp-emulate-dilation", f"{a.dilation:g}"]
+    if _flag_value(a.model, "--eval-iters", None) is None:
+        # compared runs measure training; a finished run would evaluate Megatron-LM's default
+        # 100 batches twice (validation, test). Model flags that set --eval-iters still do
+        common += ["--eval-iters", "0"]
     configs = [
         (s, policy)
         for s in a.scenario_list

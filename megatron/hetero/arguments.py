@@ -535,7 +535,13 @@ def _add_data_args(parser):
         help="Leave the causal mask to the attention (no mask tensor per sample).",
     )
     g.add_argument("--vocab-size", type=int, default=None)
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument(
+        "--num-workers",
+        type=int,
+        default=0,
+        help="DataLoader processes per rank. Default 0, not Megatron-LM's 2: on CPU ranks "
+        "(tests, emulation) workers take cores from the compute; pass 2 on GPUs.",
+    )
     g.add_argument("--eod-mask-loss", action="store_true")
 
 

@@ -8,6 +8,7 @@ leaves a half-written checkpoint behind the tracker, and never touches training 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -54,6 +55,12 @@ VOCAB_KEY = "tokenizer_vocab_size"
 # The learning-rate scheduler counts samples (Megatron-LM's unit); checkpoints without this
 # mark counted iterations.
 SCHEDULER_UNITS = "samples"
+
+# Generators are saved for every rank ("rng_states": stage x TP rank x DP replica), under this
+# mark in the saved args; checkpoints without it hold one "rng_state" per stage and TP rank,
+# DP replica 0's.
+RNG_KEY = "rng_layout"
+RNG_PER_RANK = "per-rank"
 
 
 # The scheduler's values a resumed run's flags set, and the flags that set them.
@@ -134,25 +141,58 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
+def _device_kind() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _rng_state() -> dict:
     state = {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
+        # CUDA generator states on GPUs; on CPU ranks (cpu_compat) CPU ones, of another size
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "device": _device_kind(),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict) -> bool:
+    """Restores the generators; the tracker's and CUDA's only where they were saved on the
+    same kind of device (a CPU state fails as CUDA's at the first forward). False then."""
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if state.get("device", _device_kind()) != _device_kind():  # saved before it was named: same
+        return False
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    return True
+
+
+def _rng_entry(saved_dp_size: int | None = None) -> ShardedObject:
+    """This rank's generators, one object per rank (stage x TP rank x DP replica): plain
+    data-parallel replicas draw alike, but --het-dp's run different micro-batch counts and
+    so draw different numbers of dropout masks. `saved_dp_size`: at load, the checkpoint's DP
+    size; where it is not this run's, every replica takes replica 0's."""
+    ps = parallel_state
+    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    if saved_dp_size is not None and saved_dp_size != dp_size:
+        dp, dp_size = 0, saved_dp_size
+    return ShardedObject(
+        "rng_states",
+        _rng_state(),
+        (
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_world_size(),
+            dp_size,
+        ),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), dp),
+        replica_id=0,
+    )
 
 
 def _per_tp_rank(key: str, value) -> ShardedObject:
@@ -219,17 +259,14 @@ def runtime_entries(runtime) -> dict:
     }
 
 
-def _sharded_state(model, optimizer, scheduler, *, with_rng: bool, is_loading: bool) -> dict:
+def _sharded_state(model, optimizer, scheduler, *, is_loading: bool) -> dict:
     """`optimizer`: the one checkpoint_optimizer gives (the plain optimizer's layout)."""
     model_sd = model.module.sharded_state_dict()
-    state = {
+    return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
         "opt_param_scheduler": scheduler.state_dict(),
     }
-    if with_rng:
-        state["rng_state"] = _per_tp_rank("rng_state", _rng_state())
-    return state
 
 
 def save_checkpoint(
@@ -250,7 +287,8 @@ def save_checkpoint(
     this job's name for the folder being written (SaveLock.staging), the same on every rank.
     `vocab_size`: the tokenizer's, unpadded, which a load checks."""
     saved = checkpoint_optimizer(optimizer, model, is_loading=False)
-    state = _sharded_state(model, saved, scheduler, with_rng=True, is_loading=False)
+    state = _sharded_state(model, saved, scheduler, is_loading=False)
+    state["rng_states"] = _rng_entry()
     if runtime is not None:
         state.update(runtime_entries(runtime))
     state["iteration"] = iteration
@@ -263,6 +301,7 @@ def save_checkpoint(
     state["args"]["data_parallel_size"] = parallel_state.get_data_parallel_world_size()
     state["args"]["het_dp_compress"] = _compression(model)
     state["args"][VOCAB_KEY] = vocab_size
+    state["args"][RNG_KEY] = RNG_PER_RANK
     residues = _residues(model)
     if residues is not None:
         state["het_dp_residues"] = residues
@@ -296,20 +335,48 @@ def save_checkpoint(
     return final
 
 
-def verify_latest(root: str | None) -> str | None:
-    """Before anything of the newest checkpoint under `root` is read: its manifest and safe
-    metadata (ckpt_integrity.verify; collective). Returns a warning, or None."""
-    iteration = latest_iteration(root) if root else None
-    if iteration is None:
+def restore_replaced(root: str, iteration: int) -> bool:
+    """Put back the older copy of checkpoint `iteration` that a save over it moved aside, where
+    the save was killed before its own copy took the name (the tracker names it either way)."""
+    final = checkpoint_dir(root, iteration)
+    if os.path.exists(final) or not os.path.isdir(final + ".replaced"):
+        return False
+    os.rename(final + ".replaced", final)
+    return True
+
+
+def agreed_iteration(root: str | None, *, ours: bool = False) -> int | None:
+    """The newest iteration under `root` as rank 0 reads its tracker, on every rank
+    (collective): a job loading from a folder another job still saves into would otherwise
+    verify one iteration and load the next, or load different ones on different ranks.
+    `ours`: `root` is this job's locked --save folder, where a save killed mid-way is mended."""
+    found = [None]
+    if dist.get_rank() == 0 and root:
+        try:
+            found = [latest_iteration(root)]
+            if ours and found[0] is not None:
+                restore_replaced(root, found[0])
+        except CheckpointError as err:
+            found = [str(err)]
+    dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], str):
+        raise CheckpointError(found[0])
+    return found[0]
+
+
+def verify_latest(root: str | None, iteration: int | None) -> str | None:
+    """Before anything of checkpoint `iteration` (agreed_iteration's) under `root` is read:
+    its manifest and safe metadata (ckpt_integrity.verify; collective). Returns a warning, or
+    None."""
+    if not root or iteration is None:
         return None
     return ckpt_integrity.verify(checkpoint_dir(root, iteration))
 
 
-def saved_plan(root: str | None) -> dict | None:
-    """The het-TP plan the newest checkpoint under `root` was saved in (its common part; None
+def saved_plan(root: str | None, iteration: int | None) -> dict | None:
+    """The het-TP plan checkpoint `iteration` under `root` was saved in (its common part; None
     without one), read before the model is built so it can start in that plan."""
-    iteration = latest_iteration(root) if root else None
-    if iteration is None:
+    if not root or iteration is None:
         return None
     return dist_checkpointing.load_common_state_dict(checkpoint_dir(root, iteration)).get(
         "het_tp_plan"
@@ -327,15 +394,33 @@ def scheduler_state_in_samples(state: dict, global_batch_size: int) -> dict:
     return converted
 
 
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """Where a loaded checkpoint leaves training."""
+
+    iteration: int
+    consumed_train_samples: int
+    warning: str | None = None  # what of the saved state did not carry over, for the log
+
+
 def load_checkpoint(
-    root: str, model, optimizer, scheduler, args, runtime=None, *, vocab_size: int | None = None
-) -> tuple[int, int] | None:
-    """Restores the newest checkpoint under `root`; returns (iteration, consumed samples), or
+    root: str,
+    model,
+    optimizer,
+    scheduler,
+    args,
+    runtime=None,
+    *,
+    vocab_size: int | None = None,
+    iteration: int | None = None,
+) -> Restored | None:
+    """Restores checkpoint `iteration` (default: agreed_iteration's) under `root`, or returns
     None when `root` holds no checkpoint yet (training then starts from scratch).
 
     `runtime` gets its saved per-TP-rank state when the checkpoint has one of the same TP
     size. `vocab_size`: this run's tokenizer's, checked against the saved one."""
-    iteration = latest_iteration(root)
+    if iteration is None:
+        iteration = agreed_iteration(root)
     if iteration is None:
         return None
     path = checkpoint_dir(root, iteration)
@@ -383,7 +468,11 @@ def load_checkpoint(
     # this run's per-group values, which an override puts back over the checkpoint's
     fresh = [dict(g) for g in optimizer.param_groups]
     loading = checkpoint_optimizer(optimizer, model, is_loading=True)
-    state = _sharded_state(model, loading, scheduler, with_rng=with_rng, is_loading=True)
+    state = _sharded_state(model, loading, scheduler, is_loading=True)
+    if with_rng and saved.get(RNG_KEY) == RNG_PER_RANK:
+        state["rng_states"] = _rng_entry(saved["data_parallel_size"])
+    elif with_rng:  # the older layout: replica 0's, per stage and TP rank
+        state["rng_states"] = _per_tp_rank("rng_state", _rng_state())
     with_runtime = runtime is not None and with_rng and saved.get("het_tp_state", False)
     if with_runtime:
         state["het_tp_state"] = runtime_state(runtime)
@@ -407,10 +496,14 @@ def load_checkpoint(
     elif saved_groups is not None and len(saved_groups) == len(optimizer.param_groups):
         set_group_values(optimizer, saved_groups)
     scheduler.load_state_dict(saved_scheduler)
-    if with_rng:
-        _set_rng_state(loaded["rng_state"])
+    warning = None
+    if with_rng and not _set_rng_state(loaded["rng_states"]):
+        warning = (
+            f"checkpoint {path} was saved on {loaded['rng_states']['device']} ranks, this run "
+            f"is on {_device_kind()}: the model-parallel (dropout) generators start from --seed"
+        )
     if with_runtime:
         runtime.load_state_dict(loaded["het_tp_state"])
     if with_residues:
         model.reducer.load_state_dict(loaded["het_dp_residues"])
-    return loaded["iteration"], loaded["consumed_train_samples"]
+    return Restored(loaded["iteration"], loaded["consumed_train_samples"], warning)

@@ -407,11 +407,14 @@ def _claim_save_folder(folder):
 
 def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     tokenizer = tokenizer_from_args(args)
-    load_warning = checkpointing.verify_latest(args.load)  # before any of it is read
-    saved = SavedPlan.from_dict(checkpointing.saved_plan(args.load)) if runtime else None
+    # read once: the same on every rank
+    ours = bool(args.load and args.save and same_folder(args.load, args.save))  # locked
+    newest = checkpointing.agreed_iteration(args.load, ours=ours)
+    load_warning = checkpointing.verify_latest(args.load, newest)  # before any of it is read
+    saved = SavedPlan.from_dict(checkpointing.saved_plan(args.load, newest)) if runtime else None
     state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime, saved)
 
-    iteration, consumed = 0, 0
+    iteration, consumed, rng_warning = 0, 0, None
     if args.load:
         restored = checkpointing.load_checkpoint(
             args.load,
@@ -421,9 +424,11 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
             args,
             runtime,
             vocab_size=tokenizer.vocab_size,
+            iteration=newest,
         )
         if restored is not None:
-            iteration, consumed = restored
+            iteration, consumed = restored.iteration, restored.consumed_train_samples
+            rng_warning = restored.warning
 
     rank = dist.get_rank()
     metrics_file = args.metrics_file or _default_metrics_file(args)
@@ -432,7 +437,7 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     metrics = MetricsWriter(metrics_file) if rank == 0 else None
     logger = Logger(args, metrics)
     logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
-    for warning in (lock_warning, load_warning):
+    for warning in (lock_warning, load_warning, rng_warning):
         if warning:
             logger.info(f"WARNING: {warning}")
     try:

@@ -12,7 +12,14 @@ import sys
 import pytest
 
 from hettp.metrics import read_metrics
-from tests.utils import ROOT, run_ranks, train, train_with_failing_save
+from tests.utils import (
+    ROOT,
+    run_ranks,
+    train,
+    train_drawing_apart,
+    train_reading_the_tracker_apart,
+    train_with_failing_save,
+)
 
 # Vocabulary 255 + EOD = 256 entries, padded to 256 at TP 1, 2 and 4 (divisible-by 64 x TP),
 # so every TP size builds the same full model from the same seed. No dropout: its masks in
@@ -335,3 +342,32 @@ def test_after_the_last_iteration_validation_then_test_as_megatron_lm(tmp_path):
     assert result["test_loss"] is not None and result["test_loss"] != result["eval_losses"][4]
     stopped = run_ranks(train, 1, flags + ["--train-iters", "4", "--exit-interval", "3"])[0]
     assert "on validation set" not in stopped["stdout"] and stopped["test_loss"] is None
+
+
+def test_each_data_parallel_replica_resumes_its_own_generators(tmp_path):
+    """--het-dp's replicas draw different numbers of dropout masks (different micro-batch
+    counts): a checkpoint keeps every rank's generators, and a resumed replica continues its
+    own stream, not replica 0's. Here each replica draws its own count after every step."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = MODEL + ["--train-iters", "5"]
+    full = run_ranks(train_drawing_apart, 2, argv)
+    assert full[0]["rng"][5] != full[1]["rng"][5]  # the replicas' streams did part
+    run_ranks(train_drawing_apart, 2, argv + ["--save", ckpt, "--exit-interval", "3"])
+    resumed = run_ranks(train_drawing_apart, 2, argv + ["--load", ckpt])
+    for rank in (0, 1):
+        assert sorted(resumed[rank]["rng"]) == [4, 5]
+        assert resumed[rank]["rng"] == {i: full[rank]["rng"][i] for i in (4, 5)}, rank
+        assert resumed[rank]["losses"] == pytest.approx(
+            {i: full[rank]["losses"][i] for i in (4, 5)}, rel=1e-6
+        )
+
+
+def test_every_rank_loads_the_iteration_rank_0_read_from_the_tracker(tmp_path):
+    """Another job saving into --load may move its tracker while this one starts: the ranks
+    verify and load the one iteration rank 0 read, not each the one it happened to read."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = MODEL + ["--tensor-model-parallel-size", "2", "--train-iters", "8"]
+    run_ranks(train, 2, argv + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "6"])
+    resumed = run_ranks(train_reading_the_tracker_apart, 2, argv + ["--load", ckpt], 3, timeout=90)
+    for rank in resumed:
+        assert sorted(rank["losses"]) == [7, 8]  # from iteration 6 (rank 0's), not 3

@@ -57,6 +57,7 @@ def test_quick_report_agrees_with_the_runs(quick):
     for path in rows[("none", "vanilla")]["runs"]:
         assert list(read_metrics(out / path, "timing")) == []
         assert list(read_metrics(out / path, "run"))[0]["args"]["het_tp_policy"] == "static"
+        assert list(read_metrics(out / path, "eval")) == []  # compared runs only train
     assert all(list(read_metrics(out / p, "timing")) for p in rows[("none", "none")]["runs"])
     table = (out / "report.md").read_text()
     for (scenario, policy), row in rows.items():

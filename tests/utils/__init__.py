@@ -5,6 +5,7 @@ tests.utils.workers (the fork server preloads it; ranks unpickle them by that na
 
 from tests.utils import workers
 from tests.utils.files import damage, make_corpus
+from tests.utils.fused_adam import using_group_step_adam
 from tests.utils.jobs import Job, run_job
 from tests.utils.models import BASE, COMMON, GEMM_BACKWARD, GQA, MHA, close
 from tests.utils.paths import ROOT
@@ -20,6 +21,8 @@ from tests.utils.workers import (
     train,
     train_and_count_whole_masters,
     train_and_read_norms,
+    train_drawing_apart,
+    train_reading_the_tracker_apart,
     train_with_control,
     train_with_data_split,
     train_with_failing_planner,
@@ -54,6 +57,8 @@ __all__ = [
     "run_ranks",
     "train",
     "train_and_count_whole_masters",
+    "train_drawing_apart",
+    "train_reading_the_tracker_apart",
     "train_and_read_norms",
     "train_with_control",
     "train_with_data_split",
@@ -63,5 +68,6 @@ __all__ = [
     "train_with_repartitions",
     "train_with_resizes",
     "train_with_slow_boundary",
+    "using_group_step_adam",
     "workers",
 ]

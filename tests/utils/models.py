@@ -8,12 +8,13 @@ import torch
 BASE = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
     "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 255"
+    " --eval-iters 0"  # as Megatron-LM, a finished run evaluates: tests that check it say so
 )
 
 COMMON = (
     "--num-layers 2 --hidden-size 64 --seq-length 32 --micro-batch-size 2 "
     "--mock-data --vocab-size 255 --make-vocab-size-divisible-by 64 "
-    "--hidden-dropout 0 --attention-dropout 0 --lr 1e-3 --train-iters 1"
+    "--hidden-dropout 0 --attention-dropout 0 --lr 1e-3 --train-iters 1 --eval-iters 0"
 )
 # MHA, GELU, biases: 4 query groups of 1 head; 256 ffn neurons
 MHA = COMMON + " --num-attention-heads 4"

@@ -157,6 +157,45 @@ def compat_paths(tmp_dir: str) -> dict:
     return report
 
 
+def train_drawing_apart(argv: list[str]) -> dict:
+    """pretrain where, after every step, each data-parallel replica draws its own number of
+    values (r + 1 on replica r) from the default generator, as --het-dp's replicas do through
+    dropout over different micro-batch counts; records a digest of the generator after each."""
+    import hashlib
+
+    import torch
+    from megatron.core import parallel_state
+
+    rng = {}
+
+    def hook(iteration, state, runtime):
+        torch.rand(parallel_state.get_data_parallel_rank() + 1)
+        rng[iteration] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
+
+    result, stdout = _pretrain(argv, hook)
+    return {"losses": result.losses, "rng": rng, "stdout": stdout}
+
+
+def train_reading_the_tracker_apart(argv: list[str], elsewhere: int) -> dict:
+    """pretrain where every rank but 0 reads iteration `elsewhere` from --load's tracker, as
+    when another job moves the tracker between ranks' reads."""
+    import torch.distributed as dist
+
+    from megatron.hetero import checkpointing
+
+    real = checkpointing.latest_iteration
+
+    def apart(root):
+        return real(root) if dist.get_rank() == 0 else elsewhere
+
+    checkpointing.latest_iteration = apart
+    try:
+        result, stdout = _pretrain(argv)
+    finally:
+        checkpointing.latest_iteration = real
+    return {"losses": result.losses, "stdout": stdout}
+
+
 def train_with_slow_boundary(argv: list[str], seconds: float) -> dict:
     """pretrain with the het-TP runtime's step boundary and the on_step_end hook each taking
     `seconds` longer."""
@@ -775,11 +814,16 @@ def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
 
 
 def train_with_control(argv: list[str]) -> dict:
-    """pretrain with the control loop; records this rank's plan and shares after every step."""
+    """pretrain with the control loop; records this rank's plan and shares after every step,
+    and a digest of its default generator (TP peers must draw the same dropout masks)."""
+    import hashlib
 
-    seen, unit_work = {}, {}  # unit_work: per iteration, the units' weights after it
+    import torch
+
+    seen, unit_work, rng = {}, {}, {}  # unit_work: per iteration, the units' weights after it
 
     def hook(iteration, state, runtime):
+        rng[iteration] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
         partition = runtime.partition if runtime else None
         resizer = runtime.resizer if runtime else None
         seen[iteration] = (
@@ -793,6 +837,7 @@ def train_with_control(argv: list[str]) -> dict:
         "losses": result.losses,
         "seen": seen,
         "unit_work": unit_work,
+        "rng": rng,
         "stdout": stdout,
         "metrics_file": result.metrics_file,
     }
