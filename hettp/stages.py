@@ -3,9 +3,10 @@
 A pipeline runs at its slowest stage's pace. Unit moves (hettp.planner) balance the TP ranks
 inside a stage; they cannot help a stage whose ranks are all slow, and after them a stage with
 one slow rank is still slower than its neighbours. Moving whole layers to the neighbour stages
-can: a stage's layer-proportional compute is its layer count times its seconds per layer, and
-the split that minimises the largest product is found by giving each layer, one at a time, to
-the stage that would finish it soonest (optimal for per-stage linear costs).
+can: a stage's time is what stays with it whatever its layers (the embedding on the first, the
+output layer and loss on the last) plus its layer count times its seconds per layer, and the
+split that minimises the largest of these is found by giving each layer, one at a time, to the
+stage that would finish it soonest (optimal for per-stage affine costs).
 
 The runtime (megatron/hetero/runtime.py) gathers every stage's report at a report step, calls
 `balance_layers` on every rank with the same numbers (so every rank reaches the same split) and
@@ -80,15 +81,23 @@ def adjacent(old: Sequence[int], new: Sequence[int]) -> bool:
     return all(abs(a - b) <= 1 for a, b in zip(stage_of_layers(old), stage_of_layers(new)))
 
 
-def optimal_split(seconds_per_layer: Sequence[float], num_layers: int) -> tuple[int, ...]:
-    """The counts (at least one layer a stage) that minimise max(count x seconds per layer);
-    ties go to the earlier stage, so every rank computes the same split."""
+def optimal_split(
+    seconds_per_layer: Sequence[float],
+    num_layers: int,
+    stage_rest: Sequence[float] | None = None,
+) -> tuple[int, ...]:
+    """The counts (at least one layer a stage) that minimise max(rest + count x seconds per
+    layer), `stage_rest` each stage's seconds outside its layers (default none); ties go to
+    the earlier stage, so every rank computes the same split."""
     stages = len(seconds_per_layer)
     if num_layers < stages:
         raise StageError(f"{num_layers} layers cannot fill {stages} stages")
+    rest = tuple(stage_rest) if stage_rest is not None else (0.0,) * stages
     counts = [1] * stages
     for _ in range(num_layers - stages):
-        best = min(range(stages), key=lambda s: ((counts[s] + 1) * seconds_per_layer[s], s))
+        best = min(
+            range(stages), key=lambda s: (rest[s] + (counts[s] + 1) * seconds_per_layer[s], s)
+        )
         counts[best] += 1
     return tuple(counts)
 
@@ -99,26 +108,32 @@ def balance_layers(
     layer_move_seconds: float = 0.0,
     min_gain: float = LAYER_MOVE_MIN_GAIN,
     payback_steps: int = LAYER_MOVE_PAYBACK_STEPS,
+    stage_rest: Sequence[float] | None = None,
 ) -> LayerSplit | None:
     """The split to move to, or None to keep `counts`.
 
     `stage_seconds[s]`: the measured seconds per step of stage s's layers (its slowest TP
-    rank's layer compute, pipeline bubbles and p2p waits left out); `layer_move_seconds`: the
-    predicted time of moving one layer between neighbours. A split whose layers would skip a
-    stage is reached over several moves: this one moves one layer off the slowest stage."""
+    rank's layer compute, pipeline bubbles and p2p waits left out); `stage_rest[s]`: the same
+    rank's seconds outside its layers, which stay whatever moves (default none);
+    `layer_move_seconds`: the predicted time of moving one layer between neighbours. A split
+    whose layers would skip a stage is reached over several moves: this one moves one layer
+    off the slowest stage."""
     counts = tuple(counts)
     if len(stage_seconds) != len(counts):
         raise StageError(f"{len(stage_seconds)} stage timings for {len(counts)} stages")
+    rest = tuple(float(r) for r in stage_rest) if stage_rest is not None else (0.0,) * len(counts)
+    if len(rest) != len(counts) or min(rest) < 0:
+        raise StageError(f"stage rest {list(rest)}: one non-negative time for each stage")
     if any(s <= 0 for s in stage_seconds):
         return None  # a stage without timed compute: nothing to scale by
     per_layer = [s / n for s, n in zip(stage_seconds, counts)]
-    target = optimal_split(per_layer, sum(counts))
+    target = optimal_split(per_layer, sum(counts), rest)
     if not adjacent(counts, target):
-        target = _one_layer_off_the_slowest(counts, per_layer)
+        target = _one_layer_off_the_slowest(counts, per_layer, rest)
     if target is None or target == counts:
         return None
-    before = tuple(float(s) for s in stage_seconds)
-    after = tuple(n * c for n, c in zip(target, per_layer))
+    before = tuple(r + float(s) for r, s in zip(rest, stage_seconds))
+    after = tuple(r + n * c for r, n, c in zip(rest, target, per_layer))
     moved = sum(abs(a - b) for a, b in zip(stage_of_layers(counts), stage_of_layers(target)))
     split = LayerSplit(target, before, after, moved * layer_move_seconds)
     saved_per_step = max(before) - max(after)
@@ -127,8 +142,8 @@ def balance_layers(
     return split
 
 
-def _one_layer_off_the_slowest(counts, per_layer) -> tuple[int, ...] | None:
-    slowest = max(range(len(counts)), key=lambda s: (counts[s] * per_layer[s], -s))
+def _one_layer_off_the_slowest(counts, per_layer, rest) -> tuple[int, ...] | None:
+    slowest = max(range(len(counts)), key=lambda s: (rest[s] + counts[s] * per_layer[s], -s))
     if counts[slowest] == 1:
         return None
     best = None
@@ -137,7 +152,7 @@ def _one_layer_off_the_slowest(counts, per_layer) -> tuple[int, ...] | None:
             new = list(counts)
             new[slowest] -= 1
             new[neighbour] += 1
-            cost = max(n * c for n, c in zip(new, per_layer))
+            cost = max(r + n * c for r, n, c in zip(rest, new, per_layer))
             if best is None or cost < best[0]:
                 best = (cost, tuple(new))
     return best[1] if best else None

@@ -130,7 +130,8 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
     `state` is the runtime's TrainState (model, optimizer, scheduler and config are replaced),
     `module` the GPTModel of this stage and `whole` the whole model's unit plan (a moved layer
     keeps its units). `fault(stage_name)` lets tests fail a rank at "pack" (before anything
-    is built) or "built" (the incoming layers built, before the vote)."""
+    is built), "built" (the incoming layers built, before the vote) or "exchanged" (after the
+    transfer, before the second vote)."""
     before, after = tuple(before), tuple(after)
     pp = len(before)
     check_split(after, sum(before), pp)
@@ -181,12 +182,21 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
             ) from error
         ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in receives]
-        try:  # past the vote a failure is the transport's, which its peers see too
+        try:
             if ops:
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
+            if fault is not None:
+                fault("exchanged")
         except Exception as err:  # noqa: BLE001 - nothing was changed here yet
-            raise TransferError(f"layer move {list(before)} -> {list(after)}: {err}") from err
+            ok, error = False, err
+        # A transport failure shows on the ranks of its link only; the others would commit and
+        # enter the rebuild's job-wide collectives alone: a second vote, before anything changes
+        if not _all_agree(ok):
+            raise TransferError(
+                f"layer move {list(before)} -> {list(after)} aborted in the transfer, nothing "
+                "changed" + (f": {error}" if error is not None else " (failed on another rank)")
+            ) from error
         moved_bytes = sum(t.numel() * t.element_size() for t, _ in sends + receives)
         # commit: the new layer list, the split, then DDP and the optimizer (collectives over
         # the job: a rank failing there stalls the others, as any failed collective does, but

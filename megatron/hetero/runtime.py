@@ -433,14 +433,20 @@ class HetTPRuntime:
             plan = self.partition.plan if self.partition is not None else None
             shares = self.shares
             unit_work = self.partition.unit_work if self.partition else None
-            out = self.controller.end_step(
-                iteration,
-                seconds,
-                lambda: work_of(plan, unit_work, shares, self.controller.tp_size),
-                plan,
-                shares,
-                lambda: self.partition.unit_bytes(state.model, state.optimizer),
-            )
+            failed = None
+            try:
+                out = self.controller.end_step(
+                    iteration,
+                    seconds,
+                    lambda: work_of(plan, unit_work, shares, self.controller.tp_size),
+                    plan,
+                    shares,
+                    lambda: self.partition.unit_bytes(state.model, state.optimizer),
+                )
+            except Exception as err:  # noqa: BLE001 - the other stages learn of it, then all raise
+                if not _pipelined():
+                    raise
+                out, failed = None, f"{type(err).__name__}: {err}"
             if self.controller.priced is not None and not self._priced_logged:
                 self._priced_logged = True
                 self.events.priced(
@@ -449,7 +455,7 @@ class HetTPRuntime:
                     self.partition.unit_work,
                     self.controller.call_price,
                 )
-            verdicts = self._over_pipeline(out)
+            verdicts = self._over_pipeline(out, failed)
             for v in verdicts:
                 self.events.timing(v.report, v.verdict, v.stage)
             decided = [v for v in verdicts if v.decision is not None]
@@ -463,21 +469,28 @@ class HetTPRuntime:
         rebuilt = (state.model, state.optimizer) != rebuilt_from
         return StepEnd(state.model, state.optimizer, rebuilt)
 
-    def _over_pipeline(self, out) -> list[StageVerdict]:
+    def _over_pipeline(self, out, failed: str | None = None) -> list[StageVerdict]:
         """The reports and verdicts of this step boundary, of every pipeline stage (each stage's
         TP group times, detects and decides on its own; every rank of the job learns them all,
         so that a stage's migration is applied everywhere at once). Without pipelining, this
         group's. One small all-reduce over the pipeline group per step; the verdicts are
-        gathered only at steps where some stage has one."""
+        gathered only at steps where some stage has one. `failed`: this stage's control
+        failed (every rank of it raised alike): every stage then raises it, none waits."""
+        from .control import DecisionFailed
+
         if not _pipelined():
             return [StageVerdict(None, *out)] if out is not None else []
-        any_out = torch.tensor([int(out is not None)], dtype=torch.int32, device=comm_device())
+        flag = 2 if failed is not None else int(out is not None)
+        most = torch.tensor([flag], dtype=torch.int32, device=comm_device())
         dist.all_reduce(
-            any_out, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group()
+            most, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group()
         )
-        if not any_out.item():
+        if not most.item():
             return []
-        gathered = _over_stages(out)
+        gathered = _over_stages(DecisionFailed(failed) if failed is not None else out)
+        for stage, o in enumerate(gathered):
+            if isinstance(o, DecisionFailed):
+                raise RuntimeError(f"het-TP's control of pipeline stage {stage} failed: {o}")
         return [StageVerdict(stage, *o) for stage, o in enumerate(gathered) if o is not None]
 
     # ---- actions (every rank, same step boundary) -------------------------------------------
@@ -737,8 +750,13 @@ class HetTPRuntime:
         units_first = self.config.pipeline_moves == "both" and self.controller.decides
         if units_first and max(tp_imbalance(row) for row in rows) >= self.config.onset:
             return  # a stage's units are to move first: its pace is about to change
-        seconds = [max(row) for row in rows]
-        split = balance_layers(self._layers, seconds, self._layer_move_seconds())
+        paces = [_stage_pace(self._fresh[s]) for s in range(len(self._layers))]
+        split = balance_layers(
+            self._layers,
+            [p.layers for p in paces],
+            self._layer_move_seconds(),
+            stage_rest=[p.rest for p in paces],
+        )
         if split is None:
             return
         try:
@@ -880,6 +898,26 @@ class _Moved:
 
     moves: list | None
     seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _StagePace:
+    """A stage's seconds per step at its slowest rank: in its layers, and in what stays with
+    the stage whatever layers it holds (embedding, output layer, loss)."""
+
+    layers: float
+    rest: float
+
+
+def _stage_pace(report) -> _StagePace:
+    """The rank with the most layer compute sets the pace; its rest is its busy time past its
+    timed compute (0 where busy is not known, or, on GPU, covers the timed regions only)."""
+    layers = _layer_compute(report)
+    slowest = max(range(len(layers)), key=lambda r: (layers[r], -r))
+    rest = 0.0
+    if report.busy is not None:
+        rest = max(0.0, report.busy[slowest] - report.compute[slowest])
+    return _StagePace(layers[slowest], rest)
 
 
 def _layer_compute(report) -> list[float]:

@@ -169,16 +169,21 @@ def test_layer_moves_between_stages_are_lossless_and_their_checkpoint_loads_anyw
 ):
     """Whole layers move between the two stages of TP=2 x PP=2 with uneven unit plans: at 3
     layer 1 goes to the last stage (1/3), at 4 layers 1 and 2 go to the first (3/1); at 5 a
-    move fails on one rank while it packs and every rank keeps its state. The losses stay on
+    move fails on one rank while it packs, at 6 on a sender after the transfer (which its
+    receivers completed), and every rank keeps its state. The losses stay on
     the single-stage run's; saved at 6 in the 3/1 split, the checkpoint continues in one
     vanilla stage, in two vanilla stages (2/2) and in het-TP's two stages (3/1 again)."""
     root, reference = single_stage
     moved = _from_start(root, "layers")
     plan = _layered_plan(tmp_path / "plan.json")
     argv = _argv(f"--train-iters 6 --load {moved} --save {moved} {TP2_PP2} --het-tp-plan {plan}")
-    faults = ({"iteration": 5, "global_rank": 2, "stage": "built"},)
-    ranks = run_ranks(train_with_layer_moves, 4, argv, {3: (1, 3), 4: (3, 1), 5: (2, 2)}, faults)
-    layers = {3: ([1], [2, 3, 4]), 4: ([1, 2, 3], [4]), 5: ([1, 2, 3], [4])}
+    faults = (
+        {"iteration": 5, "global_rank": 2, "stage": "built"},
+        {"iteration": 6, "global_rank": 1, "stage": "exchanged"},
+    )
+    moves = {3: (1, 3), 4: (3, 1), 5: (2, 2), 6: (2, 2)}
+    ranks = run_ranks(train_with_layer_moves, 4, argv, moves, faults)
+    layers = {3: ([1], [2, 3, 4]), 4: ([1, 2, 3], [4]), 5: ([1, 2, 3], [4]), 6: ([1, 2, 3], [4])}
     for rank, result in enumerate(ranks):  # ranks 0-1: the first stage, 2-3: the last
         stage = rank // 2
         for it, numbers in layers.items():
@@ -188,8 +193,9 @@ def test_layer_moves_between_stages_are_lossless_and_their_checkpoint_loads_anyw
         sent = {e["iteration"]: e.get("sent") for e in result["events"]}
         assert sent[3] == ((1,) if stage == 0 else ())
         assert sent[4] == (() if stage == 0 else (1, 2))
-        failed = result["events"][-1]
+        failed, late = result["events"][-2:]
         assert "aborted before any transfer" in failed["error"] and failed["kept"], failed
+        assert "aborted in the transfer, nothing changed" in late["error"] and late["kept"], late
         _close(result["losses"], reference, range(3, 7))
     # the moved layers kept their units: the last stage's plan at 3 holds layers 1-3's
     from hettp.plan import PartitionPlan
@@ -415,3 +421,24 @@ def test_layer_moves_under_resizing_policies_are_refused_by_name():
         ArgumentError, match="layers: --het-tp-policy hybrid resizes, and layers stay"
     ):
         validate_args(args, 4, cuda_available=False)
+
+
+def test_a_stage_s_pace_is_its_slowest_rank_s_layers_and_what_stays_with_the_stage():
+    """What the layer balancer weighs (hettp.stages.balance_layers): the rank with the most
+    layer compute (its compute past the optimizer's fixed part), and that rank's busy time past
+    its timed compute (the embedding, output layer and loss stay whatever layers move)."""
+    from hettp.loop import TimingReport
+    from megatron.hetero.runtime import _stage_pace
+
+    report = TimingReport(
+        iteration=8,
+        compute=(1.0, 1.6),
+        work=(1.0, 1.0),
+        step=2.5,
+        fixed=(0.2, 0.2),
+        busy=(2.0, 2.1),
+    )
+    pace = _stage_pace(report)
+    assert pace.layers == pytest.approx(1.4) and pace.rest == pytest.approx(0.5)
+    unknown = TimingReport(iteration=8, compute=(1.0, 1.6), work=(1.0, 1.0), step=2.5)
+    assert _stage_pace(unknown).layers == pytest.approx(1.6) and _stage_pace(unknown).rest == 0

@@ -181,3 +181,18 @@ def test_a_planner_failure_on_the_deciding_rank_stops_every_rank_by_name(tmp_pat
     for rank in (0, 1):
         assert f"rank {rank}: RuntimeError: het-TP's decision at iteration" in message
     assert message.count("failed on the deciding rank: ValueError: planner broke (injected)") >= 2
+
+
+def test_a_planner_failure_in_one_pipeline_stage_stops_every_stage_by_name(tmp_path):
+    """TP=2 x PP=2, the last stage's planner fails: its ranks raise, and the first stage's,
+    which wait for every stage's verdict at each step boundary, raise it too instead of
+    failing on a closed connection (gloo) or waiting for the watchdog (NCCL)."""
+    argv = MODEL + ["--het-tp-policy", "migrate", "--train-iters", "12"]
+    argv += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(AssertionError) as err:
+        run_ranks(train_with_failing_planner, 4, argv, 1, timeout=120)
+    message = str(err.value)
+    assert "exceeded" not in message
+    for rank in (0, 1):  # the first stage
+        assert f"rank {rank}: RuntimeError: het-TP's control of pipeline stage 1 failed" in message
+    assert message.count("ValueError: planner broke (injected)") >= 4

@@ -15,25 +15,34 @@ from hettp.stages import (
 )
 
 
-def _brute_force(per_layer, num_layers):
+def _brute_force(per_layer, num_layers, rest):
     stages = len(per_layer)
     best = None
     for counts in itertools.product(range(1, num_layers + 1), repeat=stages):
         if sum(counts) == num_layers:
-            cost = max(n * c for n, c in zip(counts, per_layer))
+            cost = max(r + n * c for r, n, c in zip(rest, counts, per_layer))
             best = cost if best is None else min(best, cost)
     return best
 
 
 @pytest.mark.parametrize(
-    "per_layer,num_layers",
-    [((1.0, 2.0), 6), ((1.0, 1.0, 3.0), 9), ((2.5, 1.0, 1.0, 1.5), 12), ((1.0, 7.0), 4)],
+    "per_layer,num_layers,rest",
+    [
+        ((1.0, 2.0), 6, None),
+        ((1.0, 1.0, 3.0), 9, None),
+        ((2.5, 1.0, 1.0, 1.5), 12, None),
+        ((1.0, 7.0), 4, None),
+        ((1.0, 1.0), 6, (0.0, 3.0)),  # the last stage's output layer: 3 layers' worth
+        ((2.0, 1.0, 1.0), 9, (0.5, 0.0, 4.0)),
+        ((1.0, 3.0, 1.0, 1.0), 10, (1.0, 0.0, 0.0, 2.5)),
+    ],
 )
-def test_the_greedy_split_is_optimal(per_layer, num_layers):
-    counts = optimal_split(per_layer, num_layers)
+def test_the_greedy_split_is_optimal(per_layer, num_layers, rest):
+    counts = optimal_split(per_layer, num_layers, rest)
+    rest = rest or (0.0,) * len(per_layer)
     assert sum(counts) == num_layers and min(counts) >= 1
-    assert max(n * c for n, c in zip(counts, per_layer)) == pytest.approx(
-        _brute_force(per_layer, num_layers)
+    assert max(r + n * c for r, n, c in zip(rest, counts, per_layer)) == pytest.approx(
+        _brute_force(per_layer, num_layers, rest)
     )
 
 
@@ -49,6 +58,19 @@ def test_balanced_or_nearly_balanced_stages_stay():
     assert balance_layers((2, 2), (1.0, 1.0)) is None
     assert balance_layers((4, 4), (1.05, 1.0)) is None  # gains less than the threshold
     assert balance_layers((2, 2), (0.0, 1.0)) is None  # no timed compute on stage 0
+
+
+def test_what_stays_with_a_stage_counts_in_its_time():
+    """PP=2, 4 layers, the last stage's output layer and loss cost 4 layers' worth, stage 0
+    slowed 2x: moving a layer to the last stage would make the step slower (7 s against 6), so
+    it stays; with the output layer left out, the layers alone asked for 1/3."""
+    assert balance_layers((2, 2), (4.0, 2.0)).counts == (1, 3)
+    assert balance_layers((2, 2), (4.0, 2.0), stage_rest=(0.0, 4.0)) is None
+    # where the rest leaves room, the move is priced with it: (4+0, 2+0.5) -> (2+0, 3+0.5)
+    split = balance_layers((2, 2), (4.0, 2.0), stage_rest=(0.0, 0.5))
+    assert split.counts == (1, 3) and split.before == (4.0, 2.5) and split.after == (2.0, 3.5)
+    with pytest.raises(StageError, match="one non-negative time for each stage"):
+        balance_layers((2, 2), (4.0, 2.0), stage_rest=(0.0,))
 
 
 def test_a_move_must_repay_its_cost():

@@ -217,14 +217,18 @@ def train_with_slow_boundary(argv: list[str], seconds: float) -> dict:
     return {"metrics_file": result.metrics_file, "stdout": stdout}
 
 
-def train_with_failing_planner(argv: list[str]) -> dict:
-    """pretrain with the deciding rank's planner raising whenever it runs."""
+def train_with_failing_planner(argv: list[str], stage: int | None = None) -> dict:
+    """pretrain with the deciding rank's planner raising whenever it runs (of pipeline stage
+    `stage` only, if given)."""
+    from megatron.core import parallel_state
+
     from hettp.loop import ControlLoop
 
     real = ControlLoop.observe
 
     def failing(self, report, detection, plan, shares, decide, unit_bytes=None):
-        if decide:
+        here = stage is None or parallel_state.get_pipeline_model_parallel_rank() == stage
+        if decide and here:
             raise ValueError("planner broke (injected)")
         return real(self, report, detection, plan, shares, decide, unit_bytes)
 
@@ -845,9 +849,9 @@ def train_with_control(argv: list[str]) -> dict:
 
 def train_with_layer_moves(argv: list[str], moves: dict, faults: tuple = ()) -> dict:
     """pretrain, moving layers between pipeline stages after iteration i so that stage s holds
-    moves[i][s] layers; a fault {"iteration": i, "global_rank": r, "stage": "pack" or "built"}
-    fails that rank there, and the hook records whether anything changed. Records this rank's
-    layer numbers, plan and its config's split after every step."""
+    moves[i][s] layers; a fault {"iteration": i, "global_rank": r, "stage": "pack", "built" or
+    "exchanged"} fails that rank there, and the hook records whether anything changed. Records
+    this rank's layer numbers, plan and its config's split after every step."""
     import torch.distributed as dist
 
     from hettp.exchange import TransferError
