@@ -37,6 +37,7 @@ def model_flags(hidden: int = 256) -> list[str]:
         f"--num-layers 4 --hidden-size {hidden} --num-attention-heads 4 --seq-length 128 "
         "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 --lr 1e-4 "
         "--mock-data --vocab-size 255 --hidden-dropout 0 --attention-dropout 0 --seed 1234"
+        " --eval-iters 0"
     ).split()
 
 

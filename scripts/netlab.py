@@ -52,6 +52,7 @@ TINY_GPT = (
     "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
     "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 --lr 1e-4 "
     "--mock-data --vocab-size 255 --hidden-dropout 0 --attention-dropout 0 --seed 1234"
+    " --eval-iters 0"
 ).split()
 
 

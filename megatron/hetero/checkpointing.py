@@ -161,11 +161,17 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> bool:
     """Restores the generators; the tracker's and CUDA's only where they were saved on the
-    same kind of device (a CPU state fails as CUDA's at the first forward). False then."""
+    same kind of device (a CPU state fails as CUDA's at the first forward; checkpoints from
+    before the kind was saved tell it by the states' sizes). False then."""
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state.get("device", _device_kind()) != _device_kind():  # saved before it was named: same
+    here = tensor_parallel.get_cuda_rng_tracker().get_states()
+    sizes = all(
+        name not in here or saved.numel() == here[name].numel()
+        for name, saved in state["tracker"].items()
+    )
+    if state.get("device", _device_kind()) != _device_kind() or not sizes:
         return False
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -356,8 +362,8 @@ def agreed_iteration(root: str | None, *, ours: bool = False) -> int | None:
             found = [latest_iteration(root)]
             if ours and found[0] is not None:
                 restore_replaced(root, found[0])
-        except CheckpointError as err:
-            found = [str(err)]
+        except Exception as err:  # noqa: BLE001 - an unreadable tracker: every rank raises
+            found = [str(err) if isinstance(err, CheckpointError) else f"{root}: {err}"]
     dist.broadcast_object_list(found, src=0)
     if isinstance(found[0], str):
         raise CheckpointError(found[0])
@@ -498,9 +504,10 @@ def load_checkpoint(
     scheduler.load_state_dict(saved_scheduler)
     warning = None
     if with_rng and not _set_rng_state(loaded["rng_states"]):
+        saved_on = loaded["rng_states"].get("device", "another kind of")
         warning = (
-            f"checkpoint {path} was saved on {loaded['rng_states']['device']} ranks, this run "
-            f"is on {_device_kind()}: the model-parallel (dropout) generators start from --seed"
+            f"checkpoint {path} was saved on {saved_on} ranks, this run is on "
+            f"{_device_kind()}: the model-parallel (dropout) generators start from --seed"
         )
     if with_runtime:
         runtime.load_state_dict(loaded["het_tp_state"])

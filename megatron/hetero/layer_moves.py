@@ -183,13 +183,19 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
         ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in receives]
         try:
-            if ops:
-                for request in dist.batch_isend_irecv(ops):
-                    request.wait()
-            if fault is not None:
-                fault("exchanged")
+            requests = dist.batch_isend_irecv(ops) if ops else []
         except Exception as err:  # noqa: BLE001 - nothing was changed here yet
-            ok, error = False, err
+            ok, error, requests = False, err, []
+        for request in requests:  # every one, failed or not: none is left pending
+            try:
+                request.wait()
+            except Exception as err:  # noqa: BLE001 - the first one is named
+                ok, error = False, error or err
+        if ok and fault is not None:
+            try:
+                fault("exchanged")
+            except Exception as err:  # noqa: BLE001 - as a transport failure
+                ok, error = False, err
         # A transport failure shows on the ranks of its link only; the others would commit and
         # enter the rebuild's job-wide collectives alone: a second vote, before anything changes
         if not _all_agree(ok):

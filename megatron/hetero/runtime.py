@@ -910,13 +910,15 @@ class _StagePace:
 
 
 def _stage_pace(report) -> _StagePace:
-    """The rank with the most layer compute sets the pace; its rest is its busy time past its
-    timed compute (0 where busy is not known, or, on GPU, covers the timed regions only)."""
+    """The rank with the most layer compute sets the pace. The rest is the same work on every
+    TP rank of the stage (replicated or evenly split), so it is read as the least busy time
+    past the timed compute of any of them: one rank's spell (a collection, a loaded core) does
+    not move layers. 0 where busy is not known, or, on GPU, covers the timed regions only."""
     layers = _layer_compute(report)
     slowest = max(range(len(layers)), key=lambda r: (layers[r], -r))
     rest = 0.0
     if report.busy is not None:
-        rest = max(0.0, report.busy[slowest] - report.compute[slowest])
+        rest = max(0.0, min(b - c for b, c in zip(report.busy, report.compute)))
     return _StagePace(layers[slowest], rest)
 
 

@@ -6,9 +6,10 @@ its whole life with a lock file that appears atomically (link(), which also hold
 the holder: host, PID, the PID's start time (so a reused PID is not mistaken for the holder) and
 the Slurm job. A second job is refused with that name. A lock whose holder is gone is taken
 over with a warning, and the staging folders the dead job left are removed then: on the same
-host, its process is dead; on another, a host that no longer resolves, or its Slurm job has
-ended (squeue says so) or is this job requeued (a higher SLURM_RESTART_COUNT: a requeued job
-usually lands on another node, and its earlier run was killed before it could let go).
+host, its process is dead; on another, a host that no longer resolves, or (a job of this
+Slurm cluster and user) its Slurm job has ended (squeue says so) or is this job requeued (a
+higher SLURM_RESTART_COUNT: a requeued job usually lands on another node, and its earlier run
+was killed before it could let go).
 Staging folders carry the job's token in their name, so even jobs that bypass the lock cannot
 write into each other's.
 """
@@ -110,6 +111,8 @@ class Holder:
     since: float
     token: str
     restart: str | None = None  # SLURM_RESTART_COUNT: how often Slurm requeued the job
+    cluster: str | None = None  # SLURM_CLUSTER_NAME: whose squeue knows the job
+    uid: int | None = None  # squeue may hide other users' jobs (PrivateData=jobs)
 
     @classmethod
     def me(cls) -> Holder:
@@ -122,6 +125,8 @@ class Holder:
             time.time(),
             f"{socket.gethostname()}-{pid}-{uuid.uuid4().hex[:8]}",
             os.environ.get("SLURM_RESTART_COUNT"),
+            os.environ.get("SLURM_CLUSTER_NAME"),
+            os.getuid(),
         )
 
     def describe(self) -> str:
@@ -138,7 +143,11 @@ class Holder:
             return not _alive(self.pid, self.started)
         if not _resolves(self.host):
             return True
-        if self.job is None:
+        # Slurm is asked only about a job of this cluster and user: another cluster sharing
+        # the file system does not know the job, and squeue may hide other users' jobs
+        if self.job is None or self.cluster is None or self.cluster != me.cluster:
+            return False
+        if self.uid != me.uid:
             return False
         if self.job == me.job:  # another step of this job runs alongside, unless requeued
             return _restarts(me.restart) > _restarts(self.restart)

@@ -415,7 +415,7 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime, saved)
 
     iteration, consumed, rng_warning = 0, 0, None
-    if args.load:
+    if newest is not None:  # else nothing to load yet (a first run of the auto-resume pattern)
         restored = checkpointing.load_checkpoint(
             args.load,
             state.model,
@@ -523,6 +523,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
         gc.disable()
         gc.collect()
     clock = IterationClock()
+    exited = False  # by --exit-interval, a signal or the time budget
     try:
         while iteration < args.train_iters:
             previous, batch = batch, batches.at(consumed)
@@ -585,10 +586,12 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
                 saved_at = save(iteration)
             if args.exit_interval and iteration % args.exit_interval == 0:
                 logger.info(f"exiting program at iteration {iteration} (--exit-interval)")
+                exited = True
                 break
             why = watch.due()
             if why is not None:
                 logger.info(f"exiting program at iteration {iteration}: {why}")
+                exited = True
                 break
     finally:
         watch.close()
@@ -599,7 +602,9 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
     if args.save and saved_at != iteration and iteration > 0:
         save(iteration)
     test_loss = None
-    if iteration >= args.train_iters and args.eval_iters:  # finished, not stopped early
+    # as Megatron-LM, whose train() exits the program on any exit condition, even at the last
+    # iteration: only a run that finished without one evaluates at its end
+    if not exited and iteration >= args.train_iters and args.eval_iters:
         # as Megatron-LM: the validation split once more, then the test split
         for split, dataset in (("validation", valid_ds), ("test", test_ds)):
             if dataset is None:

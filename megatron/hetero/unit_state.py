@@ -211,14 +211,16 @@ def carry_into(optimizer, carried: dict) -> None:
 def carry_group_steps(source, target) -> None:
     """Transformer Engine's and apex's fused Adams (megatron-core's choice wherever either is
     installed) count steps per parameter group, not per parameter: a freshly built optimizer
-    would restart Adam's bias correction on warm moments. Each group of `target` gets its
-    counterpart's count, or where the groups differ in number, the count they share."""
-    steps = [group["step"] for group in source.param_groups if "step" in group]
+    would restart Adam's bias correction on warm moments. Every group of `target` gets the
+    count of `source`'s groups that hold parameters: all of those step together, while an
+    empty one (a DP rank's share of a group under the distributed optimizer can be none)
+    counts no steps and may hold any stale value (megatron-core reads the count the same way)."""
+    steps = [group["step"] for group in source.param_groups if group["params"] and "step" in group]
     if not steps:
         return  # per-parameter counts (torch's Adam): carried with the state
-    paired = len(steps) == len(source.param_groups) == len(target.param_groups)
-    for i, group in enumerate(target.param_groups):
-        group["step"] = _copied(steps[i] if paired else max(steps))
+    step = max(steps)
+    for group in target.param_groups:
+        group["step"] = _copied(step)
 
 
 def held_params(sub) -> list:

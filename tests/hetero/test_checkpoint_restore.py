@@ -31,9 +31,11 @@ def test_a_state_from_another_kind_of_device_restores_the_host_generators_only(m
     state = _saved_on(other)
     expected = torch.rand(4)
     set_states = []
-    monkeypatch.setattr(
-        tensor_parallel.get_cuda_rng_tracker(), "set_states", lambda s: set_states.append(s)
-    )
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    monkeypatch.setattr(tracker, "set_states", lambda s: set_states.append(s))
+    # this process's tracker holds a state of the saved one's size (a CPU generator's)
+    live = {"model-parallel-rng": torch.zeros(5056, dtype=torch.uint8)}
+    monkeypatch.setattr(tracker, "get_states", lambda: live)
     assert checkpointing._set_rng_state(state) is False
     assert torch.equal(torch.rand(4), expected) and set_states == []
     # saved on this kind of device (or before checkpoints named it): all of it
@@ -43,6 +45,11 @@ def test_a_state_from_another_kind_of_device_restores_the_host_generators_only(m
             del state["device"]
         assert checkpointing._set_rng_state(state) is True
         assert set_states.pop() is state["tracker"]
+    # saved before the kind was named, on the other kind: told by the states' sizes
+    live["model-parallel-rng"] = torch.zeros(16, dtype=torch.uint8)  # a CUDA Philox state
+    state = _saved_on(here)
+    del state["device"]
+    assert checkpointing._set_rng_state(state) is False and set_states == []
 
 
 def test_a_save_killed_between_its_renames_is_mended_from_the_copy_it_moved_aside(tmp_path):

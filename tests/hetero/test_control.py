@@ -205,12 +205,11 @@ def test_device_mode_slows_all_of_a_ranks_compute_and_is_acted_on(tmp_path, stea
     assert acted in (11, 12), decisions
     after = timing[acted]["busy_s"]
     # one step's ratios on a loaded 2-core machine: CI saw busy 2.38 (the unsharded work's CPU
-    # time inflated on either rank) and compute 3.70 (the per-region sleeps overshoot, as the
-    # control-loop issue measured); an emulation that slowed nothing would read 1.0
-    assert after[1] / after[0] == pytest.approx(3.0, rel=0.4)
-    assert timing[acted]["compute_s"][1] / timing[acted]["compute_s"][0] == pytest.approx(
-        3.0, rel=0.4
-    )
+    # time inflated on either rank) and compute 3.70, a local full-suite run compute 4.33 (the
+    # per-region sleeps overshoot, as the control-loop issue measured; the calibration is
+    # tests/hetero/test_timing.py's to check); an emulation that slowed nothing reads 1.0
+    assert 2.0 <= after[1] / after[0] <= 5.0
+    assert 2.0 <= timing[acted]["compute_s"][1] / timing[acted]["compute_s"][0] <= 5.0
     # the steady run's ranks stay well apart from that (CI once read 1.36x there)
     steady_busy = [r["busy_s"] for r in steady[1] if r["kind"] == "timing"]
     assert all(max(b) / min(b) < 1.6 for b in steady_busy[1:])

@@ -425,8 +425,11 @@ def test_layer_moves_under_resizing_policies_are_refused_by_name():
 
 def test_a_stage_s_pace_is_its_slowest_rank_s_layers_and_what_stays_with_the_stage():
     """What the layer balancer weighs (hettp.stages.balance_layers): the rank with the most
-    layer compute (its compute past the optimizer's fixed part), and that rank's busy time past
-    its timed compute (the embedding, output layer and loss stay whatever layers move)."""
+    layer compute (its compute past the optimizer's fixed part), and the least busy time past
+    the timed compute of the stage's ranks (the embedding, output layer and loss: the same on
+    each, and they stay whatever layers move). One rank's rest once read 0.143 s beside its
+    peer's 0.033 (a spell of its own, in a local full-suite run) and moved a layer a report
+    early."""
     from hettp.loop import TimingReport
     from megatron.hetero.runtime import _stage_pace
 
@@ -440,5 +443,14 @@ def test_a_stage_s_pace_is_its_slowest_rank_s_layers_and_what_stays_with_the_sta
     )
     pace = _stage_pace(report)
     assert pace.layers == pytest.approx(1.4) and pace.rest == pytest.approx(0.5)
+    spell = TimingReport(
+        iteration=4,
+        compute=(0.133, 0.118),
+        work=(1.0, 1.0),
+        step=0.44,
+        fixed=(0.009, 0.008),
+        busy=(0.276, 0.151),
+    )
+    assert _stage_pace(spell).rest == pytest.approx(0.033)
     unknown = TimingReport(iteration=8, compute=(1.0, 1.6), work=(1.0, 1.0), step=2.5)
     assert _stage_pace(unknown).layers == pytest.approx(1.6) and _stage_pace(unknown).rest == 0

@@ -29,3 +29,22 @@ def test_flag_values_move_but_not_the_scheduled_rate():
     assert [g["lr"] for g in live.param_groups] == [7.0, 7.0]  # the scheduler's to set
     with pytest.raises(ValueError, match="2 parameter groups to take values from, 1 here"):
         set_group_values(types.SimpleNamespace(param_groups=[{}]), GROUPS)
+
+
+def test_a_fused_adam_s_step_count_comes_from_the_groups_that_hold_parameters():
+    """FusedAdam counts steps per group and never advances an empty one (a DP rank's share of
+    a group under the distributed optimizer can be none): its stale count must not reach the
+    rebuilt optimizer's groups, nor a checkpoint's."""
+    from megatron.hetero.unit_state import carry_group_steps
+
+    param = object()
+    source = types.SimpleNamespace(
+        param_groups=[{"params": [param], "step": 20}, {"params": [], "step": 3}]
+    )
+    target = types.SimpleNamespace(param_groups=[{"params": [param]}, {"params": [param]}])
+    carry_group_steps(source, target)
+    assert [g["step"] for g in target.param_groups] == [20, 20]
+    # torch's Adam counts per parameter: nothing to carry here
+    plain = types.SimpleNamespace(param_groups=[{"params": [param]}])
+    carry_group_steps(plain, target := types.SimpleNamespace(param_groups=[{"params": []}]))
+    assert "step" not in target.param_groups[0]

@@ -115,6 +115,7 @@ def test_a_remote_holder_whose_slurm_job_ended_is_taken_over(
     tells whether it ended; where squeue cannot tell, the holder is taken as alive."""
     folder = tmp_path / "ckpt"
     monkeypatch.setenv("SLURM_JOB_ID", "43")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "main")
     SaveLock(str(folder), _other(host="localhost", pid=1, job="42")).acquire()
     _squeue(tmp_path, monkeypatch, squeue)
     lock = SaveLock(str(folder))
@@ -123,6 +124,24 @@ def test_a_remote_holder_whose_slurm_job_ended_is_taken_over(
     else:
         with pytest.raises(SaveLockError, match="in use by another job .Slurm job 42, PID 1"):
             lock.acquire()
+
+
+@pytest.mark.parametrize(
+    "holder",
+    [{"cluster": "other"}, {"cluster": None}, {"uid": -7}],
+    ids=["another-cluster", "cluster-unknown", "another-user"],
+)
+def test_squeue_is_not_asked_about_jobs_it_cannot_see(tmp_path, monkeypatch, holder):
+    """Another Slurm cluster on the same file system does not know the holder's job, and
+    squeue may hide another user's (PrivateData=jobs): "no such job" proves nothing there."""
+    monkeypatch.setenv("SLURM_JOB_ID", "43")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "main")
+    SaveLock(str(tmp_path / "ckpt"), _other(host="localhost", pid=1, job="42", **holder)).acquire()
+    _squeue(
+        tmp_path, monkeypatch, "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1"
+    )
+    with pytest.raises(SaveLockError, match="in use by another job"):
+        SaveLock(str(tmp_path / "ckpt")).acquire()
 
 
 @pytest.mark.parametrize("restarts, taken_over", [("1", True), ("0", False), (None, False)])
@@ -134,6 +153,7 @@ def test_a_requeued_job_takes_over_its_earlier_run_s_lock(
     same run, alive."""
     _squeue(tmp_path, monkeypatch, "echo RUNNING")  # the job itself runs: squeue cannot tell
     monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "main")
     SaveLock(str(tmp_path / "ckpt"), _other(host="localhost", pid=1, restart="0")).acquire()
     if restarts is None:
         monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)

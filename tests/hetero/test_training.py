@@ -325,7 +325,7 @@ def test_a_resume_with_nothing_left_to_train_does_not_save_again(tmp_path):
 def test_after_the_last_iteration_validation_then_test_as_megatron_lm(tmp_path):
     """Megatron-LM's end of training: the validation split once more and the test split, in its
     lines; the loop's own evaluation at the last iteration is not recorded twice. A run stopped
-    early (--exit-interval) skips them, as there."""
+    by --exit-interval skips them, as there, even at the last iteration."""
     evals = ["--eval-iters", "1", "--eval-interval", "2", "--split", "90,5,5"]
     metrics = tmp_path / "m.jsonl"
     flags = " ".join(MODEL).replace("--eval-iters 0", "").split() + evals
@@ -340,8 +340,11 @@ def test_after_the_last_iteration_validation_then_test_as_megatron_lm(tmp_path):
     records = [(r["iteration"], r["split"]) for r in read_metrics(str(metrics), "eval")]
     assert records == [(2, "validation"), (4, "validation"), (4, "test")]
     assert result["test_loss"] is not None and result["test_loss"] != result["eval_losses"][4]
-    stopped = run_ranks(train, 1, flags + ["--train-iters", "4", "--exit-interval", "3"])[0]
-    assert "on validation set" not in stopped["stdout"] and stopped["test_loss"] is None
+    # stopped by --exit-interval, before or at the last iteration: Megatron-LM exits there
+    for exit_at in ("3", "4"):
+        stopped = run_ranks(train, 1, flags + ["--train-iters", "4", "--exit-interval", exit_at])
+        assert "on validation set" not in stopped[0]["stdout"], exit_at
+        assert stopped[0]["test_loss"] is None
 
 
 def test_each_data_parallel_replica_resumes_its_own_generators(tmp_path):
