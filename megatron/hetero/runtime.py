@@ -768,15 +768,21 @@ class HetTPRuntime:
     def _layer_move_seconds(self) -> float:
         """Predicted seconds of moving one layer between neighbour stages: each TP rank sends
         its share of the layer's units (weights, masters, moments) point to point, and every
-        rank rebuilds DDP and the optimizer (the same on every rank: shapes only)."""
+        rank rebuilds DDP and the optimizer (the same on every rank: shapes only). Every rank
+        must reach the same figure, or stages would decide different splits and the move wait
+        forever: with head units, the K/V replicas are those of the whole model's most
+        replicated layer, not of this stage's first (collective over the pipeline group)."""
         from hettp.transfer import KV_REPLICA, REBUILD_FACTOR
 
-        plan = self.partition.plan
+        plan = self.whole_plan()
         per_unit = self.partition.unit_bytes(self.state.model, self.state.optimizer)
         layer_bytes = plan.attn_units * per_unit["attn"] + plan.mlp_units * per_unit["mlp"]
-        if plan.heads is not None:  # and every rank its K/V replicas (as in the first layer)
-            held = plan.heads.holders(plan.layers[0]["attn"])
-            layer_bytes += sum(len(ranks) for ranks in held.values()) * per_unit[KV_REPLICA]
+        if plan.heads is not None:  # and every rank its K/V replicas
+            replicas = max(
+                sum(len(ranks) for ranks in plan.heads.holders(layer["attn"]).values())
+                for layer in plan.layers
+            )
+            layer_bytes += replicas * per_unit[KV_REPLICA]
         p2p = self.partition.cost_model.p2p
         return REBUILD_FACTOR * (p2p.call + p2p.alpha + layer_bytes / plan.tp_size / p2p.beta)
 

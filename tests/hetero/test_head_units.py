@@ -20,6 +20,7 @@ from tests.utils import (
     het_numerics,
     run_ranks,
     train,
+    train_pricing_a_layer_move,
     train_with_layer_moves,
     train_with_repartitions,
     train_with_resizes,
@@ -265,3 +266,27 @@ def test_replicas_no_rank_computes_with_get_the_imputed_gradient_under_zero():
                 slack = 0.05 * imputed + 1e-6 * values2[at].double().abs()
                 off = (residual - imputed).abs() > slack
                 assert not off.any(), (layer, unit, tensor, residual[off][:4].tolist())
+
+
+def test_every_stage_prices_a_layer_move_alike(tmp_path):
+    """TP=2 x PP=2 with head units: the first stage's layers split group 0 (a K/V replica on
+    each rank), the last stage's do not. A layer move's predicted cost decides whether it
+    pays; priced from each stage's own layers, the stages would disagree and one would wait
+    in a move the other never starts. Every rank prices it from the whole model's plan."""
+    from hettp.plan import PartitionPlan
+
+    stages = [(3, 5), (3, 5), (4, 4), (4, 4)]  # heads per rank, layer by layer
+    plan = PartitionPlan.joined(
+        [PartitionPlan.from_counts(2, 1, 8, 64, attn, (32, 32), 2) for attn in stages]
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    argv = (
+        GQA2.replace("--num-layers 2", "--num-layers 4").replace("--train-iters 1", "")
+        + " --train-iters 2 --global-batch-size 4 --eval-iters 0"
+        " --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
+        f" --het-tp --het-tp-attn-granularity 1 --het-tp-plan {path}"
+    ).split()
+    ranks = run_ranks(train_pricing_a_layer_move, 4, argv)
+    priced = [r["priced"][1] for r in ranks]
+    assert priced[0] > 0 and priced == [priced[0]] * 4, priced

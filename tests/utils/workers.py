@@ -196,6 +196,18 @@ def train_reading_the_tracker_apart(argv: list[str], elsewhere: int) -> dict:
     return {"losses": result.losses, "stdout": stdout}
 
 
+def train_pricing_a_layer_move(argv: list[str]) -> dict:
+    """pretrain; after every step, the runtime's predicted seconds of moving one layer between
+    pipeline stages (what every rank must agree on to decide a split)."""
+    priced = {}
+
+    def hook(iteration, state, runtime):
+        priced[iteration] = runtime._layer_move_seconds()
+
+    result, stdout = _pretrain(argv, hook)
+    return {"losses": result.losses, "priced": priced, "stdout": stdout}
+
+
 def train_with_slow_boundary(argv: list[str], seconds: float) -> dict:
     """pretrain with the het-TP runtime's step boundary and the on_step_end hook each taking
     `seconds` longer."""
