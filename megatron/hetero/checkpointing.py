@@ -180,17 +180,24 @@ def _set_rng_state(state: dict) -> bool:
 
 
 def _rng_entry(saved_dp_size: int | None = None) -> ShardedObject:
-    """This rank's generators, one object per rank (stage x TP rank x DP replica): plain
-    data-parallel replicas draw alike, but --het-dp's run different micro-batch counts and
-    so draw different numbers of dropout masks. `saved_dp_size`: at load, the checkpoint's DP
-    size; where it is not this run's, every replica takes replica 0's."""
+    """This rank's generators, one object per rank: plain data-parallel replicas draw alike,
+    but --het-dp's run different micro-batch counts and so draw different numbers of dropout
+    masks. `saved_dp_size`: at load, the checkpoint's DP size; where it is not this run's,
+    every replica takes replica 0's."""
+    return _per_rank("rng_states", _rng_state(), saved_dp_size)
+
+
+def _per_rank(key: str, value, saved_dp_size: int | None = None) -> ShardedObject:
+    """One object per rank (pipeline stage x TP rank x DP replica), for state that differs
+    between data-parallel replicas. `saved_dp_size`: at load, the checkpoint's DP size; where
+    it is not this run's, the object of replica 0 at this rank's stage and TP rank."""
     ps = parallel_state
     dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     if saved_dp_size is not None and saved_dp_size != dp_size:
         dp, dp_size = 0, saved_dp_size
     return ShardedObject(
-        "rng_states",
-        _rng_state(),
+        key,
+        value,
         (
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_tensor_model_parallel_world_size(),
@@ -226,22 +233,7 @@ def _residues(model) -> ShardedObject | None:
     reducer = getattr(model, "reducer", None)
     if reducer is None:
         return None
-    ps = parallel_state
-    return ShardedObject(
-        "het_dp_residues",
-        reducer.state_dict(),
-        (
-            ps.get_pipeline_model_parallel_world_size(),
-            ps.get_tensor_model_parallel_world_size(),
-            ps.get_data_parallel_world_size(),
-        ),
-        (
-            ps.get_pipeline_model_parallel_rank(),
-            ps.get_tensor_model_parallel_rank(),
-            ps.get_data_parallel_rank(),
-        ),
-        replica_id=0,
-    )
+    return _per_rank("het_dp_residues", reducer.state_dict())
 
 
 def _compression(model) -> str:
