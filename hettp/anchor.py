@@ -226,11 +226,16 @@ class SlowdownAnchor:
         Later steps leave it be, so that a slow drift still reads as one. A step beyond the
         square of `band` from the window's level is a new level or a hiccup and is left out;
         a narrower cut would trim the noise on one side of a window that is off, and keep the
-        base off (a new level that a decision acts on re-anchors anyway)."""
+        base off (a new level that a decision acts on re-anchors anyway). Nor is a step
+        `slow` apart, which the detector takes for a straggle at once: at a band of 1.5
+        (--het-tp-onset 1.5) a straggler's 3x steps after a window at 6.3x (a spell on top of
+        the straggle) were folded into its base, and once the straggle ended it read 2.1x and
+        stayed resized. A cut at `band` itself mends that too, but trims heavy per-step noise
+        on one side (more false ends in hettp.sim.noisy at 25%)."""
         if self._refined >= REFINE_STEPS:
             return
         self._refined += 1
-        base, band = list(self._base), self.band**2
+        base, band = list(self._base), min(self.band**2, self.slow)
         for r, c in enumerate(compute):
             level = self._level[r]
             if level > 0 and c > 0 and max(level, c) < band * min(level, c):

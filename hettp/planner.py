@@ -252,6 +252,11 @@ class Planner:
         decision = self.RULES[self.policy.name](
             self, iteration, detection, model, plan, shares, before
         )
+        if decision is not None and (decision.plan, decision.shares) == (plan, shares):
+            # Nothing to apply (a resize re-planned at its cap, 3x easing to 2x). Applied, it
+            # would re-base the anchor for nothing, and a straggle ending right after would be
+            # carried into the new base as the rank's level (read 2x for good, resize kept).
+            decision = None
         if decision is not None or self._leaning == leaning:  # acted, or nothing leaned
             self._leaning = 0
         if decision is not None and decision.migrates and self.memory is not None:

@@ -211,6 +211,21 @@ def test_a_level_inside_the_band_is_ended_by_the_model_where_the_rank_got_more_w
     assert unknown.overruled == frozenset() and last[-1][1] == pytest.approx(1.28)
 
 
+def test_a_straggler_s_new_level_is_not_folded_into_its_base():
+    """The refining steps after the window skip a step the detector would take for a new
+    straggle at once (`slow` apart), however wide the band: at 1.5, a window taken in a spell
+    on top of a 3x straggle (6.3x) had the 3x steps folded in, and the rank read 6.3x at
+    3x, then 2.1x once recovered (kept resized for good)."""
+    anchor = SlowdownAnchor(2, window=3, band=1.5)
+    anchor.rebase((1.0, 6.3))
+    for _ in range(3):
+        anchor.step((1.0, 6.3))
+    for _ in range(6):
+        anchor.step((1.0, 3.0))
+    assert anchor.factors((1.0, 3.0))[1] == pytest.approx(3.0)
+    assert anchor.factors((1.0, 1.0))[1] == pytest.approx(1.0)
+
+
 def test_anchor_rejects_misuse_and_round_trips():
     with pytest.raises(ValueError, match="need window >= 1, band > 1"):
         SlowdownAnchor(2, window=0)
@@ -290,6 +305,20 @@ def test_a_straggle_ending_right_at_a_move_is_still_seen_to_end(fixed):
     decisions, plan = _run_steps("migrate", speeds, fixed=fixed)
     assert [d[:2] for d in decisions] == [(8, "migrate"), (18, "migrate"), (21, "migrate")]
     assert _even(plan)
+
+
+@pytest.mark.parametrize("spell_at", [13, 15])
+def test_a_resize_replanned_at_its_cap_changes_nothing_and_the_end_is_seen_at_once(spell_at):
+    """Rank 1 3x slow in steps 12-20, with a spell of 1.7x more on top for three steps. Its
+    easing back to 3x re-planned the resize at the cap it already ran at (the spell at the
+    onset, planned for at 5x) and re-based the anchor for nothing: a spell's tail carried
+    there, and the end read 1.2x or came a step late. Nothing changed, so nothing is
+    decided: restored at the second normal step."""
+    speeds = [(1, 1)] * 11 + [(1, 3)] * 9 + [(1, 1)] * 15
+    for step in range(spell_at, spell_at + 3):
+        speeds[step - 1] = (1, 3 * 1.7)
+    decisions, _ = _run_steps("resize", speeds)
+    assert [d[:2] for d in decisions] == [(13, "resize"), (22, "restore")], decisions
 
 
 def test_a_steady_noisy_cluster_never_moves():
