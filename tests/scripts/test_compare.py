@@ -244,7 +244,9 @@ def test_a_failing_run_is_named_with_its_log(tmp_path):
 
 
 def test_a_run_past_its_timeout_is_named_so(tmp_path):
-    proc = _one_run(tmp_path, "--run-timeout", "1")
+    # enough iterations to outlast the timeout anywhere: a quick run's 12 took under a
+    # second on a fast 2-core machine, and finished
+    proc = _one_run(tmp_path, "--run-timeout", "1", "--iters", "2000")
     assert proc.returncode == 1, proc.stderr[-2000:]
     # the first run of the round (rounds start at different configurations)
     assert re.search(
