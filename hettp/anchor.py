@@ -55,6 +55,7 @@ class SlowdownAnchor:
         self._level: tuple[float, ...] = ()  # the anchor window's base
         self._same_level: list[list[float]] = []  # per rank, the steps the base is made of
         self._refined = 0  # steps since the window that were considered for the base
+        self._faster: list[list] = [[] for _ in range(tp_size)]  # per rank, latest readings
         self._keys: list[list[int]] = []  # per rank, the window's steps its base is made of
         self.overruled: frozenset[int] = frozenset()  # ranks the model's reading overruled
         # each rank's compute and work at the level it was at just before the change, and its
@@ -130,6 +131,7 @@ class SlowdownAnchor:
             raise RuntimeError("no change of the split to anchor to: use the cost model")
         if self.anchored:
             self._refine(compute)
+            self._no_faster_than_full_speed(self.factors(compute))
             return [self.factors(compute)]
         if work is not None:
             self._work = tuple(work)
@@ -143,7 +145,7 @@ class SlowdownAnchor:
         self._same_level = [
             [self._pending[i][r] for i in self._keys[r]] for r in range(self.tp_size)
         ]
-        self._refined = 0
+        self._refined, self._faster = 0, [[] for _ in range(self.tp_size)]
         if len(self._modelled) == len(self._pending):
             self._overrule()
         steps, self._pending, self._modelled = self._pending, [], []
@@ -243,6 +245,24 @@ class SlowdownAnchor:
                 base[r] = statistics.median(self._same_level[r])
         self._base = tuple(base)
 
+    def _no_faster_than_full_speed(self, factors: Factors) -> None:
+        """A rank whose last `window` anchored steps read it faster than full speed by more
+        than `slow` (their median) was carried too slow: its speed changed inside the anchor
+        window (a spell there, on this rank or on a straggler read against it). It is carried
+        at full speed from here. Left so, a fast rank whose window fell in a 2x spell read 0.5x
+        after it, and the straggler that ended its straggle read 2x against it for good. At
+        `band` rather than `slow`, a window that per-step noise of 25% had put high re-carried
+        fast ranks that were not (hettp.sim.noisy's E fell)."""
+        for r, f in enumerate(factors):
+            recent = self._faster[r] = [*self._faster[r], f][-self.window :]
+            if len(recent) < self.window or any(x is None or x <= 0 for x in recent):
+                continue
+            level = statistics.median(recent)
+            if level * self.slow < 1.0:
+                before = list(self._before)
+                before[r] /= level
+                self._before, self._faster[r] = tuple(before), []
+
     def _same(self, rank: int) -> list[int]:
         """The anchor window's steps within `band` of its first, for `rank`."""
         first = self._pending[0][rank]
@@ -294,6 +314,7 @@ class SlowdownAnchor:
             "level": list(self._level),
             "same_level": [list(steps) for steps in self._same_level],
             "refined": self._refined,
+            "faster": list(self._faster),
             "overruled": sorted(self.overruled),
             "then": None if self._then is None else [list(x) for x in self._then],
             "work": None if self._work is None else list(self._work),
@@ -311,6 +332,8 @@ class SlowdownAnchor:
         self._level = tuple(state.get("level", self._base or ()))
         self._same_level = [list(steps) for steps in state.get("same_level", ())]
         self._refined = state.get("refined", REFINE_STEPS)
+        # absent from older checkpoints: no readings yet
+        self._faster = [list(x) for x in state.get("faster", [[]] * self.tp_size)]
         self.overruled = frozenset(state.get("overruled", ()))
         then = state.get("then")  # absent before it: the model decides ends alone
         self._then = None if then is None else (tuple(then[0]), tuple(then[1]))

@@ -226,6 +226,32 @@ def test_a_straggler_s_new_level_is_not_folded_into_its_base():
     assert anchor.factors((1.0, 1.0))[1] == pytest.approx(1.0)
 
 
+def test_a_fast_rank_whose_window_fell_in_a_spell_is_carried_at_full_speed_after_it():
+    """Rank 0 ran at 2x for the whole anchor window: continuity read it at 0.5x after, rank 1
+    at 2x against it while at 1x, and at 6x while at 3x. Three steps faster than full speed
+    by more than `slow` carry it at full speed."""
+    anchor = SlowdownAnchor(2, window=3)
+    anchor.rebase((1.0, 3.0))
+    for _ in range(3):
+        anchor.step((2.0, 3.0))
+    assert anchor.step((1.0, 3.0))[0] == pytest.approx((0.5, 3.0))
+    assert anchor.step((1.0, 3.0))[0] == pytest.approx((0.5, 3.0))  # two steps: not yet
+    anchor.step((1.0, 3.0))
+    assert anchor.factors((1.0, 3.0)) == pytest.approx((1.0, 3.0))
+    assert anchor.factors((1.0, 1.0)) == pytest.approx((1.0, 1.0))  # the straggle's end
+    state = anchor.state_dict()
+    again = SlowdownAnchor(2, window=3)
+    again.load_state_dict(state)
+    assert again.factors((1.0, 3.0)) == pytest.approx((1.0, 3.0))
+    # a window merely off by noise (0.7x after it, within `slow` of full speed) is left to
+    # the refining steps: the base is the median of the window's 1.43 and the later 1.0s
+    anchor = SlowdownAnchor(2, window=3)
+    anchor.rebase((1.0, 3.0))
+    for _ in range(6):
+        anchor.step((1.0, 3.0) if anchor.anchored else (1.43, 3.0))
+    assert anchor.factors((1.0, 3.0))[0] == pytest.approx(1 / 1.215)
+
+
 def test_anchor_rejects_misuse_and_round_trips():
     with pytest.raises(ValueError, match="need window >= 1, band > 1"):
         SlowdownAnchor(2, window=0)
