@@ -55,7 +55,8 @@ class SlowdownAnchor:
         self._level: tuple[float, ...] = ()  # the anchor window's base
         self._same_level: list[list[float]] = []  # per rank, the steps the base is made of
         self._refined = 0  # steps since the window that were considered for the base
-        self._faster: list[list] = [[] for _ in range(tp_size)]  # per rank, latest readings
+        # per rank, its latest anchored steps' compute over its base
+        self._faster: list[list] = [[] for _ in range(tp_size)]
         self._keys: list[list[int]] = []  # per rank, the window's steps its base is made of
         self.overruled: frozenset[int] = frozenset()  # ranks the model's reading overruled
         # each rank's compute and work at the level it was at just before the change, and its
@@ -82,6 +83,7 @@ class SlowdownAnchor:
         errors carried from anchor to anchor end here)."""
         self._before, self._base, self._pending = None, None, []
         self._modelled, self._same_level = [], []
+        self._faster = [[] for _ in range(self.tp_size)]
         self.overruled = self.model_ends = frozenset()
         self._then = self._work = self._modelled_then = None
 
@@ -112,6 +114,7 @@ class SlowdownAnchor:
             raise ValueError("compute and work before a change: both or neither, one per rank")
         self._before, self._base, self._pending = tuple(slowdown), None, []
         self._modelled, self._same_level = [], []
+        self._faster = [[] for _ in range(self.tp_size)]
         self.overruled = self.model_ends = frozenset()
         self._then = None if compute is None else (tuple(compute), tuple(work))
         self._work = None
@@ -131,7 +134,7 @@ class SlowdownAnchor:
             raise RuntimeError("no change of the split to anchor to: use the cost model")
         if self.anchored:
             self._refine(compute)
-            self._no_faster_than_full_speed(self.factors(compute))
+            self._no_faster_than_full_speed(compute)
             return [self.factors(compute)]
         if work is not None:
             self._work = tuple(work)
@@ -229,7 +232,8 @@ class SlowdownAnchor:
         square of `band` from the window's level is a new level or a hiccup and is left out;
         a narrower cut would trim the noise on one side of a window that is off, and keep the
         base off (a new level that a decision acts on re-anchors anyway). Nor is a step
-        `slow` apart, which the detector takes for a straggle at once: at a band of 1.5
+        `slow` apart, which the detector takes for a straggle at once (at the default onset
+        and at-once factors, 1.6 where the square of the band is 1.69): at a band of 1.5
         (--het-tp-onset 1.5) a straggler's 3x steps after a window at 6.3x (a spell on top of
         the straggle) were folded into its base, and once the straggle ended it read 2.1x and
         stayed resized. A cut at `band` itself mends that too, but trims heavy per-step noise
@@ -245,23 +249,35 @@ class SlowdownAnchor:
                 base[r] = statistics.median(self._same_level[r])
         self._base = tuple(base)
 
-    def _no_faster_than_full_speed(self, factors: Factors) -> None:
+    def _no_faster_than_full_speed(self, compute: Sequence[float]) -> None:
         """A rank whose last `window` anchored steps read it faster than full speed by more
-        than `slow` (their median) was carried too slow: its speed changed inside the anchor
-        window (a spell there, on this rank or on a straggler read against it). It is carried
-        at full speed from here. Left so, a fast rank whose window fell in a 2x spell read 0.5x
-        after it, and the straggler that ended its straggle read 2x against it for good. At
-        `band` rather than `slow`, a window that per-step noise of 25% had put high re-carried
-        fast ranks that were not (hettp.sim.noisy's E fell)."""
-        for r, f in enumerate(factors):
-            recent = self._faster[r] = [*self._faster[r], f][-self.window :]
-            if len(recent) < self.window or any(x is None or x <= 0 for x in recent):
+        than `slow` (their median), having sped up since the window by `slow` more than the
+        other ranks did, was carried too slow: its speed changed inside the anchor window (a
+        spell there, on this rank or on a straggler read against it). It is carried at full
+        speed from here. Left so, a fast rank whose window fell in a 2x spell read 0.5x after
+        it, and the straggler that ended its straggle read 2x against it for good. A speed-up
+        of every rank alike (the whole node slow through the window) is the others' too, and
+        `relative` reads it right. A spell that began before the change and ended inside the
+        window looks the same as one inside it, and is taken for one. At `band` rather than
+        `slow`, a window that per-step noise of 25% had put high re-carried fast ranks that
+        were not (hettp.sim.noisy's E fell)."""
+        ratios = [c / b if b and b > 0 and c > 0 else None for c, b in zip(compute, self._base)]
+        for r, ratio in enumerate(ratios):
+            self._faster[r] = [*self._faster[r], ratio][-self.window :]
+        if any(len(recent) < self.window or None in recent for recent in self._faster):
+            return
+        sped = [statistics.median(recent) for recent in self._faster]  # compute now / base
+        for r in range(self.tp_size):
+            others = [x for i, x in enumerate(sped) if i != r]
+            if self._before[r] is None or not others:
                 continue
-            level = statistics.median(recent)
-            if level * self.slow < 1.0:
+            level = self._before[r] * sped[r]
+            if level * self.slow < 1.0 and sped[r] * self.slow < statistics.median(others):
                 before = list(self._before)
                 before[r] /= level
-                self._before, self._faster[r] = tuple(before), []
+                self._before = tuple(before)
+                self._faster = [[] for _ in range(self.tp_size)]
+                return
 
     def _same(self, rank: int) -> list[int]:
         """The anchor window's steps within `band` of its first, for `rank`."""

@@ -224,6 +224,7 @@ class ControlLoop:
         # the latest steps detected on, all of one split: the level a change leaves
         self._recent: deque[TimingReport] = deque(maxlen=detector.window)
         self._seen = 0  # steps seen since this loop was created
+        self.latest: TimingReport | None = None  # the last step seen, every rank's timings
         self._detected = 0  # steps detected on
         # per rank, the detected step at which the model ended its straggle at a change (not
         # checkpointed: a resume between an end and its refutation loses that refutation)
@@ -234,6 +235,7 @@ class ControlLoop:
         plan on where the planner must run."""
         warm = self._seen >= WARMUP_STEPS
         self._seen += 1
+        self.latest = step
         # The first steps after a start or resume (allocations, the optimizer's lazy state,
         # caches) are no evidence of speed.
         detection = self.detect(step) if self.planner is not None and warm else None

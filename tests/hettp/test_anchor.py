@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hettp.anchor import SlowdownAnchor
+from hettp.anchor import SlowdownAnchor, relative
 from hettp.costfit import ComputeFit, Line
 from hettp.detect import StragglerDetector
 from hettp.loop import ControlLoop, TimingReport
@@ -229,22 +229,35 @@ def test_a_straggler_s_new_level_is_not_folded_into_its_base():
 def test_a_fast_rank_whose_window_fell_in_a_spell_is_carried_at_full_speed_after_it():
     """Rank 0 ran at 2x for the whole anchor window: continuity read it at 0.5x after, rank 1
     at 2x against it while at 1x, and at 6x while at 3x. Three steps faster than full speed
-    by more than `slow` carry it at full speed."""
+    by more than `slow`, sped up by that much more than rank 1, carry it at full speed; the
+    readings so far survive a checkpoint."""
     anchor = SlowdownAnchor(2, window=3)
     anchor.rebase((1.0, 3.0))
     for _ in range(3):
         anchor.step((2.0, 3.0))
     assert anchor.step((1.0, 3.0))[0] == pytest.approx((0.5, 3.0))
     assert anchor.step((1.0, 3.0))[0] == pytest.approx((0.5, 3.0))  # two steps: not yet
-    anchor.step((1.0, 3.0))
-    assert anchor.factors((1.0, 3.0)) == pytest.approx((1.0, 3.0))
-    assert anchor.factors((1.0, 1.0)) == pytest.approx((1.0, 1.0))  # the straggle's end
-    state = anchor.state_dict()
     again = SlowdownAnchor(2, window=3)
-    again.load_state_dict(state)
-    assert again.factors((1.0, 3.0)) == pytest.approx((1.0, 3.0))
-    # a window merely off by noise (0.7x after it, within `slow` of full speed) is left to
-    # the refining steps: the base is the median of the window's 1.43 and the later 1.0s
+    again.load_state_dict(anchor.state_dict())
+    assert again.step((1.0, 3.0))[0] == pytest.approx((1.0, 3.0))
+    assert again.factors((1.0, 1.0)) == pytest.approx((1.0, 1.0))  # the straggle's end
+
+
+def test_a_whole_group_slow_through_the_window_is_read_by_the_ranks_ratios():
+    """Every rank 2x slow through the window (the node's neighbours): every rank reads 2x
+    faster after it, their ratios stay right, and none is re-carried."""
+    anchor = SlowdownAnchor(2, window=3)
+    anchor.rebase((1.0, 3.0))
+    for _ in range(3):
+        anchor.step((2.0, 6.0))
+    for _ in range(4):
+        assert relative(anchor.step((1.0, 3.0))[0]) == pytest.approx((1.0, 3.0))
+    assert anchor.factors((1.0, 3.0)) == pytest.approx((0.5, 1.5))
+
+
+def test_a_window_merely_off_by_noise_is_left_to_the_refining_steps():
+    """0.7x after the window is within `slow` of full speed: the base becomes the median of
+    the window's 1.43 and the later 1.0s."""
     anchor = SlowdownAnchor(2, window=3)
     anchor.rebase((1.0, 3.0))
     for _ in range(6):

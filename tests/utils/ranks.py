@@ -10,6 +10,7 @@ every rank comes back as a list; an exception on any rank fails the test with it
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import socket
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 # Imported once by the fork server; every rank forks from it with these already loaded.
 # pretrain_gpt comes first: it silences megatron-core's import-time warnings about GPU extras.
 PRELOAD = ["pretrain_gpt", "megatron.hetero.training", "tests.utils.workers"]
+FAILURE_GRACE = 10.0  # seconds the other ranks get to finish after one failed
 
 
 def _free_port() -> int:
@@ -61,6 +63,26 @@ def _entry(rank, world_size, port, fn, args, kwargs, out_dir):
         os._exit(1)  # do not wait on peers stuck in a collective
 
 
+def _wait(processes, deadline: float, what: str, timeout: float) -> None:
+    """Until every rank has exited, or FAILURE_GRACE seconds after one failed: the others
+    may be failing too (a failure broadcast, a peer's closed connection) and write their
+    results, or be stuck in a collective. torch's ProcessContext.join terminates them at
+    the first failure, and a test of every rank's error then saw one rank's, or none."""
+    failed_at = None
+    while True:
+        alive = [p for p in processes if p.exitcode is None]
+        if not alive:
+            return
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in processes):
+            failed_at = now
+        if failed_at is not None and now > failed_at + FAILURE_GRACE:
+            return
+        if now > deadline:
+            raise TimeoutError(f"{what} exceeded {timeout:.0f} s")
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=1.0)
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> list:
     """fn(*args, **kwargs) on `world_size` gloo ranks; returns each rank's result."""
     multiprocessing.set_forkserver_preload(PRELOAD)
@@ -75,13 +97,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> l
         deadline = time.monotonic() + timeout
         errors = []
         try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{fn.__name__} on {world_size} ranks exceeded {timeout:.0f} s"
-                    )
-        except mp.ProcessExitedException:
-            pass  # collected below from the result files
+            _wait(ctx.processes, deadline, f"{fn.__name__} on {world_size} ranks", timeout)
         finally:
             for process in ctx.processes:
                 if process.is_alive():

@@ -837,9 +837,16 @@ def train_with_control(argv: list[str]) -> dict:
     import torch
 
     seen, unit_work, rng = {}, {}, {}  # unit_work: per iteration, the units' weights after it
+    per_unit = {}  # per iteration, every TP rank's compute over its work, as the loop saw it
 
     def hook(iteration, state, runtime):
         rng[iteration] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
+        controller = runtime.controller if runtime else None
+        latest = controller.loop.latest if controller else None
+        if latest is not None and latest.iteration == iteration:
+            per_unit[iteration] = [
+                c / w if w else None for c, w in zip(latest.compute, latest.work)
+            ]
         partition = runtime.partition if runtime else None
         resizer = runtime.resizer if runtime else None
         seen[iteration] = (
@@ -854,6 +861,7 @@ def train_with_control(argv: list[str]) -> dict:
         "seen": seen,
         "unit_work": unit_work,
         "rng": rng,
+        "per_unit": per_unit,
         "stdout": stdout,
         "metrics_file": result.metrics_file,
     }
