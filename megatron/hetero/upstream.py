@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import time
 
+import torch
+import torch.distributed as dist
+
 from hettp.config import HetTPConfig
 
 from . import checkpointing
 from .arguments import ArgumentError
+from .partition import comm_device
 from .runtime import HetTPRuntime, SavedPlan, TrainState, runtime_of
 
 # Upstream flags het-TP layers cannot honour: (attribute, refused when, what to do). Checked
@@ -169,17 +173,18 @@ def layer_spec(runtime: HetTPRuntime | None, spec):
     return het if het is not None else spec
 
 
-def _checkpoint_to_resume(args) -> str | None:
-    """The checkpoint folder upstream's load_checkpoint will read from --load, if any."""
+def _checkpoint_to_resume(args, iteration: int | None = None) -> str | None:
+    """The checkpoint folder upstream's load_checkpoint reads from --load, if any: at
+    `iteration` (what it loaded), else --ckpt-step, else the newest any rank reads from the
+    tracker, as upstream takes it (collective). Read per rank, a job loading from a folder
+    another job saves into could start ranks in different plans."""
     root = getattr(args, "load", None)
     if not root or getattr(args, "finetune", False):
         return None
-    iteration = getattr(args, "ckpt_step", None)
     if iteration is None:
-        try:
-            iteration = checkpointing.latest_iteration(root)
-        except checkpointing.CheckpointError:  # e.g. 'release': no het-TP state to resume
-            return None
+        iteration = getattr(args, "ckpt_step", None)
+    if iteration is None:
+        iteration = _newest_over_ranks(root)
     if iteration is None:
         return None
     path = checkpointing.checkpoint_dir(root, iteration)
@@ -187,6 +192,18 @@ def _checkpoint_to_resume(args) -> str | None:
 
     # a torch or torch_dcp checkpoint (--auto-detect-ckpt-format) holds no het-TP plan
     return path if dist_checkpointing.check_is_distributed_checkpoint(path) else None
+
+
+def _newest_over_ranks(root: str) -> int | None:
+    """The largest iteration any rank reads from `root`'s tracker (upstream's read_metadata
+    takes the same maximum); None where none reads one ('release', or no tracker)."""
+    try:
+        mine = checkpointing.latest_iteration(root)
+    except checkpointing.CheckpointError:  # e.g. 'release': no het-TP state to resume
+        mine = None
+    newest = torch.tensor([-1 if mine is None else mine], dtype=torch.long, device=comm_device())
+    dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+    return None if newest.item() < 0 else int(newest.item())
 
 
 def _common_state(path: str) -> dict:
@@ -217,8 +234,10 @@ def _saved_tp_size(common: dict) -> int | None:
 def _load_runtime_state(runtime: HetTPRuntime, args) -> None:
     """The runtime's per-TP-rank state from the checkpoint upstream just loaded (when it was
     saved by a het-TP run of the same TP size); collective, like upstream's load."""
-    path = _checkpoint_to_resume(args)
-    if path is None or not getattr(args, "iteration", 0):
+    if not getattr(args, "iteration", 0):
+        return
+    path = _checkpoint_to_resume(args, iteration=args.iteration)
+    if path is None:
         return
     common = _common_state(path)
     if "het_tp_plan" not in common or _saved_tp_size(common) != args.tensor_model_parallel_size:

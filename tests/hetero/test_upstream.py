@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.utils import PATCH, ROOT, fresh_megatron_lm
+from tests.utils import PATCH, ROOT, fresh_megatron_lm, run_ranks, upstream_resume_paths
 
 PATCHED = (
     "pretrain_gpt.py",
@@ -236,3 +236,21 @@ def test_the_patch_applies_to_a_fresh_copy_of_megatron_lm(tmp_path):
     # a second apply is refused (the patch no longer applies), leaving the tree as it is
     again = subprocess.run(["bash", apply, tree], capture_output=True, text=True)
     assert again.returncode != 0
+
+
+def test_every_rank_resumes_the_checkpoint_upstream_loads(tmp_path):
+    """Ranks that read the tracker apart (another job saving into --load between their reads)
+    take the newest any rank read, as upstream's read_metadata does: each rank read its own,
+    and ranks could start in different plans. After the load, the iteration upstream loaded."""
+    for iteration in (3, 6):
+        folder = tmp_path / f"iter_{iteration:07d}"
+        folder.mkdir()
+        (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    paths = run_ranks(upstream_resume_paths, 2, str(tmp_path), [3, 6], 6)
+    assert (
+        {p["before"] for p in paths}
+        == {p["after"] for p in paths}
+        == {str(tmp_path / "iter_0000006")}
+    )
+    paths = run_ranks(upstream_resume_paths, 2, str(tmp_path), [None, None], 0)
+    assert [p["before"] for p in paths] == [None, None]

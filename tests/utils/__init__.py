@@ -32,6 +32,7 @@ from tests.utils.workers import (
     train_with_repartitions,
     train_with_resizes,
     train_with_slow_boundary,
+    upstream_resume_paths,
 )
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "train_drawing_apart",
     "train_pricing_a_layer_move",
     "train_reading_the_tracker_apart",
+    "upstream_resume_paths",
     "train_and_read_norms",
     "train_with_control",
     "train_with_data_split",

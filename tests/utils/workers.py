@@ -196,6 +196,29 @@ def train_reading_the_tracker_apart(argv: list[str], elsewhere: int) -> dict:
     return {"losses": result.losses, "stdout": stdout}
 
 
+def upstream_resume_paths(root: str, reads: list, loaded: int) -> dict:
+    """The checkpoint upstream.py's glue resumes het-TP state from, on this rank, where rank r
+    reads iteration reads[r] from `root`'s tracker: before upstream's load (the plan to start
+    in), and after it loaded iteration `loaded`."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from megatron.hetero import checkpointing, upstream
+
+    dist.init_process_group("gloo")
+    real = checkpointing.latest_iteration
+    checkpointing.latest_iteration = lambda _: reads[dist.get_rank()]
+    try:
+        args = argparse.Namespace(load=root, finetune=False, ckpt_step=None, iteration=loaded)
+        before = upstream._checkpoint_to_resume(args)
+        after = upstream._checkpoint_to_resume(args, iteration=args.iteration)
+    finally:
+        checkpointing.latest_iteration = real
+        dist.destroy_process_group()
+    return {"before": before, "after": after}
+
+
 def train_pricing_a_layer_move(argv: list[str]) -> dict:
     """pretrain; after every step, the runtime's predicted seconds of moving one layer between
     pipeline stages (what every rank must agree on to decide a split)."""
