@@ -525,6 +525,20 @@ class UnitBlock:
     block: str
     linear_names: tuple
     heads: HeadUnits | None = None  # attention units of query heads (K/V replicas)
+    _resized_to: int | None = None  # the active count a resize set, while evaluating
+
+    def train(self, mode: bool = True):
+        """Evaluation runs every unit. A resize skips units to keep pace while training; the
+        model evaluated, as the one saved, is all of them (evaluated at the resize, a run's
+        validation loss was a smaller network's, and its checkpoint loaded into vanilla gave
+        another). Back to training, the resize is as it was."""
+        if not mode and self.training and self.active < len(self.units):
+            self._resized_to = self.active
+            self.set_active(None)
+        elif mode and not self.training and self._resized_to is not None:
+            count, self._resized_to = self._resized_to, None
+            self.set_active(count)
+        return super().train(mode)
 
     def replica_tensors(self) -> list:
         """(parameter name, {group: Parameter}, payload shape) per tensor a rank holds once per

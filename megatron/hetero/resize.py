@@ -7,8 +7,10 @@ units are a suffix of the shard; the layers compute the prefix with views (layer
 
 Skipped units get no gradient (they are not in the forward); the optimizer still visits their
 elements, so the resizer puts back their weights, fp32 masters and Adam moments after every
-step from a copy taken when the resize began: they resume exactly where they stopped. Adam's
-step count is per tensor, so a resumed unit's bias correction uses its tensor's count.
+step from a copy taken when the resize began: they resume where they stopped. Adam's step
+count (per tensor, or per group in a fused Adam) goes on while they are skipped, so a resumed
+unit's moments are bias-corrected at the later count: its first updates are larger early in
+training (README, "Frozen units"). Evaluation computes every unit (layers.UnitBlock.train).
 
 The paper's baseline (`--het-tp-policy zero`) instead fills skipped gradients with a tiny constant
 and lets the optimizer update them, as its public code does.

@@ -231,3 +231,21 @@ def test_resize_state_survives_a_checkpoint(tmp_path):
     )[0]["losses"]
     assert sorted(resumed) == list(range(6, 11))
     assert [resumed[i] for i in range(6, 11)] == [straight[i] for i in range(6, 11)]
+
+
+def test_evaluation_runs_every_unit_and_training_stays_resized(tmp_path):
+    """Rank 1 skips half its units while training; evaluated, the model is all of them: the
+    test loss at the end is what vanilla megatron-core reads from the run's checkpoint. And
+    training after an evaluation is resized as before: the same losses as without one."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = (
+        MHA.replace("--train-iters 1", "--train-iters 4").replace("--eval-iters 0", "")
+        + " --tensor-model-parallel-size 2 --split 90,5,5"
+    ).split()
+    resize = ["--het-tp", "--het-tp-resize", "0,0.5"]
+    evals = ["--eval-iters", "1", "--eval-interval", "2"]
+    resized = run_ranks(train, 2, argv + resize + evals + ["--save", ckpt])[0]
+    quiet = run_ranks(train, 2, argv + resize + ["--eval-iters", "0"])[0]
+    assert resized["losses"] == quiet["losses"]
+    vanilla = run_ranks(train, 2, argv + evals + ["--load", ckpt])[0]
+    assert resized["test_loss"] == pytest.approx(vanilla["test_loss"], rel=1e-5)
