@@ -75,8 +75,10 @@ class ReplicaBatches:
         self._steps = []
 
     def restart(self) -> None:
-        """The ranks' work changed (a TP decision): paces measured before it are stale."""
+        """The ranks' work changed (a TP decision): paces measured before it are stale, and a
+        batch ramp re-splits the counts in proportion, not by them."""
         self._steps = []
+        self._paces = None
 
     # ---- timing -------------------------------------------------------------------------
 
@@ -121,7 +123,10 @@ class ReplicaBatches:
     # ---- checkpoints --------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"counts": list(self.counts) if self.counts is not None else None}
+        """The counts and the paces they came from: a batch ramp after a resume re-splits by
+        them as the run would have (the checkpoint at a ramp's change is saved before it)."""
+        paces = None if self._paces is None else [list(x) for x in self._paces]
+        return {"counts": list(self.counts) if self.counts is not None else None, "paces": paces}
 
     def load_state_dict(self, state: dict | None) -> str | None:
         """Take up a checkpoint's counts where they fit this run; else why not."""
@@ -134,4 +139,6 @@ class ReplicaBatches:
             self.counts = rebatch.check_counts(counts, sum(counts))
         except rebatch.RebatchError as err:
             return str(err)
+        paces = state.get("paces")  # absent from older checkpoints: re-split in proportion
+        self._paces = None if paces is None else (tuple(paces[0]), tuple(paces[1]))
         return None

@@ -710,7 +710,9 @@ class HetTPRuntime:
         self._moved += done.seconds
         if plan is not None or shares is not None:
             self._rebase()
-        self.replicas.set(option.counts, report)
+        # paces measured before a move or resize are not the ranks' now
+        moved = plan is not None or shares is not None
+        self.replicas.set(option.counts, None if moved else report)
         self.events.data_decision(
             iteration,
             option.action,

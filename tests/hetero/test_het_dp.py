@@ -176,6 +176,7 @@ def test_a_batch_ramp_resplits_on_the_paces_the_counts_came_from():
     replicas.set((6, 2), report)
     assert replicas.split(4) == (6, 2)
     assert replicas.split(1) == (1, 1)  # a ramp's first, smallest batch: one each
+    saved = replicas.state_dict()
     assert replicas.split(8) == (12, 4)  # grown again: the paces' split, not even
     assert replicas.loss_weight((12, 4), per_token_loss=False) == pytest.approx(4 * 2 / 16)
     assert replicas.loss_weight((12, 4), per_token_loss=True) == 1.0
@@ -183,6 +184,15 @@ def test_a_batch_ramp_resplits_on_the_paces_the_counts_came_from():
     assert fresh.load_state_dict({"counts": [3, 0]}) is not None  # refused, by value
     assert fresh.load_state_dict({"counts": [3, 1, 1]}).endswith("3 data-parallel replicas")
     assert fresh.load_state_dict({"counts": [3, 1]}) is None and fresh.split(2) == (3, 1)
+    # a resume at one micro-batch each keeps the paces: grown again, it re-splits as the
+    # uninterrupted run did (in proportion to (1, 1), it was even for good)
+    resumed = ReplicaBatches(2, interval=2, dp_rank=0)
+    assert resumed.load_state_dict(saved) is None
+    assert resumed.split(8) == (12, 4)
+    # a TP decision changes the ranks' work: the paces go, the split stays in proportion
+    replicas.restart()
+    assert replicas.split(2) == (3, 1)
+    assert replicas.state_dict()["paces"] is None
 
 
 def test_the_joint_policy_moves_within_a_memory_cap(tmp_path, reference):
