@@ -295,6 +295,30 @@ class EventLog:
                 **_moved_fields(moved),
             )
 
+    def data_resplit(self, iteration, before, after, paced: bool) -> None:
+        """A batch ramp changed the micro-batches of a global batch: the decided counts split
+        again for the new total; JSONL `decision` (action `ramp`), so the counts chain."""
+        how = "by the paces they were decided on" if paced else "in proportion"
+        reason = f"batch ramp to {sum(after)} micro-batches a step, split {how}"
+        self.info(
+            f"> het-TP decision at iteration {iteration}: ramp ({reason}) | micro-batches per "
+            f"replica {split_text(before)} -> {split_text(after)}"
+        )
+        if self.metrics is not None:
+            self.metrics.write(
+                "decision",
+                iteration=iteration,
+                action="ramp",
+                reason=reason,
+                microbatches_before=list(before),
+                microbatches=list(after),
+                shares=None,
+                plan=None,
+                predicted_before_s=None,
+                predicted_after_s=None,
+                details={"paced": paced},
+            )
+
     def data_decision(
         self,
         iteration,

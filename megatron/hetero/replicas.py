@@ -62,6 +62,12 @@ class ReplicaBatches:
                 self.counts = rebatch.rescaled(self.counts, total)
         return self.counts
 
+    @property
+    def paced(self) -> bool:
+        """Whether a batch ramp re-splits the counts by the paces they were decided on (else
+        in proportion to them)."""
+        return self._paces is not None
+
     def loss_weight(self, counts, per_token_loss: bool) -> float:
         """What this replica's micro-batch losses are multiplied by (1 under per-token loss:
         megatron-core then divides the gradients by the tokens of every replica)."""

@@ -377,12 +377,19 @@ class HetTPRuntime:
 
     # ---- every step ---------------------------------------------------------------------
 
-    def data_split(self, per_replica: int, per_token_loss: bool = False) -> DataSplit | None:
-        """Under --het-dp, before each step on every rank: the micro-batches of a global batch
-        of `per_replica` a replica (the even split's) each replica runs. None without it."""
+    def data_split(
+        self, per_replica: int, per_token_loss: bool = False, iteration: int | None = None
+    ) -> DataSplit | None:
+        """Under --het-dp, before each step on every rank (after `iteration`): the
+        micro-batches of a global batch of `per_replica` a replica (the even split's) each
+        replica runs. None without it. A batch ramp that re-splits decided counts is logged
+        as a decision ("ramp"), so the records' counts chain."""
         if self.replicas is None:
             return None
+        before, paced = self.replicas.counts, self.replicas.paced
         counts = self.replicas.split(per_replica)
+        if iteration is not None and before is not None and counts != before:
+            self.events.data_resplit(iteration, before, counts, paced)
         if self.controller is not None:
             self.controller.counts = counts
         here = counts[self.replicas.dp_rank]

@@ -538,7 +538,9 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
             lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies
             split = None
             if runtime is not None:
-                split = runtime.data_split(batch.num_microbatches, args.calculate_per_token_loss)
+                split = runtime.data_split(
+                    batch.num_microbatches, args.calculate_per_token_loss, iteration
+                )
             here, weight = batch, 1.0
             if split is not None:  # --het-dp: this replica's share of the global batch
                 if loader_for != (split.counts, batch.global_batch_size):

@@ -215,3 +215,45 @@ def test_the_joint_policy_moves_within_a_memory_cap(tmp_path, reference):
         assert cap.fits(plan) and max(cap.ratios(plan)) > 0.95, cap.ratios(plan)
     _ran_their_shares(ranks)
     _same_losses(ranks[0]["losses"], reference, range(1, 11))
+
+
+def test_a_batch_ramp_after_a_rebatch_splits_by_the_paces_and_logs_it(tmp_path):
+    """--rampup-batch-size 8 4 96 to a global batch of 16 (2 micro-batches of 2 a replica at
+    first, 3 from step 7, 4 from step 11), replica 1 3x slow: the rebatch at 5 splits the 4
+    micro-batches of a step, and each ramp after it re-splits the decided counts by the
+    paces they came from, logged as decisions, so the records' counts chain. The update is
+    the one process's throughout."""
+    ramp = (
+        " ".join(TRAIN)
+        .replace("--train-iters 10", "--train-samples 144 --rampup-batch-size 8 4 96")
+        .split()
+    )
+    reference = run_ranks(train, 1, ramp)[0]["losses"]
+    metrics = str(tmp_path / "ramp.jsonl")
+    ranks = run_ranks(
+        train_with_data_split,
+        2,
+        ramp
+        + ["--het-tp-policy", "rebatch", "--het-tp-emulate", "persistent:global=1,factor=3"]
+        + ["--metrics-file", metrics],
+    )
+    decisions = _decisions(metrics)
+    assert [(d["iteration"], d["action"]) for d in decisions][:3] == [
+        (5, "rebatch"),
+        (6, "ramp"),
+        (10, "ramp"),
+    ], decisions
+    for last, d in zip(decisions, decisions[1:]):
+        assert d["microbatches_before"] == last["microbatches"], decisions
+    assert [sum(d["microbatches"]) for d in decisions[:3]] == [4, 6, 8]
+    for d in decisions[1:3]:
+        slow_share = d["microbatches"][1] / sum(d["microbatches"])
+        assert slow_share < 0.5 and d["details"]["paced"], d
+    assert (
+        "het-TP decision at iteration 6: ramp (batch ramp to 6 micro-batches a step"
+        in (ranks[0]["stdout"])
+    )
+    for rank in ranks:
+        for i, (every, here, _) in rank["seen"].items():
+            assert here == every[rank["dp_rank"]] and every == ranks[0]["seen"][i][0], i
+    _same_losses(ranks[0]["losses"], reference, sorted(reference))
