@@ -122,7 +122,10 @@ class UnitLayout:
         ]
 
     def unit_sums(self, local: torch.Tensor, num_local_units: int) -> torch.Tensor:
-        """Per local unit, the sum of `local`'s elements over all of the unit's parts (float64)."""
+        """Per local unit, the sum of `local`'s elements over all of the unit's parts (float64).
+        Empty for a rank that holds none of the block's units (a migration can leave it so)."""
+        if num_local_units == 0:
+            return torch.zeros(0, dtype=torch.float64, device=local.device)
         moved = local.movedim(self.axis, 0).reshape(self.parts, num_local_units, -1)
         return moved.sum(dim=(0, 2), dtype=torch.float64)
 

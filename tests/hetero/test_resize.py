@@ -249,3 +249,20 @@ def test_evaluation_runs_every_unit_and_training_stays_resized(tmp_path):
     assert resized["losses"] == quiet["losses"]
     vanilla = run_ranks(train, 2, argv + evals + ["--load", ckpt])[0]
     assert resized["test_loss"] == pytest.approx(vanilla["test_loss"], rel=1e-5)
+
+
+def test_priorities_refresh_on_a_rank_left_without_units_of_a_block():
+    """A migration leaves rank 0 no query group, then another moves two back: the priority
+    refresh before it scores every unit of every block on every rank (a scorer read at the
+    refresh, magnitude), and rank 0's empty attention weights failed to reshape (hybrid with
+    --het-tp-priority magnitude crashed at its first move after one that emptied a rank's
+    attention). Lossless against plain het-TP."""
+    argv = TRAIN + ["--het-tp-resize", "0,0", "--het-tp-priority", "magnitude"]
+    actions = {
+        2: [("migrate", "rebalance:attn=0,4;mlp=128,128")],
+        4: [("migrate", "rebalance:attn=2,2;mlp=128,128")],
+    }
+    moved = run_ranks(train_with_resizes, 2, argv, actions, ())[0]["losses"]
+    plain = run_ranks(train, 2, TRAIN + ["--het-tp"])[0]["losses"]
+    for i, loss in plain.items():
+        assert moved[i] == pytest.approx(loss, rel=1e-5), i

@@ -125,6 +125,8 @@ def test_unit_views_sums_and_permutation():
     sums = layout.unit_sums(local, n)
     for position in range(n):
         assert sums[position].item() == layout.payload(local, n, position).sum().item()
+    # a rank that holds none of the block's units: no sums (a reshape to -1 was ambiguous)
+    assert layout.unit_sums(local[:0], 0).shape == (0,)
     permuted = layout.permuted(local, n, [2, 0, 1])
     for new, old in enumerate([2, 0, 1]):
         assert torch.equal(layout.payload(permuted, n, new), layout.payload(local, n, old))
