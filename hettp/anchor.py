@@ -56,7 +56,7 @@ class SlowdownAnchor:
         self._same_level: list[list[float]] = []  # per rank, the steps the base is made of
         self._refined = 0  # steps since the window that were considered for the base
         # per rank, its latest anchored steps' compute over its base
-        self._faster: list[list] = [[] for _ in range(tp_size)]
+        self._since_base: list[list] = [[] for _ in range(tp_size)]
         self._keys: list[list[int]] = []  # per rank, the window's steps its base is made of
         self.overruled: frozenset[int] = frozenset()  # ranks the model's reading overruled
         # each rank's compute and work at the level it was at just before the change, and its
@@ -83,7 +83,7 @@ class SlowdownAnchor:
         errors carried from anchor to anchor end here)."""
         self._before, self._base, self._pending = None, None, []
         self._modelled, self._same_level = [], []
-        self._faster = [[] for _ in range(self.tp_size)]
+        self._since_base = [[] for _ in range(self.tp_size)]
         self.overruled = self.model_ends = frozenset()
         self._then = self._work = self._modelled_then = None
 
@@ -114,7 +114,7 @@ class SlowdownAnchor:
             raise ValueError("compute and work before a change: both or neither, one per rank")
         self._before, self._base, self._pending = tuple(slowdown), None, []
         self._modelled, self._same_level = [], []
-        self._faster = [[] for _ in range(self.tp_size)]
+        self._since_base = [[] for _ in range(self.tp_size)]
         self.overruled = self.model_ends = frozenset()
         self._then = None if compute is None else (tuple(compute), tuple(work))
         self._work = None
@@ -148,7 +148,7 @@ class SlowdownAnchor:
         self._same_level = [
             [self._pending[i][r] for i in self._keys[r]] for r in range(self.tp_size)
         ]
-        self._refined, self._faster = 0, [[] for _ in range(self.tp_size)]
+        self._refined = 0
         if len(self._modelled) == len(self._pending):
             self._overrule()
         steps, self._pending, self._modelled = self._pending, [], []
@@ -263,10 +263,10 @@ class SlowdownAnchor:
         were not (hettp.sim.noisy's E fell)."""
         ratios = [c / b if b and b > 0 and c > 0 else None for c, b in zip(compute, self._base)]
         for r, ratio in enumerate(ratios):
-            self._faster[r] = [*self._faster[r], ratio][-self.window :]
-        if any(len(recent) < self.window or None in recent for recent in self._faster):
+            self._since_base[r] = [*self._since_base[r], ratio][-self.window :]
+        if any(len(recent) < self.window or None in recent for recent in self._since_base):
             return
-        sped = [statistics.median(recent) for recent in self._faster]  # compute now / base
+        sped = [statistics.median(recent) for recent in self._since_base]  # compute now / base
         for r in range(self.tp_size):
             others = [x for i, x in enumerate(sped) if i != r]
             if self._before[r] is None or not others:
@@ -276,7 +276,7 @@ class SlowdownAnchor:
                 before = list(self._before)
                 before[r] /= level
                 self._before = tuple(before)
-                self._faster = [[] for _ in range(self.tp_size)]
+                self._since_base = [[] for _ in range(self.tp_size)]
                 return
 
     def _same(self, rank: int) -> list[int]:
@@ -330,7 +330,7 @@ class SlowdownAnchor:
             "level": list(self._level),
             "same_level": [list(steps) for steps in self._same_level],
             "refined": self._refined,
-            "faster": list(self._faster),
+            "since_base": list(self._since_base),
             "overruled": sorted(self.overruled),
             "then": None if self._then is None else [list(x) for x in self._then],
             "work": None if self._work is None else list(self._work),
@@ -349,7 +349,7 @@ class SlowdownAnchor:
         self._same_level = [list(steps) for steps in state.get("same_level", ())]
         self._refined = state.get("refined", REFINE_STEPS)
         # absent from older checkpoints: no readings yet
-        self._faster = [list(x) for x in state.get("faster", [[]] * self.tp_size)]
+        self._since_base = [list(x) for x in state.get("since_base", [[]] * self.tp_size)]
         self.overruled = frozenset(state.get("overruled", ()))
         then = state.get("then")  # absent before it: the model decides ends alone
         self._then = None if then is None else (tuple(then[0]), tuple(then[1]))

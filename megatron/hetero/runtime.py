@@ -715,11 +715,11 @@ class HetTPRuntime:
         if done is None:
             return
         self._moved += done.seconds
-        if plan is not None or shares is not None:
+        changed = plan is not None or shares is not None
+        if changed:
             self._rebase()
         # paces measured before a move or resize are not the ranks' now
-        moved = plan is not None or shares is not None
-        self.replicas.set(option.counts, None if moved else report)
+        self.replicas.set(option.counts, None if changed else report)
         self.events.data_decision(
             iteration,
             option.action,
