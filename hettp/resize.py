@@ -31,7 +31,8 @@ class Scorer:
     --het-tp-priority-sample-interval) on the units that ran, and a unit's score is its mean
     per observed step since the last refresh; the others are taken at each
     refresh for every unit. `evidence(weight, grad, delta)` gets the weight after the step, the
-    gradient the optimizer used, and (when `needs_delta`) the weight change of the step.
+    gradient the optimizer used, and (when `needs_delta`) the weight change of the step, a
+    scratch tensor it may overwrite.
     """
 
     name: str
@@ -55,7 +56,7 @@ def register_scorer(scorer: Scorer) -> Scorer:
 register_scorer(
     Scorer(
         "dw",
-        lambda weight, grad, delta: delta.abs(),
+        lambda weight, grad, delta: delta.abs_(),
         needs_delta=True,
         help="accumulated |weight change| per step (the paper's accumulated |dW|)",
     )
@@ -71,7 +72,7 @@ register_scorer(
 register_scorer(
     Scorer(
         "wg",
-        lambda weight, grad, delta: (weight * grad).abs(),
+        lambda weight, grad, delta: (weight * grad).abs_(),
         help="accumulated |weight x gradient| per step (first-order estimate of "
         "the loss change were the unit dropped)",
     )

@@ -126,8 +126,15 @@ class UnitLayout:
         Empty for a rank that holds none of the block's units (a migration can leave it so)."""
         if num_local_units == 0:
             return torch.zeros(0, dtype=torch.float64, device=local.device)
-        moved = local.movedim(self.axis, 0).reshape(self.parts, num_local_units, -1)
-        return moved.sum(dim=(0, 2), dtype=torch.float64)
+        # A view, not a copy (a movedim of a column-split weight would copy it), summed at fp32
+        # or better: the sums' shape is a few numbers per unit, the input the whole shard.
+        shape = local.shape
+        units = local.reshape(
+            *shape[: self.axis], self.parts, num_local_units, self.width, *shape[self.axis + 1 :]
+        )
+        dims = tuple(d for d in range(units.dim()) if d != self.axis + 1)
+        wide = torch.promote_types(local.dtype, torch.float32)
+        return units.sum(dim=dims, dtype=wide).to(torch.float64)
 
     def permuted(
         self, local: torch.Tensor, num_local_units: int, positions: Sequence[int]

@@ -246,12 +246,7 @@ class Resizer:
             owned = self._owned(state)
             self._observe(
                 het_blocks(state.model),
-                lambda p: owned(
-                    p,
-                    scorer.evidence(
-                        p.detach(), _grad(p), None if before is None else p.detach() - before[p]
-                    ),
-                ),
+                lambda p: owned(p, scorer.evidence(p.detach(), _grad(p), _change(p, before))),
             )
 
     def step_end(self, iteration: int, state) -> int | None:
@@ -410,6 +405,15 @@ class _Owned:
             end = start + tensor.numel()
             flat[start:end] = evidence.reshape(-1)[start:end]
         return flat.view(evidence.shape)
+
+
+def _change(param, before):
+    """The step's change of `param`, written over its copy from before the step (a scratch
+    tensor the scorer may overwrite: a shard-sized allocation fewer per observed step)."""
+    if before is None:
+        return None
+    copy = before.pop(param)
+    return torch.sub(param.detach(), copy, out=copy)
 
 
 def _grad(param):

@@ -136,6 +136,24 @@ def test_unit_views_sums_and_permutation():
     assert view.data_ptr() == wide.data_ptr() and view.shape == (5, 6)
 
 
+def test_unit_sums_read_every_layout_in_place_at_fp32_or_better():
+    # column-split weights in parts (units along axis 1), and a 3-d tensor split on its middle
+    for layout, shape in [
+        (UnitLayout(axis=1, width=3, parts=2), (5, 2 * 4 * 3)),
+        (UnitLayout(axis=1, width=2), (3, 4 * 2, 2)),
+        (UnitLayout(axis=0, width=2, parts=2), (2 * 4 * 2, 3)),
+    ]:
+        local = torch.randn(shape)
+        sums = layout.unit_sums(local, 4)
+        assert sums.dtype == torch.float64
+        for position in range(4):
+            expected = layout.payload(local, 4, position).double().sum().item()
+            assert sums[position].item() == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    # bf16 evidence (a GPU model's weights) is summed at fp32: 4097 ones would read 4096 in bf16
+    ones = torch.ones(2, 4097, dtype=torch.bfloat16)
+    assert UnitLayout(axis=0, width=1).unit_sums(ones, 2).tolist() == [4097.0, 4097.0]
+
+
 def test_scorers_measure_what_they_say_and_are_pluggable():
     layout = UnitLayout(axis=1, width=2)  # e.g. fc2: 3 units of 2 columns
     weight = torch.tensor([[1.0, -2.0, 0.5, 0.5, 0.0, 3.0]])
