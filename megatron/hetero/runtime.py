@@ -515,8 +515,12 @@ class HetTPRuntime:
         migration."""
         return self._repartition(plan, iteration, fault)[0]
 
-    def _repartition(self, plan, iteration, fault=None) -> tuple[Migration, list[StageMove]]:
-        """repartition(), also returning what each pipeline stage moved."""
+    def _repartition(self, plan, iteration, fault=None) -> tuple[Migration, list, bool]:
+        """repartition(), also returning what each pipeline stage moved (StageMove) and
+        whether this stage's split changed. Where it did, this is the decision's one re-base of
+        the detector: a second would find the steps before the change gone, and carry the
+        window's median rather than the level, with no compute or work to hold the cost
+        model's readings to."""
         mine = self._stage_of(plan)
         if mine is None:
             raise PlanError(
@@ -531,9 +535,10 @@ class HetTPRuntime:
         if _pipelined():
             self.partition.align_checkpoints(self._module, plan)  # every stage moved to plan
         self.events.repartition(iteration, plan, moves)
-        if mine != before:  # the stages whose split stayed keep their detectors' reference
+        rebased = mine != before  # the stages whose split stayed keep their detectors' reference
+        if rebased:
             self._rebase()
-        return migration, moves
+        return migration, moves, rebased
 
     def _moves_over_stages(self, migration: Migration) -> list[StageMove]:
         """What each pipeline stage's part of a re-partition moved (collective over the
@@ -574,7 +579,7 @@ class HetTPRuntime:
         for v in decided:
             moved = moves[v.stage or 0] if moves is not None and v.decision.migrates else None
             self.events.decision(iteration, v.decision, v.verdict.detection, moved, v.stage)
-        if own is not None:
+        if own is not None and not done.rebased:  # a resize alone
             self._rebase()
 
     def _resize_and_move(self, iteration: int, shares, plan, learns: bool) -> _Moved | None:
@@ -587,9 +592,9 @@ class HetTPRuntime:
             if shares is not None and self.resizer is not None:
                 self.resizer.resize(self.state, shares)
             if plan is None:
-                return _Moved(None, 0.0)
+                return _Moved(None, 0.0, rebased=False)
             start = time.perf_counter()
-            migration, moves = self._repartition(plan, iteration)
+            migration, moves, rebased = self._repartition(plan, iteration)
             seconds = time.perf_counter() - start
         except TransferError as err:
             if self.resizer is not None and self.resizer.shares != before:
@@ -598,7 +603,7 @@ class HetTPRuntime:
             return None
         if learns and self.controller is not None and migration.predictions:
             self.controller.loop.migrated(seconds, min(migration.predictions.values()))
-        return _Moved(moves, seconds)
+        return _Moved(moves, seconds, rebased)
 
     # ---- the data split over replicas (--het-dp) -----------------------------------------------
 
@@ -716,7 +721,7 @@ class HetTPRuntime:
             return
         self._moved += done.seconds
         changed = plan is not None or shares is not None
-        if changed:
+        if changed and not done.rebased:  # a resize alone
             self._rebase()
         # paces measured before a move or resize are not the ranks' now
         self.replicas.set(option.counts, None if changed else report)
@@ -913,6 +918,7 @@ class _Moved:
 
     moves: list | None
     seconds: float
+    rebased: bool  # the move changed this stage's split, and re-based its detector there
 
 
 @dataclasses.dataclass(frozen=True)

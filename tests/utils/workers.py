@@ -861,10 +861,14 @@ def train_with_control(argv: list[str]) -> dict:
 
     seen, unit_work, rng = {}, {}, {}  # unit_work: per iteration, the units' weights after it
     per_unit = {}  # per iteration, every TP rank's compute over its work, as the loop saw it
+    anchor = {}  # per iteration: the slowdowns the anchor carries, whether it holds the level's
 
     def hook(iteration, state, runtime):
         rng[iteration] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
         controller = runtime.controller if runtime else None
+        if controller is not None:
+            saved = controller.loop.anchor.state_dict()
+            anchor[iteration] = (saved["before"], saved["then"] is not None)
         latest = controller.loop.latest if controller else None
         if latest is not None and latest.iteration == iteration:
             per_unit[iteration] = [
@@ -885,6 +889,7 @@ def train_with_control(argv: list[str]) -> dict:
         "unit_work": unit_work,
         "rng": rng,
         "per_unit": per_unit,
+        "anchor": anchor,
         "stdout": stdout,
         "metrics_file": result.metrics_file,
     }
