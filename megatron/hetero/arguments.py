@@ -1037,7 +1037,14 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             "--tokenizer-type GPT2BPETokenizer (vocab and merges), HuggingFaceTokenizer (a "
             "folder), SentencePieceTokenizer (a .model) or TikTokenizer (a .json)",
         )
-        args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
+        # As Megatron-LM: a corpus's ids mean nothing without the tokenizer that made them (a
+        # GPT-2 corpus read with 256 byte ids trains on zeroed embeddings, silently at TP > 1)
+        _require(
+            args.mock_data,
+            "--data-path needs --tokenizer-type: the tokenizer its corpus was preprocessed with "
+            "(scripts/preprocess_data.py's default is ByteLevelTokenizer)",
+        )
+        args.tokenizer_type = "NullTokenizer"
     if args.tokenizer_type == "GPT2BPETokenizer":
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
             _require(

@@ -375,6 +375,15 @@ def test_data_path_must_exist(tmp_path):
     args = build_parser().parse_args(
         BASE.replace("--mock-data --vocab-size 255", f"--data-path {tmp_path}/d").split()
     )
+    # as Megatron-LM: a corpus's ids need the tokenizer that made them
+    with pytest.raises(ArgumentError, match="--data-path needs --tokenizer-type"):
+        validate_args(args, 1, cuda_available=False)
+    args = build_parser().parse_args(
+        BASE.replace(
+            "--mock-data --vocab-size 255",
+            f"--data-path {tmp_path}/d --tokenizer-type ByteLevelTokenizer",
+        ).split()
+    )
     with pytest.raises(ArgumentError, match=rf"--data-path {tmp_path}/d: no {tmp_path}/d.idx"):
         validate_args(args, 1, cuda_available=False)
     (tmp_path / "d.idx").write_bytes(b"")  # there, but not an index
@@ -494,7 +503,7 @@ def test_early_errors_exit_2_with_one_line(tmp_path):
         (base + ["--het-tp-policy", "migrate"], 1, "--tensor-model-parallel-size 1 has nothing"),
         (
             [a for a in base if a not in ("--mock-data", "--vocab-size", "255")]
-            + ["--data-path", prefix],
+            + ["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer"],
             1,
             f"{prefix}.bin is corrupt",
         ),

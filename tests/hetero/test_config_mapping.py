@@ -128,6 +128,7 @@ def test_data_flags_reach_dataset_config(tmp_path):
         (
             BASE.replace("--mock-data --vocab-size 255", "")
             + f" --data-path 0.3 {prefixes[0]} 0.7 {prefixes[1]} --split 90,10,0"
+            + " --tokenizer-type ByteLevelTokenizer"
         ).split()
     )
     validate_args(args, 1, cuda_available=False)

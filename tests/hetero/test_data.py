@@ -142,7 +142,9 @@ def test_a_split_megatron_core_cannot_build_is_refused_naming_it(tmp_path):
     from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
 
     prefix = make_corpus(tmp_path)
-    base = BASE.replace("--mock-data --vocab-size 255", f"--data-path {prefix}")
+    base = BASE.replace(
+        "--mock-data --vocab-size 255", f"--data-path {prefix} --tokenizer-type ByteLevelTokenizer"
+    )
 
     def check(extra):
         args = build_parser().parse_args((base + " " + extra).split())
