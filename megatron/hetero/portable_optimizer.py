@@ -65,6 +65,10 @@ def checkpoint_optimizer(optimizer, model, *, is_loading: bool):
     with _handles_kept(model):
         twin = get_megatron_optimizer(config, [model])
     if not is_loading:
+        # built from the flags, the twin's groups must take the rates training used (a run
+        # resumed with --use-checkpoint-opt_param-scheduler took its checkpoint's)
+        if len(twin.param_groups) == len(optimizer.param_groups):  # one model, one code
+            set_group_values(twin, optimizer.param_groups)
         view = OptimizerView(optimizer)
         view.gather()
         carry_into(twin, whole_state(view))

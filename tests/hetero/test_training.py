@@ -305,6 +305,28 @@ def test_a_changed_schedule_on_resume_is_refused_unless_a_flag_says_whose(tmp_pa
     assert lr_at_4(argv=base + ["--load", str(ckpt)]) == pytest.approx(1e-3)  # longer, same rate
 
 
+def test_a_distributed_optimizer_saves_the_rates_it_trained_at(tmp_path):
+    """A run resumed with --use-checkpoint-opt_param-scheduler trains at the checkpoint's rates,
+    not its flags'; its own checkpoint must keep them. Under the distributed optimizer the
+    checkpoint is a plain twin's, which was built from the flags: a third run from it
+    trained at the second's flags' rate."""
+    base = (
+        " ".join(MODEL).replace("--lr-warmup-iters 2", "--lr-decay-style constant")
+        + " --use-distributed-optimizer"
+    ).split()
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_ranks(train, 2, base + ["--train-iters", "3", "--save", str(first)])
+    higher = [a if a != "1e-3" else "2e-3" for a in base] + ["--use-checkpoint-opt_param-scheduler"]
+    run_ranks(
+        train, 2, higher + ["--train-iters", "4", "--load", str(first), "--save", str(second)]
+    )
+    metrics = tmp_path / "third.jsonl"
+    argv = higher + ["--train-iters", "5", "--load", str(second), "--metrics-file", str(metrics)]
+    run_ranks(train, 2, argv)
+    (record,) = read_metrics(str(metrics), "train")
+    assert record["iteration"] == 5 and record["lr"] == pytest.approx(1e-3)
+
+
 def test_a_resume_with_nothing_left_to_train_does_not_save_again(tmp_path):
     """A job resumed from --save's own newest checkpoint with --train-iters already reached
     keeps that checkpoint as it is; a save over an existing iteration (a fresh run into the
