@@ -9,9 +9,12 @@ manifests existed loads with a warning.
 Safety: torch's dist-checkpoint reader unpickles `.metadata` with plain pickle, which runs
 whatever a crafted file asks for. It is therefore first read with an unpickler that only
 resolves the classes dist-checkpoint metadata is made of (`SAFE_GLOBALS`); a file that needs
-anything else is refused by name and nothing of it runs. The other pickles of a checkpoint are
-read by torch with `weights_only=True` already (`common.pt`, the byte items inside `.distcp`
-files). A manifest is not a signature: someone who can write the folder can rewrite it too.
+anything else is refused by name and nothing of it runs. The byte items inside `.distcp` files
+(the RNG states, het-TP's runtime state, layers' extra state) torch unpickles without
+restriction too (dist-checkpoint's `load_bytes`), so each is first loaded from the file with
+`weights_only=True` (tensors, containers, numbers, and NumPy's arrays for the RNG states);
+one that needs more is refused naming it. `common.pt` torch reads with `weights_only=True`.
+A manifest is not a signature: someone who can write the folder can rewrite it too.
 """
 
 from __future__ import annotations
@@ -66,14 +69,65 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"needs {module}.{name}, which checkpoint metadata never does")
 
 
-def check_metadata(path: str) -> None:
-    """Raise UnsafeCheckpointError if the pickle at `path` needs anything beyond SAFE_GLOBALS."""
+def check_metadata(path: str):
+    """The dist-checkpoint metadata at `path`; UnsafeCheckpointError if its pickle needs
+    anything beyond SAFE_GLOBALS."""
     with open(path, "rb") as f:
         data = f.read()
     try:
-        _RestrictedUnpickler(io.BytesIO(data)).load()
+        return _RestrictedUnpickler(io.BytesIO(data)).load()
     except Exception as err:  # noqa: BLE001 - any failure: the file is not loaded
         raise UnsafeCheckpointError(f"{path} refused: {err}") from None
+
+
+def _numpy_globals() -> list:
+    """What NumPy's RNG state (saved with the RNG states) needs to unpickle: arrays, dtypes."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # NumPy 1
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def check_byte_items(folder: str, metadata) -> None:
+    """Raise UnsafeCheckpointError naming the first byte item of the checkpoint in `folder` that
+    does not load with `weights_only=True`, or that lies outside the folder or behind a storage
+    transform (this trainer writes none), before torch unpickles them unrestricted."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    items = {
+        fqn
+        for fqn, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, BytesStorageMetadata)
+    }
+    root = os.path.realpath(folder)
+    allowed = _numpy_globals()
+    for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: kv[0].fqn):
+        if index.fqn not in items:
+            continue
+        path = os.path.realpath(os.path.join(folder, info.relative_path))
+        named = f"{os.path.join(folder, info.relative_path)}: item {index.fqn}"
+        if os.path.commonpath([root, path]) != root:
+            raise UnsafeCheckpointError(f"{named} refused: it lies outside {folder}")
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeCheckpointError(f"{named} refused: stored behind a transform")
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
+            with torch.serialization.safe_globals(allowed):
+                torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any failure: the item is not loaded
+            raise UnsafeCheckpointError(f"{named} refused: {_why(err)}") from None
+
+
+def _why(err: Exception) -> str:
+    """One line of a failed weights-only load: what it met (torch's message is a page)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    met = [line for line in lines if "GLOBAL" in line or "global" in line]
+    return (met or lines or [type(err).__name__])[0]
 
 
 def _digest(path: str) -> dict:
@@ -156,5 +210,5 @@ def verify(folder: str) -> str | None:
             raise UnsafeCheckpointError(f"{os.path.join(folder, name)} is damaged: {why}")
     else:
         warning = f"{folder} has no {MANIFEST} (saved before manifests): not verified"
-    check_metadata(os.path.join(folder, METADATA))
+    check_byte_items(folder, check_metadata(os.path.join(folder, METADATA)))
     return warning

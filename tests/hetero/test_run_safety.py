@@ -201,9 +201,13 @@ def _rewrite_manifest(folder, name):
 
 
 def test_load_refuses_damaged_and_crafted_checkpoints_by_name(tmp_path):
+    import io
     import pickle
     import shutil
 
+    import torch
+
+    from megatron.hetero.ckpt_integrity import check_metadata
     from tests.utils import damage
 
     ckpt = str(tmp_path / "ckpt")
@@ -238,6 +242,29 @@ def test_load_refuses_damaged_and_crafted_checkpoints_by_name(tmp_path):
     _rewrite_manifest(good, ".metadata")
     line = load(1)[0].stderr.strip().splitlines()[-1]
     assert f"{good}/.metadata refused: needs posix.system" in line, line
+    assert not marker.exists()
+
+    # a crafted byte item: torch unpickles these without restriction (dist-checkpoint's
+    # load_bytes). The RNG state's entry is pointed at a torch.save of the same object,
+    # appended to its file, with .metadata (its own classes only) and the manifest rewritten
+    shutil.rmtree(good)
+    shutil.copytree(pristine, good)
+    meta = check_metadata(os.path.join(good, ".metadata"))
+    index, info = next(
+        (i, v) for i, v in meta.storage_data.items() if i.fqn.startswith("rng_states")
+    )
+    crafted = io.BytesIO()
+    torch.save(_Evil(str(marker)), crafted)
+    shard = os.path.join(good, info.relative_path)
+    info.offset, info.length = os.path.getsize(shard), len(crafted.getvalue())
+    with open(shard, "ab") as f:
+        f.write(crafted.getvalue())
+    with open(os.path.join(good, ".metadata"), "wb") as f:
+        pickle.dump(meta, f)
+    _rewrite_manifest(good, ".metadata")
+    _rewrite_manifest(good, info.relative_path)
+    line = load(1)[0].stderr.strip().splitlines()[-1]
+    assert f"{shard}: item {index.fqn} refused" in line, line
     assert not marker.exists()
 
     # a checkpoint from before manifests loads, with a warning
