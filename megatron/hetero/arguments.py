@@ -348,12 +348,14 @@ def _add_learning_rate_args(parser):
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument(
         "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
         action="store_true",
         help="On --load, take the learning-rate and weight-decay schedule from this run's flags "
         "(by default a schedule that differs from the checkpoint's is refused).",
     )
     g.add_argument(
         "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
         action="store_true",
         help="On --load, keep the checkpoint's learning-rate and weight-decay schedule, "
         "whatever this run's flags say.",
@@ -584,7 +586,7 @@ def _add_logging_args(parser):
 def _add_checkpointing_args(parser):
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(

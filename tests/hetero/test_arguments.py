@@ -391,6 +391,17 @@ def test_data_path_must_exist(tmp_path):
         validate_args(args, 1, cuda_available=False)
 
 
+def test_upstream_s_dashed_spellings_are_accepted():
+    """Megatron-LM takes these under two names each."""
+    args = build_parser().parse_args(
+        BASE.split()
+        + ["--override-opt-param-scheduler", "--persistent-save-interval", "7"]
+        + ["--use-checkpoint-opt-param-scheduler"]
+    )
+    assert args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler
+    assert args.save_interval == 7
+
+
 def test_data_path_blends():
     assert parse_data_path(["a", "b"]) == (["a", "b"], None)
     assert parse_data_path(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
