@@ -430,6 +430,13 @@ class HetTPConfig:
             and self.pipeline_moves != "units"
         )
         _require(
+            tp > 1 or not moves_layers or shape.num_layers > shape.pipeline_stages,
+            f"--het-tp-policy {self.policy} at --tensor-model-parallel-size 1 can only move "
+            f"layers between pipeline stages, and --num-layers {shape.num_layers} over "
+            f"--pipeline-model-parallel-size {shape.pipeline_stages} leaves every stage its one "
+            "layer: nothing can move",
+        )
+        _require(
             tp > 1 or not (p.decides and self.resize is None) or moves_layers,
             f"--het-tp-policy {self.policy} decides how units are split over the TP group, "
             "and --tensor-model-parallel-size 1 has nothing to split: use TP > 1 or drop the "

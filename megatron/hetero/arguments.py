@@ -1239,6 +1239,16 @@ def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
         raise ArgumentError(str(err)) from None
     for why in given.ignored(config):
         warnings.warn(why, stacklevel=1)  # once a process, whoever asks
+    if config.rebatches and config.policy != "joint":  # joint also moves and resizes units
+        dp = model_shape(args).data_parallel
+        micro = args.micro_batch_size * dp
+        if args.global_batch_size < 2 * micro:
+            why = "--het-dp" if config.policy != "rebatch" else "--het-tp-policy rebatch"
+            raise ArgumentError(
+                f"{why} moves micro-batches between data-parallel replicas, and "
+                f"--global-batch-size {args.global_batch_size} gives each of the {dp} replicas "
+                f"one: nothing can move (at least {2 * micro}: two micro-batches a replica)"
+            )
     if config.dp_compress != "none":
         for attr, why in (
             ("use_distributed_optimizer", "reduce-scatters into shards it owns"),

@@ -143,6 +143,17 @@ def test_gpu_defaults_and_precision():
             "add up to --num-layers (2) with 2 pipeline stages",
         ),
         (
+            "--het-tp-policy rebatch",
+            2,
+            "--het-tp-policy rebatch moves micro-batches between data-parallel replicas, and "
+            "--global-batch-size 4 gives each of the 2 replicas one: nothing can move (at least 8",
+        ),
+        (
+            "--het-dp --het-tp-policy migrate --tensor-model-parallel-size 2",
+            4,
+            "--het-dp moves micro-batches between data-parallel replicas",
+        ),
+        (
             "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2",
             6,
             "world size (6) is not divisible by --tensor-model-parallel-size (2) x "

@@ -217,6 +217,9 @@ def test_at_tp_1_a_migrating_policy_needs_pipeline_stages_to_move_layers_between
     ):
         with pytest.raises(ConfigError, match="migrate moves layers between them"):
             config.validated(staged)
+    # a layer a stage: none can move (a stage keeps at least one)
+    with pytest.raises(ConfigError, match="leaves every stage its one layer: nothing can move"):
+        HetTPConfig(policy="migrate").validated(dataclasses.replace(staged, num_layers=2))
 
 
 def test_data_parallel_flags_are_checked_by_name():
