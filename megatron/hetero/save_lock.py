@@ -2,11 +2,13 @@
 
 Two jobs saving into one folder overwrite each other's staging folders and metrics, and one of
 them reports a checkpoint as saved that cannot be loaded. A job therefore claims the folder for
-its whole life with a lock file that appears atomically (link(), which also holds on NFS), naming
-the holder: host, PID, the PID's start time (so a reused PID is not mistaken for the holder) and
-the Slurm job. A second job is refused with that name. A lock whose holder is gone is taken
-over with a warning, and the staging folders the dead job left are removed then: on the same
-host, its process is dead; on another, a host that no longer resolves, or (a job of this
+its whole life with a lock file that appears atomically (link(), which also holds on NFS; an
+exclusive create where the file system has no hard links), naming the holder: host, PID, the
+PID's start time (so a reused PID is not mistaken for the holder), PID namespace and the Slurm
+job. A second job is refused with that name. A lock whose holder is gone is taken over with a
+warning, and the staging folders the dead job left are removed then: on the same host and in
+the same PID namespace, its process is dead; elsewhere (another host, or a container sharing
+the host's name), a host that no longer resolves, or (a job of this
 Slurm cluster and user) its Slurm job has ended (squeue says so) or is this job requeued (a
 higher SLURM_RESTART_COUNT: a requeued job usually lands on another node, and its earlier run
 was killed before it could let go).
@@ -16,6 +18,7 @@ write into each other's.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -51,6 +54,19 @@ def _alive(pid: int, started: str | None) -> bool:
         pass  # someone else's live process
     now = _start_time(pid)
     return started is None or now is None or now == started
+
+
+def _pid_namespace() -> int | None:
+    """This process's PID namespace (Linux): containers sharing a host's name (host networking)
+    see other PIDs, so a holder's PID is only checked from within its own namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+# What link() raises on a file system without hard links (FUSE object stores, some SMB mounts)
+_NO_LINKS = {errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def _resolves(host: str) -> bool:
@@ -113,6 +129,7 @@ class Holder:
     restart: str | None = None  # SLURM_RESTART_COUNT: how often Slurm requeued the job
     cluster: str | None = None  # SLURM_CLUSTER_NAME: whose squeue knows the job
     uid: int | None = None  # squeue may hide other users' jobs (PrivateData=jobs)
+    pidns: int | None = None  # the PID namespace `pid` is in (None: not known)
 
     @classmethod
     def me(cls) -> Holder:
@@ -127,6 +144,7 @@ class Holder:
             os.environ.get("SLURM_RESTART_COUNT"),
             os.environ.get("SLURM_CLUSTER_NAME"),
             os.getuid(),
+            _pid_namespace(),
         )
 
     def describe(self) -> str:
@@ -139,7 +157,8 @@ class Holder:
     def gone(self, me: Holder) -> bool:
         """Whether the holder can be shown to have ended (never guessed: a remote holder whose
         end neither Slurm nor its host's name shows is taken as alive)."""
-        if self.host == me.host:
+        namespaces = (self.pidns, me.pidns)
+        if self.host == me.host and (None in namespaces or self.pidns == me.pidns):
             return not _alive(self.pid, self.started)
         if not _resolves(self.host):
             return True
@@ -175,7 +194,7 @@ class SaveLock:
             warning = None
             for _ in range(2):  # a second try after removing a stale lock
                 try:
-                    os.link(mine, self.path)
+                    self._place(mine)
                 except FileExistsError:
                     other = self._read()
                     if other is None:
@@ -203,12 +222,33 @@ class SaveLock:
         finally:
             os.remove(mine)
 
-    def _read(self) -> Holder | None:
+    def _place(self, mine: str) -> None:
+        """The lock at self.path with `mine`'s content; FileExistsError if there is one."""
         try:
-            with open(self.path) as f:
-                return Holder(**json.load(f))
-        except (OSError, ValueError, TypeError):
-            return None
+            os.link(mine, self.path)
+            return
+        except OSError as err:
+            if err.errno not in _NO_LINKS:
+                raise
+        # no hard links here: created exclusively, then written (_read waits for the content)
+        with open(mine) as f:
+            content = f.read()
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(content)
+
+    def _read(self) -> Holder | None:
+        for attempt in range(3):  # an exclusively created lock is empty until written
+            try:
+                with open(self.path) as f:
+                    text = f.read()
+                if text or attempt == 2:
+                    return Holder(**json.loads(text))
+            except (OSError, ValueError, TypeError):
+                if attempt == 2:
+                    return None
+            time.sleep(0.2)
+        return None
 
     def _remove_stale_staging(self) -> list[str]:
         """Staging folders of other (dead: we hold the lock) jobs."""

@@ -66,6 +66,33 @@ def test_a_stale_lock_is_taken_over_with_a_warning_and_its_staging_removed(tmp_p
     assert staging.endswith(f"iter_0000006.tmp-{lock.holder.token}")
 
 
+def test_a_holder_in_another_pid_namespace_of_this_host_is_respected(tmp_path):
+    """A container sharing the host's name (host networking) has its own PIDs: a PID dead
+    here says nothing about its job, whose staging folder must survive."""
+    assert Holder.me().pidns is not None  # Linux: this test's premise
+    other = _other(pid=_dead_pid(), pidns=Holder.me().pidns + 1)
+    SaveLock(str(tmp_path), other).acquire()
+    (tmp_path / "iter_0000004.tmp-other-job").mkdir()  # it is saving
+    with pytest.raises(SaveLockError, match="is in use by another job"):
+        SaveLock(str(tmp_path)).acquire()
+    assert (tmp_path / "iter_0000004.tmp-other-job").exists()
+
+
+def test_a_file_system_without_hard_links_gets_an_exclusively_created_lock(tmp_path, monkeypatch):
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted", src)
+
+    monkeypatch.setattr(os, "link", no_links)
+    first = SaveLock(str(tmp_path))
+    assert first.acquire() is None and first.held
+    with open(tmp_path / LOCK_FILE) as f:
+        assert json.load(f)["token"] == first.holder.token
+    with pytest.raises(SaveLockError, match=f"in use by another job \\(PID {os.getpid()}"):
+        SaveLock(str(tmp_path), _other()).acquire()
+    first.release()
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 def test_a_live_remote_holder_is_respected_and_an_unreadable_lock_refused(tmp_path):
     SaveLock(str(tmp_path), _other(host="localhost", pid=1)).acquire()
     with pytest.raises(SaveLockError, match=r"in use by another job \(PID 1 on localhost"):
