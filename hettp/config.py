@@ -173,7 +173,7 @@ class HetTPConfig:
     group that spans clusters): bf16 sends half the bytes, int8 a quarter; each rank keeps
     what rounding took from its gradient and adds it to its next one (error feedback), so
     updates are delayed, not lost. Needs DP > 1 and fp32 gradient buffers; not with
-    --use-distributed-optimizer or --overlap-grad-reduce. The residue is not checkpointed."""
+    --use-distributed-optimizer or --overlap-grad-reduce. Checkpoints keep the residues."""
 
     # ---- derived by validated() -------------------------------------------------------------
     partition_plan: PartitionPlan | None = field(default=None, metadata=_DERIVED)

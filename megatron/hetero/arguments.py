@@ -1104,6 +1104,16 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             "files define the vocabulary)",
             stacklevel=2,
         )
+    if args.tokenizer_type not in ("NullTokenizer", "ByteLevelTokenizer"):
+        # its files' contents too (the wrong kind of model file, no end-of-document token):
+        # found at start, before any process group, as their existence is
+        from .data import tokenizer_from_args
+        from .text_tokenizers import TokenizerFileError
+
+        try:
+            tokenizer_from_args(args)
+        except TokenizerFileError as err:
+            raise ArgumentError(str(err)) from None
     if args.data_path:
         from .dataset_files import DatasetFileError, check_indexed_dataset, sequence_lengths
 

@@ -83,6 +83,11 @@ def test_tokenizer_files_are_checked_by_name(bpe, tmp_path):
     broken.write_text("{not json")
     with pytest.raises(TokenizerFileError, match="--vocab-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(broken), merge_file=str(broken))
+    # their contents are read at start too, not after the process groups exist
+    with pytest.raises(ArgumentError, match="--vocab-file"):
+        args(f"--tokenizer-type GPT2BPETokenizer --vocab-file {broken} --merge-file {broken}")
+    with pytest.raises(ArgumentError, match="--tokenizer-model"):  # not a SentencePiece model
+        args(f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {broken}")
 
 
 def test_a_tp2_model_learns_from_the_bpe_corpus_with_either_tokenizer(bpe):
