@@ -1192,7 +1192,32 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         _check_writable(args.save, "--save")
     if args.metrics_file is not None and int(os.environ.get("RANK", "0")) == 0:  # its writer
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
+    if args.data_path and int(os.environ.get("RANK", "0")) == 0:  # megatron-core's writer
+        _check_dataset_cache(args)
     return het_tp
+
+
+def _check_dataset_cache(args) -> None:
+    """megatron-core writes each dataset's sample index on first use, after the model is built
+    and a checkpoint loaded, into --data-cache-path (default: a cache/ folder beside each
+    corpus); a folder it cannot write there stopped rank 0 with an error that names neither."""
+    if args.data_cache_path is not None:
+        _check_writable(args.data_cache_path, "--data-cache-path")
+        return
+    prefixes, _ = parse_data_path(args.data_path)
+    for prefix in prefixes:
+        folder = os.path.join(
+            os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices"
+        )
+        if os.path.isdir(folder) and os.listdir(folder):
+            continue  # built by an earlier run (or being filled): megatron-core reads it
+        try:
+            _check_writable(folder, "--data-cache-path")
+        except ArgumentError as err:
+            raise ArgumentError(
+                f"{err} (the default beside --data-path {prefix}): give --data-cache-path a "
+                "writable folder"
+            ) from None
 
 
 def same_folder(a: str, b: str) -> bool:

@@ -178,3 +178,29 @@ def test_a_split_megatron_core_cannot_build_is_refused_naming_it(tmp_path):
         "blend needs --seq-length + 1 = 129)"
     ) in str(err.value)
     check(f"{seq} --data-path 0.5 {blend[0]} 0.5 {blend[1]}")  # weighted: sampled in epochs
+
+
+def test_the_dataset_index_cache_must_be_writable_at_start(tmp_path):
+    """megatron-core writes it after the model is built and a checkpoint loaded; there, a
+    folder it cannot write stopped rank 0 with an error naming no flag."""
+    from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
+
+    prefix = make_corpus(tmp_path)
+    base = BASE.replace(
+        "--mock-data --vocab-size 255", f"--data-path {prefix} --tokenizer-type ByteLevelTokenizer"
+    )
+
+    def check(extra):
+        args = build_parser().parse_args((base + " --split 50,25,25 " + extra).split())
+        validate_args(args, 1, cuda_available=False)
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ArgumentError, match=f"--data-cache-path {blocker}/cache: not writable"):
+        check(f"--data-cache-path {blocker}/cache")
+    check(f"--data-cache-path {tmp_path}/elsewhere")
+    # the default, a cache/ folder beside the corpus, cannot be made (a file is in its way):
+    # refused naming the flag that moves it
+    (tmp_path / "cache").write_text("")
+    with pytest.raises(ArgumentError, match="give --data-cache-path a writable folder"):
+        check("")
