@@ -484,7 +484,11 @@ def _variant_flags(policy: str, a) -> list[str]:
     if policy not in VARIANTS:
         return []
     flags = list(VARIANTS[policy][1])
-    return flags + [str(a.memory_cap)] if policy in MEMORY_VARIANTS else flags
+    if policy not in MEMORY_VARIANTS:
+        return flags
+    # a cap bounds the units a rank holds: with stages, whole layers would move past it
+    stages = ["--het-tp-pipeline-moves", "units"] if a.pp > 1 else []
+    return [*flags, str(a.memory_cap), *stages]
 
 
 def _layout(a) -> str:

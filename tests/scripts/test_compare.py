@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from hettp.metrics import read_metrics
-from tests.utils import ROOT, load_script
+from tests.utils import BASE, ROOT, load_script
 
 SCRIPT = os.path.join(ROOT, "scripts", "compare.py")
 
@@ -304,6 +304,19 @@ def test_capped_variants_run_their_policy_within_the_memory_cap():
         compare.parse(
             ["--scenarios", "none", "--policies", "migrate-capped", "--memory-cap", "0.9"]
         )
+    # with pipeline stages a cap needs the moves kept to units, which compare.py sets (its own
+    # flag): the trainer refused the run, after the runs before it had taken their minutes
+    staged = compare.parse(
+        ["--pp", "2", "--scenarios", "none", "--policies", "migrate-capped", "--memory-cap", "1.3"]
+    )
+    flags = compare._variant_flags("migrate-capped", staged)
+    assert flags == ["--het-tp-memory-cap", "1.3", "--het-tp-pipeline-moves", "units"]
+    from megatron.hetero.arguments import build_parser, validate_args
+
+    argv = BASE.replace("--num-layers 2", "--num-layers 4").split() + flags
+    argv += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    argv += ["--het-tp-policy", "migrate", "--global-batch-size", "8"]
+    validate_args(build_parser().parse_args(argv), 4, cuda_available=False)
 
 
 def test_rounds_start_at_different_configurations():
