@@ -7,7 +7,8 @@
 #   ITERS       training iterations        (default 40)
 #   POLICY      --het-tp-policy            (default hybrid)
 #   INTERVAL    --het-tp-interval          (default 5)
-#   EMULATE     --het-tp-emulate scenario  (default: none; CPU only)
+#   EMULATE     --het-tp-emulate scenario  (default: none; CPU only; vanilla.sbatch: megatron-core's
+#               layers slowed alike)
 #   MODEL_ARGS  Megatron model/optimizer flags (default: a small GPT on mock data)
 #   EXTRA_ARGS  appended to every pretrain_gpt.py command line (default --log-interval 5)
 #   OUT         metrics and logs folder    (default $HETTP_DIR/logs/slurm-$SLURM_JOB_ID)

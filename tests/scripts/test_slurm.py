@@ -128,6 +128,10 @@ def test_sbatch_dry_runs_print_the_resolved_commands():
             assert "#SBATCH --signal=TERM@120\n" in f.read(), script
     vanilla = _dry("vanilla.sbatch")
     assert vanilla.returncode == 0 and "--het-tp" not in vanilla.stdout
+    # the baseline of a slowed het_tp.sbatch run is slowed alike (it ran unslowed, silently)
+    slowed = _dry("vanilla.sbatch", EMULATE="persistent:rank=1,factor=2")
+    assert slowed.returncode == 0, slowed.stderr
+    assert "--het-tp-policy static --het-tp-emulate persistent:rank=1\\,factor=2" in slowed.stdout
     torchrun = _dry("het_tp_torchrun.sbatch", GPUS_PER_NODE="4")
     assert torchrun.returncode == 0, torchrun.stderr
     assert "torch.distributed.run" in torchrun.stdout
