@@ -42,6 +42,7 @@ def plot(
 
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
     policies = list(dict.fromkeys(r.policy for r in runs))
+    stages = max((r.stages for r in runs), default=1)  # one size: the report checks
     colors = {p: plt.get_cmap("tab10")(k % 10) for k, p in enumerate(policies)}
     for png, field, ylabel in (
         (step_png, "step_s", "step time (ms)"),
@@ -90,6 +91,7 @@ def plot(
                             bounds[scenario]["slowed_s"],
                             s,
                             bounds[scenario]["movable_s"],
+                            stages,  # the report's bound: the slowest stage paces the step
                         )
                         for s in speeds[scenario]
                     ],

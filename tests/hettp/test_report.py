@@ -465,3 +465,24 @@ def test_a_report_gives_the_whole_unit_bound_and_how_soon_a_straggle_end_was_und
     assert rows[("none", "none")]["E_whole_units"] is None
     text = markdown(result)
     assert "| 2 |" in text and "never" in text and f"({e:.3f})" in text
+
+
+def test_the_plotted_bound_is_the_report_s_with_pipeline_stages(tmp_path, monkeypatch):
+    """step_time.png's T_ideal line: the slowest stage paces the step, as in the table (it
+    pooled every stage's ranks, a bound the report itself says no plan reaches)."""
+    from hettp import plots
+
+    seen = []
+    real = plots.ideal_step
+    monkeypatch.setattr(plots, "ideal_step", lambda *a: seen.append(a) or real(*a))
+    runs = [
+        Run("stage-2x", policy, 0, "x", step_s={1: 1.0, 2: 1.0}, loss={1: 2.0, 2: 1.9}, stages=2)
+        for policy in ("vanilla", "migrate")
+    ]
+    speeds = {"stage-2x": [(1.0, 1.0, 0.5, 0.5)] * 2}
+    bounds = {"stage-2x": {"slowed_s": 0.8, "movable_s": 0.8}}
+    plots.plot(
+        runs, speeds, {"t_fast_s": 1.0}, bounds, str(tmp_path / "s.png"), str(tmp_path / "l.png")
+    )
+    assert seen and all(call[-1] == 2 for call in seen)
+    assert real(*seen[0]) == pytest.approx(1.8)  # stage 1 at half speed: 0.2 + 0.8 / 0.5
