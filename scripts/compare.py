@@ -288,6 +288,33 @@ def launch(
     progress.show(label, a.iters, a.iters, final=True)
 
 
+def _check_ran_as(a, scenario, path: str) -> None:
+    """--report-only: the run at `path` ran with this command's layout, length and scenario
+    (the report is built from the flags: a report of 48 iterations over runs of 24 failed, one
+    at --tp 2 over runs at --tp 4 bounded them wrongly, silently). Exits naming the flag."""
+    with open(path) as f:
+        first = json.loads(f.readline() or "{}")
+    ran = first.get("args", {})
+    for flag, want, key in (
+        ("--tp", a.tp, "tensor_model_parallel_size"),
+        ("--pp", a.pp, "pipeline_model_parallel_size"),
+        ("--iters", a.iters, "train_iters"),
+        ("--interval", a.interval, "het_tp_interval"),
+        ("--scenarios", scenario.emulate, "het_tp_emulate"),
+    ):
+        if key in ran and ran[key] != want:
+            raise SystemExit(
+                f"compare: --report-only {flag}: {path} ran with {key} {ran[key]!r}, this "
+                f"command gives {want!r}: pass the flags the runs were made with (report.json's "
+                "command)"
+            )
+    if first.get("data_parallel_size", a.dp) != a.dp:
+        raise SystemExit(
+            f"compare: --report-only --dp: {path} ran {first['data_parallel_size']} replicas, "
+            f"this command gives {a.dp}: pass the flags the runs were made with"
+        )
+
+
 def parse(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = []
@@ -592,6 +619,8 @@ def main(argv=None) -> int:
                 )
             elif not os.path.exists(path):
                 raise SystemExit(f"compare: --report-only but {path} is missing")
+            else:
+                _check_ran_as(a, scenario, path)
             progress.done += 1
             runs.append(
                 Run.from_records(

@@ -486,3 +486,15 @@ def test_the_plotted_bound_is_the_report_s_with_pipeline_stages(tmp_path, monkey
     )
     assert seen and all(call[-1] == 2 for call in seen)
     assert real(*seen[0]) == pytest.approx(1.8)  # stage 1 at half speed: 0.2 + 0.8 / 0.5
+
+
+def test_real_contention_speeds_are_taken_over_the_least_slowed_rank():
+    """Its runs time the wall clock, its base the CPU clock: a rank no neighbour slowed read
+    0.93-0.95 against it, which raised the bound of every policy."""
+    from hettp.report import measured_speeds
+
+    run = Run("noisy", "none", 0, "x", compute=[(2, [0.107, 0.2]), (4, [0.107, 0.2])])
+    plain = measured_speeds([run], (0.1, 0.1), 4)
+    assert plain[0] == pytest.approx((0.1 / 0.107, 0.5))
+    relative = measured_speeds([run], (0.1, 0.1), 4, relative=True)
+    assert relative == [pytest.approx((1.0, 0.107 / 0.2))] * 4

@@ -104,6 +104,13 @@ def test_report_only_rebuilds_the_same_table(quick):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((out / "report.json").read_text())["rows"] == json.loads(before)["rows"]
+    # with other flags than the runs': refused naming the flag, the report left as it was
+    iters = load_script("compare").parse(["--quick"]).iters
+    for flag, value in (("--iters", iters + 6), ("--tp", 4)):
+        other = [sys.executable, SCRIPT, "--quick", "--out", str(out), "--report-only"]
+        proc = subprocess.run(other + [flag, str(value)], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode != 0 and f"--report-only {flag}: " in proc.stderr, proc.stderr
+        assert json.loads((out / "report.json").read_text())["rows"] == json.loads(before)["rows"]
 
 
 @pytest.mark.parametrize(
