@@ -19,9 +19,9 @@ import statistics
 from dataclasses import dataclass
 
 from ..metrics import read_metrics
-from ..report import PLAIN
+from ..report import PLAIN, START_UP
 from ..scenarios import ScenarioSpec
-from .engine import Costs, Layout, Simulation
+from .engine import POLICIES, Costs, Layout, Simulation
 from .traces import from_factors
 from .workload import ModelSpec
 
@@ -104,8 +104,9 @@ def scenario_factors(
 
 
 def _window(iterations: int, varying: bool) -> list[int]:
+    """The iterations the report took the measured step over (report.Run.window)."""
     its = list(range(1, iterations + 1))
-    return [i for i in its if i > 1] if varying else [i for i in its if i > len(its) // 2]
+    return [i for i in its if i > START_UP] if varying else [i for i in its if i > len(its) // 2]
 
 
 def replay(path: str, speeds: str = "timed") -> list[Row]:
@@ -150,6 +151,8 @@ def replay(path: str, speeds: str = "timed") -> list[Row]:
     specs = {s["name"]: s for s in report["scenarios"]}
     out = []
     for row in rows:
+        if row["policy"] not in (PLAIN, *POLICIES):
+            continue  # a compare.py variant (head units, a memory cap): not what the replay runs
         spec = specs[row["scenario"]]
         vanilla = [
             r for r in rows if r["scenario"] == row["scenario"] and r["policy"] in (PLAIN, "none")

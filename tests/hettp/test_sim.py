@@ -446,3 +446,27 @@ def test_a_memory_cap_bounds_the_simulated_moves_and_hybrid_resizes_the_rest():
     for bad in (0.5, 0.0):
         with pytest.raises(SimError, match=f"--het-tp-memory-cap: a memory cap of {bad}"):
             Simulation(model, layout, costs, trace, "migrate", memory_cap=bad)
+
+
+def test_a_replay_takes_the_report_s_window_and_leaves_compare_variants_out(tmp_path):
+    """The replay's predicted step is taken over the iterations the report took the measured
+    one over (it kept iteration 2 where who is slow changes), and a report with a compare.py
+    variant row (migrate-heads) replays its other rows (the variant stopped the whole replay)."""
+    import json
+
+    from hettp.report import Run
+    from hettp.sim import calibrate
+
+    run = Run("x", "migrate", 0, "x", step_s={i: 1.0 for i in range(1, 25)})
+    for varying in (True, False):
+        assert calibrate._window(24, varying) == run.window(varying)
+    source = os.path.join(ROOT, "results", "compare")
+    with open(os.path.join(source, "report.json")) as f:
+        report = json.load(f)
+    row = next(r for r in report["rows"] if r["policy"] == "migrate")
+    report["rows"].append({**row, "policy": "migrate-heads"})
+    with open(tmp_path / "report.json", "w") as f:
+        json.dump(report, f)
+    (tmp_path / "runs").symlink_to(os.path.join(source, "runs"))
+    rows = calibrate.replay(str(tmp_path / "report.json"))
+    assert "migrate-heads" not in {r.policy for r in rows} and len(rows) == len(report["rows"]) - 1
