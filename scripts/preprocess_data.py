@@ -2,7 +2,8 @@
 """Turn text into Megatron's indexed dataset (.bin/.idx) with megatron-core's builder.
 
 Inputs, any mix of:
-  *.jsonl     one JSON object per line; --json-keys names the text field(s) (Megatron-LM's format)
+  *.jsonl     one JSON object per line; --json-keys names the text field(s) (Megatron-LM's
+  *.json      format, whose examples name such files .json)
   other files one document per file (plain text)
   folders     every file under it matching --glob, in sorted order
 
@@ -134,7 +135,7 @@ def iter_documents(args):
         else:
             paths = [source]
         for path in paths:
-            if path.endswith(".jsonl"):
+            if path.endswith((".jsonl", ".json")):  # Megatron-LM's --input: JSON lines
                 with open(path, "rb") as f:
                     for number, raw in enumerate(f, 1):
                         try:

@@ -50,21 +50,24 @@ def test_preprocess_jsonl_roundtrip(tmp_path, capsys):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     docs = ["héllo wörld", "second document\nwith two lines", "x"]
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
-    status, out, err = _preprocess(
-        capsys, "--input", str(src), "--output-prefix", str(tmp_path / "out"), "--append-eod"
-    )
-    assert status == 0, err
-    assert "3 documents" in out
-    dataset = IndexedDataset(str(tmp_path / "out_text_document"))
-    tokenizer = build_tokenizer("ByteLevelTokenizer")
-    assert len(dataset) == 3
-    for i, doc in enumerate(docs):
-        ids = dataset[i]
-        assert ids[-1] == tokenizer.eod
-        assert tokenizer.detokenize(ids[:-1].tolist()) == doc
-    assert dataset.index.dtype == np.uint16
+    # Megatron-LM's examples name the JSON-lines input .json: read alike, not as one text
+    for name in ("in.jsonl", "in.json"):
+        src = tmp_path / name
+        src.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+        prefix = tmp_path / name.replace(".", "_")
+        status, out, err = _preprocess(
+            capsys, "--input", str(src), "--output-prefix", str(prefix), "--append-eod"
+        )
+        assert status == 0, err
+        assert "3 documents" in out
+        dataset = IndexedDataset(f"{prefix}_text_document")
+        tokenizer = build_tokenizer("ByteLevelTokenizer")
+        assert len(dataset) == 3
+        for i, doc in enumerate(docs):
+            ids = dataset[i]
+            assert ids[-1] == tokenizer.eod
+            assert tokenizer.detokenize(ids[:-1].tolist()) == doc
+        assert dataset.index.dtype == np.uint16
 
 
 def test_preprocess_text_folder_is_deterministic_and_bounded(tmp_path, capsys):
