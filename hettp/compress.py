@@ -67,6 +67,8 @@ class ErrorFeedbackReducer:
         error = self.errors.get(key)
         if error is None or error.shape != flat.shape:
             error = self.errors[key] = torch.zeros_like(flat)
+        elif error.device != flat.device:  # loaded from a checkpoint (kept on the CPU)
+            error = self.errors[key] = error.to(flat.device)
         value = flat + error
         payload, scales = compress(value, self.kind)
         sent = decompress(payload, scales, flat.numel())
@@ -91,7 +93,9 @@ class ErrorFeedbackReducer:
 
     def state_dict(self) -> dict:
         """The residues a checkpoint keeps, so that a resumed run sends what this one would."""
-        return {"kind": self.kind, "errors": {k: e.clone() for k, e in self.errors.items()}}
+        # on the CPU: a checkpoint's byte items are read by every rank, and a CUDA tensor
+        # comes back on the device it was saved from (another rank's GPU, or none there)
+        return {"kind": self.kind, "errors": {k: e.detach().cpu() for k, e in self.errors.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Residues of the same compression; a buffer whose size changed starts over (zeros),

@@ -118,7 +118,7 @@ def check_byte_items(folder: str, metadata) -> None:
                 f.seek(info.offset)
                 raw = f.read(info.length)
             with torch.serialization.safe_globals(allowed):
-                torch.load(io.BytesIO(raw), weights_only=True)
+                torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any failure: the item is not loaded
             raise UnsafeCheckpointError(f"{named} refused: {_why(err)}") from None
 

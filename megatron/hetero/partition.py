@@ -262,6 +262,7 @@ class HetPartition:
         `state` holds .model (DDP), .optimizer, .scheduler and .config; they are replaced in place.
         """
         plan = self.check(plan)
+        before = self.plan
         with gathered_params(state):
             view = OptimizerView(state.optimizer)
             view.gather()  # whole masters and moments under the distributed optimizer
@@ -282,6 +283,8 @@ class HetPartition:
                 _rebuild(state, *replaced, old=view)
             else:  # at most a local reorder, done on the gathered copies
                 _write_back(view)
+                if plan != before:
+                    _drop_residues(state)
         return migration
 
     def reorder(self, state, plan: PartitionPlan) -> None:
@@ -302,13 +305,17 @@ class HetPartition:
         optimizer.gather()  # collective over DP under the distributed optimizer
         blocks = het_blocks(state.model)
         keys = state_keys(optimizer, blocks)
+        permuted = False
         with gathered_params(state), torch.no_grad(), cpu_compat.suspended():
             for (index, name), block in blocks.items():
                 new_units = plan.units(index, name, self.rank)
                 if new_units != block.units:
                     permute(unit_tensors(block, optimizer, keys), block.units, new_units)
                     block.reorder(new_units)
+                    permuted = True
             _write_back(optimizer)
+        if permuted:
+            _drop_residues(state)
         self.plan = plan  # the same owners: the checkpoint runs stay
 
     # ------------------------------------------------------------------------------------
@@ -452,6 +459,15 @@ def _set_checkpoint_runs(blocks, plan: PartitionPlan) -> None:
     runs = {name: plan.aligned_run(name) for name in BLOCKS}
     for (_, name), block in blocks.items():
         block.set_checkpoint_run(runs[name])
+
+
+def _drop_residues(state) -> None:
+    """Units changed places in the gradient buffers: the compressed reduction's rounding
+    residues (--het-dp-compress, by buffer position) would land on other units' gradients.
+    Dropped, as a rebuild drops them: at most one step's rounding is lost."""
+    reducer = getattr(state.model, "reducer", None)
+    if reducer is not None:
+        reducer.reset()
 
 
 def _write_back(view) -> None:

@@ -102,3 +102,26 @@ def test_training_with_compressed_gradients_tracks_the_exact_reduction_and_resum
     )[0]["losses"]
     assert sorted(resumed) == [5, 6, 7, 8]
     assert [resumed[i] for i in range(5, 9)] == [losses[i] for i in range(5, 9)]
+
+
+def test_a_reorder_drops_the_residues_of_units_that_changed_places():
+    """A resize sorts a rank's units by priority in place (same parameters, same DDP): the
+    residues, kept by gradient-buffer position, would land on other units' gradients."""
+    from tests.utils import train_with_resizes
+
+    argv = TRAIN + ["--tensor-model-parallel-size", "2", "--het-dp-compress", "int8"]
+    argv += ["--het-tp-priority-interval", "2", "--het-tp-priority-sample-interval", "1"]
+    argv += ["--het-tp-resize", "0,0"]
+    ranks = run_ranks(train_with_resizes, 4, argv, {3: [("resize", (0, 0.5))]})
+    for rank in (1, 3):  # TP rank 1, both replicas: sorted by priority at 3
+        records = ranks[rank]["records"]
+        moved = [
+            k
+            for k, b in records[3]["blocks"].items()
+            if b["units"] != records[2]["blocks"][k]["units"]
+        ]
+        assert moved, "the resize changed no unit's place: nothing tested"
+        assert records[2]["residues"] > 0 and records[3]["residues"] == 0
+        assert records[5]["residues"] > 0  # kept again from the next reduction on (4 re-sorts)
+    for rank in (0, 2):  # TP rank 0 kept its order, and its residues
+        assert all(ranks[rank]["records"][i]["residues"] > 0 for i in (2, 3, 4))

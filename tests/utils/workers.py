@@ -846,6 +846,10 @@ def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
             "observed": None
             if evidence is None
             else sum(steps.sum().item() for _, steps in evidence.values()),
+            # --het-dp-compress: how many gradient buffers have rounding residues kept
+            "residues": len(state.model.reducer.errors)
+            if getattr(state.model, "reducer", None) is not None
+            else None,
         }
 
     result, stdout = _pretrain(argv, hook)
