@@ -126,7 +126,7 @@ def run_transfer(
         recv, sums = _stream(layouts, group, rank, payload, device, fault, failures, stages)
         # as many votes as the collectives' path: groups that agree over the whole job may
         # have chosen different primitives
-        _vote(failures, group, device, step, agree_over)
+        vote(failures, group, device, step, agree_over)
     else:
         send: dict[int, torch.Tensor] = {}
         try:
@@ -138,7 +138,7 @@ def run_transfer(
         except Exception as err:  # noqa: BLE001 - every failure aborts the transaction
             failures.append(f"pack: {type(err).__name__}: {err}")
         stages["pack"] = time.perf_counter() - start
-        _vote(failures, group, device, step, agree_over)
+        vote(failures, group, device, step, agree_over)
         mark = time.perf_counter()
         recv = {
             src: torch.empty(layout.size, dtype=torch.uint8, device=device)
@@ -172,7 +172,7 @@ def run_transfer(
         failures.append(f"verify: {type(err).__name__}: {err}")
     stages["verify"] = time.perf_counter() - mark
 
-    _vote(failures, group, device, step, agree_over)
+    vote(failures, group, device, step, agree_over)
     return TransferResult(
         received,
         primitive,
@@ -302,9 +302,10 @@ class _Outbox:
             self._send(filler[: sizes[self.sent]])
 
 
-def _vote(failures, group, device, step, agree_over=None):
+def vote(failures, group, device, step, agree_over=None):
     """All ranks of `agree_over` (default: `group`) learn whether any rank failed; on failure
-    all raise the same error, naming the TP ranks (ranks of `group`) that failed."""
+    all raise the same error, naming the TP ranks (ranks of `group`) that failed. Also the
+    last step of a move's transaction: whether every rank built its new shards."""
     voters = group if agree_over is None else agree_over
     mine = torch.tensor(
         [0 if failures else 1, dist.get_rank(group)], dtype=torch.int64, device=device

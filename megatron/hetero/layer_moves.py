@@ -13,9 +13,10 @@ every parameter carried over, so training stays on its trajectory.
 All or nothing where it can be: every rank prepares (builds the incoming layers, packs the
 outgoing ones) and votes before anything is sent; a failure there raises TransferError on every
 rank with the model, optimizer and config as they were. Past the vote, a failed transfer raises
-TransferError with this rank's state as it was (its peers see the transport fail too), and a
-failure while rebuilding DDP and the optimizer (collectives over the job) puts this rank's
-layers and split back before it propagates.
+TransferError with this rank's state as it was (its peers see the transport fail too). A
+failure while rebuilding DDP and the optimizer (collectives over the job, where the others
+stall) is not undone: the layer list and split are put back, but a new DDP wrapper may have
+taken the gradient buffers, so the run stops there.
 
 Lossless at dropout 0: a moved layer draws its dropout masks from its new stage's RNG stream.
 """
@@ -205,8 +206,9 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
             ) from error
         moved_bytes = sum(t.numel() * t.element_size() for t, _ in sends + receives)
         # commit: the new layer list, the split, then DDP and the optimizer (collectives over
-        # the job: a rank failing there stalls the others, as any failed collective does, but
-        # keeps its own model consistent with its old optimizer)
+        # the job: a rank failing there stalls the others, as any failed collective does; it
+        # gets its layer list and split back, but a new DDP wrapper built before the failure
+        # has already taken the parameters' gradient buffers: that rank's run cannot go on)
         saved = (
             decoder.layers,
             decoder.num_layers_per_pipeline_rank,

@@ -21,7 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 
 from hettp.attention_probe import ProbeShape
-from hettp.exchange import Migration, run_transfer
+from hettp.exchange import Migration, run_transfer, vote
 from hettp.plan import BLOCKS, PartitionPlan, PlanError
 from hettp.step_model import core_attention_work, plan_work
 from hettp.transfer import KV_REPLICA, CostModel, plan_transfer
@@ -356,31 +356,42 @@ class HetPartition:
                 fault=fault,
                 agree_over=agree_over,
             )
-            replaced, created = self._commit(
-                blocks, pieces, positions, plan, keys, result, {b: len(own[b]) for b in BLOCKS}
-            )
+            # the new shards are built before the last vote (the memory a move needs is taken
+            # here): a rank that cannot build them aborts the move on every rank, each keeping
+            # its state; after the vote the commit only installs what was built
+            failures, staged = [], None
+            try:
+                staged = self._prepare(
+                    blocks, pieces, positions, plan, keys, result, {b: len(own[b]) for b in BLOCKS}
+                )
+                if fault:  # for tests: everything built, nothing installed
+                    fault("commit")
+            except Exception as err:  # noqa: BLE001 - any failure aborts the transaction
+                failures.append(f"commit: {type(err).__name__}: {err}")
+            vote(failures, self.group, comm_device(), step, agree_over)
+            result.received = {}  # the staging buffers: built into the new shards
+            replaced, created = self._install(staged, pieces)
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
         self._size_checkpoint_runs(blocks)
         self._mark_replicas(blocks)
         return migration, (replaced, created)
 
-    def _commit(self, blocks, pieces, positions, plan, state_keys, result, own):
-        """Install the new shards; local only, so it cannot leave ranks disagreeing. `own`:
-        per block, how many of a unit's tensors are its own (the rest, with head units, are its
-        group's K/V, which only the move bringing them carries). Returns {old param: (new
-        param, moved state)} and, for K/V replicas new to this rank, {new param: (fp32 master
-        or None, optimizer state)}."""
+    def _prepare(self, blocks, pieces, positions, plan, state_keys, result, own) -> list:
+        """Build every block's new shards, moments and K/V replicas from what it keeps and
+        what it received, changing nothing: the allocations of a move, before its last vote.
+        `own`: per block, how many of a unit's tensors are its own (the rest, with head units,
+        are its group's K/V, which only the move bringing them carries). Returns _Staged per
+        block that changes."""
         incoming = {(m.layer, m.block, m.unit): tensors for m, tensors in result.received.items()}
-        replaced, created = {}, {}
+        staged = []
         for (index, name), block in blocks.items():
             old_units, new_units = block.units, plan.units(index, name, self.rank)
             if old_units == new_units:
                 continue
             mine, kept = pieces[(index, name)], positions[(index, name)]
-            if set(old_units) == set(new_units):  # order only: in place, same parameters
-                permute(mine, old_units, new_units)
-                block.reorder(new_units)
+            if set(old_units) == set(new_units):  # order only: permuted in place at install
+                staged.append(_Staged((index, name), block, new_units))
                 continue
             # per new unit: its position here if kept, else what it brought
             sources = [
@@ -406,19 +417,61 @@ class HetPartition:
             replicas, new_state = _new_replicas(
                 block, new_units, rebuilt[len(old_params) * per_param :], state_keys
             )
-            if replicas:
-                block.set_units(new_units, new_shards, replicas)
+            staged.append(
+                _Staged(
+                    (index, name),
+                    block,
+                    new_units,
+                    new_shards,
+                    moments,
+                    replicas,
+                    new_state,
+                    old_params,
+                )
+            )
+        return staged
+
+    @staticmethod
+    def _install(staged, pieces):
+        """Put the built shards in place (after the last vote: reference swaps and in-place
+        permutations of what this rank holds). Returns {old param: (new param, moved state)}
+        and, for K/V replicas new to this rank, {new param: (fp32 master or None, optimizer
+        state)}."""
+        replaced, created = {}, {}
+        for s in staged:
+            block = s.block
+            if s.new_shards is None:  # order only: in place, same parameters
+                permute(pieces[s.key], block.units, s.new_units)
+                block.reorder(s.new_units)
+                continue
+            if s.replicas:
+                block.set_units(s.new_units, s.new_shards, s.replicas)
             else:
-                block.set_units(new_units, new_shards)
+                block.set_units(s.new_units, s.new_shards)
             for old, (_, _, new, _), param_moments in zip(
-                old_params, block.unit_tensors(), moments
+                s.old_params, block.unit_tensors(), s.moments
             ):
                 replaced[old] = (new, param_moments)
-            for name, by_group, _ in block.replica_tensors() if replicas else ():
+            for name, by_group, _ in block.replica_tensors() if s.replicas else ():
                 for group, param in by_group.items():
-                    if (name, group) in new_state:
-                        created[param] = new_state[(name, group)]
+                    if (name, group) in s.new_state:
+                        created[param] = s.new_state[(name, group)]
         return replaced, created
+
+
+@dataclasses.dataclass
+class _Staged:
+    """One block's part of a move, built and not yet installed (new_shards None: its units
+    only change order, which install permutes in place)."""
+
+    key: tuple
+    block: object
+    new_units: tuple
+    new_shards: dict | None = None
+    moments: list | None = None
+    replicas: dict | None = None
+    new_state: dict | None = None
+    old_params: list | None = None
 
 
 def _new_replicas(block, new_units, per_unit, state_keys):

@@ -177,17 +177,21 @@ def test_migration_where_some_ranks_keep_their_units():
 
 
 def test_failed_transfer_leaves_every_rank_intact(unmigrated):
+    """Each stage of a move's transaction, the building of the new shards after the data has
+    arrived ("commit": where a rank runs out of memory) included, aborts the move on every
+    rank, each keeping its state."""
     faults = (
         {"iteration": 7, "rank": 1, "stage": "pack"},
         {"iteration": 15, "rank": 0, "stage": "verify"},
         {"iteration": 22, "rank": 1, "stage": "exchange"},
+        {"iteration": 24, "rank": 0, "stage": "commit"},
     )
-    plans = {7: PLANS[7], 15: PLANS[15], 22: PLANS[22], 26: PLANS[7]}
+    plans = {7: PLANS[7], 15: PLANS[15], 22: PLANS[22], 24: PLANS[15], 26: PLANS[7]}
     results = run_ranks(train_with_repartitions, 4, MIGRATE, plans, faults)
     for rank, result in enumerate(results):
         failed = [e for e in result["events"] if "error" in e]
-        assert [e["iteration"] for e in failed] == [7, 15, 22]
-        for event, culprit in zip(failed, (1, 0, 1)):
+        assert [e["iteration"] for e in failed] == [7, 15, 22, 24]
+        for event, culprit in zip(failed, (1, 0, 1, 0)):
             assert event["unchanged"] and event["plan_kept"], event
             assert (
                 f"at iteration {event['iteration']} aborted: TP rank(s) [{culprit}] failed"
