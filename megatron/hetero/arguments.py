@@ -1147,6 +1147,16 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
 
     het_tp = het_tp_config(args, cuda_available)
+    if het_tp.rebatches and het_tp.policy != "joint":  # joint also moves and resizes units
+        dp = model_shape(args).data_parallel
+        micro = args.micro_batch_size * dp
+        _require(
+            args.global_batch_size >= 2 * micro,
+            f"{'--het-tp-policy rebatch' if het_tp.policy == 'rebatch' else '--het-dp'} moves "
+            f"micro-batches between data-parallel replicas, and --global-batch-size "
+            f"{args.global_batch_size} gives each of the {dp} replicas one: nothing can move "
+            f"(at least {2 * micro}: two micro-batches a replica)",
+        )
     _require(
         pp > 1 or args.het_tp_pipeline_moves == "both",
         f"--het-tp-pipeline-moves {args.het_tp_pipeline_moves} needs pipeline stages "
@@ -1274,16 +1284,6 @@ def het_tp_config(args, cuda_available: bool | None = None) -> HetTPConfig:
         raise ArgumentError(str(err)) from None
     for why in given.ignored(config):
         warnings.warn(why, stacklevel=1)  # once a process, whoever asks
-    if config.rebatches and config.policy != "joint":  # joint also moves and resizes units
-        dp = model_shape(args).data_parallel
-        micro = args.micro_batch_size * dp
-        if args.global_batch_size < 2 * micro:
-            why = "--het-dp" if config.policy != "rebatch" else "--het-tp-policy rebatch"
-            raise ArgumentError(
-                f"{why} moves micro-batches between data-parallel replicas, and "
-                f"--global-batch-size {args.global_batch_size} gives each of the {dp} replicas "
-                f"one: nothing can move (at least {2 * micro}: two micro-batches a replica)"
-            )
     if config.dp_compress != "none":
         for attr, why in (
             ("use_distributed_optimizer", "reduce-scatters into shards it owns"),
