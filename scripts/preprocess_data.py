@@ -3,7 +3,7 @@
 
 Inputs, any mix of:
   *.jsonl     one JSON object per line; --json-keys names the text field(s) (Megatron-LM's
-  *.json      format, whose examples name such files .json)
+              format; a .json file given itself too, as Megatron-LM's examples name them)
   other files one document per file (plain text)
   folders     every file under it matching --glob, in sorted order
 
@@ -128,14 +128,17 @@ def iter_documents(args):
     if args.stdlib:
         sources.append(("stdlib", sysconfig.get_paths()["stdlib"]))
     for source in sources:
+        given = False  # a file named by --input itself
         if isinstance(source, tuple):
             paths = _files_under(source[1], "*.py")
         elif os.path.isdir(source):
             paths = _files_under(source, args.glob)
         else:
-            paths = [source]
+            paths, given = [source], True
         for path in paths:
-            if path.endswith((".jsonl", ".json")):  # Megatron-LM's --input: JSON lines
+            # Megatron-LM's --input is JSON lines, often named .json; in a folder, a .json
+            # file (a package.json, a config) is a text like any other
+            if path.endswith(".jsonl") or (given and path.endswith(".json")):
                 with open(path, "rb") as f:
                     for number, raw in enumerate(f, 1):
                         try:

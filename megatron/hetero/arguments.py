@@ -1209,25 +1209,29 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
 
 def _check_dataset_cache(args) -> None:
     """megatron-core writes each dataset's sample index on first use, after the model is built
-    and a checkpoint loaded, into --data-cache-path (default: a cache/ folder beside each
-    corpus); a folder it cannot write there stopped rank 0 with an error that names neither."""
+    and a checkpoint loaded, into --data-cache-path (default: a cache/ folder under each
+    --data-path prefix); a folder it cannot write stopped rank 0 there with an error naming
+    neither. Checked without creating anything; a cache already built is only read."""
     if args.data_cache_path is not None:
-        _check_writable(args.data_cache_path, "--data-cache-path")
-        return
-    prefixes, _ = parse_data_path(args.data_path)
-    for prefix in prefixes:
-        folder = os.path.join(
-            os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices"
-        )
+        folders = [(args.data_cache_path, "")]
+    else:
+        prefixes, _ = parse_data_path(args.data_path)
+        folders = [
+            (os.path.join(p, "cache", "GPTDataset_indices"), f" (the default under {p})")
+            for p in prefixes
+        ]
+    for folder, where in folders:
         if os.path.isdir(folder) and os.listdir(folder):
-            continue  # built by an earlier run (or being filled): megatron-core reads it
-        try:
-            _check_writable(folder, "--data-cache-path")
-        except ArgumentError as err:
-            raise ArgumentError(
-                f"{err} (the default beside --data-path {prefix}): give --data-cache-path a "
-                "writable folder"
-            ) from None
+            continue  # built by an earlier run: megatron-core reads it
+        existing = os.path.abspath(folder)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        _require(
+            os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
+            f"--data-cache-path {folder}{where}: not writable ({existing} is "
+            f"{'not a folder' if not os.path.isdir(existing) else 'read-only'}): give "
+            "--data-cache-path a writable folder",
+        )
 
 
 def same_folder(a: str, b: str) -> bool:

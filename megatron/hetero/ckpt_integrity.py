@@ -81,14 +81,29 @@ def check_metadata(path: str):
 
 
 def _numpy_globals() -> list:
-    """What NumPy's RNG state (saved with the RNG states) needs to unpickle: arrays, dtypes."""
+    """What NumPy's RNG state (saved with the RNG states) needs to unpickle: arrays, dtypes;
+    the array constructor under the names NumPy 1 and 2 pickle it by (a checkpoint saved in an
+    image with the one loads in an environment with the other)."""
     import numpy as np
 
     try:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # NumPy 1
         from numpy.core.multiarray import _reconstruct
-    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    names = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct")
+    return [
+        *((_reconstruct, name) for name in names),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
+
+
+def load_weights_only(raw: bytes):
+    """A byte item's object, loaded as torch does with `weights_only=True` (NumPy's arrays
+    allowed), onto the CPU; raises what torch raises for anything more."""
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
 
 
 def check_byte_items(folder: str, metadata) -> None:
@@ -103,7 +118,6 @@ def check_byte_items(folder: str, metadata) -> None:
         if isinstance(meta, BytesStorageMetadata)
     }
     root = os.path.realpath(folder)
-    allowed = _numpy_globals()
     for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: kv[0].fqn):
         if index.fqn not in items:
             continue
@@ -117,8 +131,7 @@ def check_byte_items(folder: str, metadata) -> None:
             with open(path, "rb") as f:
                 f.seek(info.offset)
                 raw = f.read(info.length)
-            with torch.serialization.safe_globals(allowed):
-                torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            load_weights_only(raw)
         except Exception as err:  # noqa: BLE001 - any failure: the item is not loaded
             raise UnsafeCheckpointError(f"{named} refused: {_why(err)}") from None
 

@@ -37,6 +37,7 @@ from .unit_state import (
     carry_into,
     held_params,
     permute,
+    permuted,
     replica_specs,
     run_payload,
     state_keys,
@@ -370,7 +371,7 @@ class HetPartition:
                 failures.append(f"commit: {type(err).__name__}: {err}")
             vote(failures, self.group, comm_device(), step, agree_over)
             result.received = {}  # the staging buffers: built into the new shards
-            replaced, created = self._install(staged, pieces)
+            replaced, created = self._install(staged)
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
         self._size_checkpoint_runs(blocks)
@@ -390,8 +391,15 @@ class HetPartition:
             if old_units == new_units:
                 continue
             mine, kept = pieces[(index, name)], positions[(index, name)]
-            if set(old_units) == set(new_units):  # order only: permuted in place at install
-                staged.append(_Staged((index, name), block, new_units))
+            if set(old_units) == set(new_units):  # order only: copied in place at install
+                staged.append(
+                    _Staged(
+                        (index, name),
+                        block,
+                        new_units,
+                        ordered=permuted(mine, old_units, new_units),
+                    )
+                )
                 continue
             # per new unit: its position here if kept, else what it brought
             sources = [
@@ -432,16 +440,17 @@ class HetPartition:
         return staged
 
     @staticmethod
-    def _install(staged, pieces):
-        """Put the built shards in place (after the last vote: reference swaps and in-place
-        permutations of what this rank holds). Returns {old param: (new param, moved state)}
-        and, for K/V replicas new to this rank, {new param: (fp32 master or None, optimizer
-        state)}."""
+    def _install(staged):
+        """Put the built shards in place (after the last vote: reference swaps, and copies into
+        tensors this rank holds, which allocate nothing). Returns {old param: (new param,
+        moved state)} and, for K/V replicas new to this rank, {new param: (fp32 master or
+        None, optimizer state)}."""
         replaced, created = {}, {}
         for s in staged:
             block = s.block
-            if s.new_shards is None:  # order only: in place, same parameters
-                permute(pieces[s.key], block.units, s.new_units)
+            if s.ordered is not None:  # order only: in place, same parameters
+                for tensor, copy in s.ordered:
+                    tensor.copy_(copy)
                 block.reorder(s.new_units)
                 continue
             if s.replicas:
@@ -461,12 +470,13 @@ class HetPartition:
 
 @dataclasses.dataclass
 class _Staged:
-    """One block's part of a move, built and not yet installed (new_shards None: its units
-    only change order, which install permutes in place)."""
+    """One block's part of a move, built and not yet installed (`ordered`: its units only
+    change order, and these are its tensors' copies in the new order, for install to copy)."""
 
     key: tuple
     block: object
     new_units: tuple
+    ordered: list | None = None
     new_shards: dict | None = None
     moments: list | None = None
     replicas: dict | None = None

@@ -29,6 +29,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 LOCK_FILE = ".hettp-save.lock"
+EMPTY_LOCK_SECONDS = 60  # an empty lock older than this was abandoned mid-creation
 STAGING_MARK = ".tmp-"  # iter_0000010.tmp-<token>
 
 
@@ -186,7 +187,8 @@ class SaveLock:
     def acquire(self) -> str | None:
         os.makedirs(self.folder, exist_ok=True)
         # Written in full under a private name, then linked into place: link() fails if the
-        # lock exists, so the lock appears atomically and always with its holder in it.
+        # lock exists, so the lock appears atomically and always with its holder in it (on a
+        # file system without hard links it is created exclusively, then written: _place).
         mine = f"{self.path}.{self.holder.token}"
         with open(mine, "w") as f:
             json.dump(asdict(self.holder), f)
@@ -197,6 +199,10 @@ class SaveLock:
                     self._place(mine)
                 except FileExistsError:
                     other = self._read()
+                    if other is None and self._abandoned_empty():
+                        warning = f"took over the empty lock {self.path} (its job died creating it)"
+                        os.remove(self.path)
+                        continue
                     if other is None:
                         raise SaveLockError(
                             f"--save {self.folder}: the lock {self.path} is unreadable; "
@@ -221,6 +227,15 @@ class SaveLock:
             )
         finally:
             os.remove(mine)
+
+    def _abandoned_empty(self) -> bool:
+        """An exclusively created lock still empty a minute on: its job died between creating
+        and writing it (a hard-linked lock is never empty)."""
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return False
+        return info.st_size == 0 and time.time() - info.st_mtime > EMPTY_LOCK_SECONDS
 
     def _place(self, mine: str) -> None:
         """The lock at self.path with `mine`'s content; FileExistsError if there is one."""

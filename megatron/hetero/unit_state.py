@@ -337,11 +337,21 @@ def run_payload(pieces, num_local_units, positions):
 
 def permute(pieces, old_units, new_units):
     """Put every (tensor, layout) of `pieces` into the order `new_units`, in place."""
+    for tensor, copy in permuted(pieces, old_units, new_units):
+        tensor.copy_(copy)
+
+
+def permuted(pieces, old_units, new_units) -> list:
+    """(tensor, its copy in the order `new_units`) for every (tensor, layout) of `pieces`
+    that the order changes: what permute writes, built apart (a move builds it before its
+    last vote, so that what follows the vote allocates nothing)."""
     position = {u: i for i, u in enumerate(old_units)}
     order = [position[u] for u in new_units]
-    for tensor, layout in pieces:
-        if layout is not REPLICA:  # a group's replica does not depend on its heads' order
-            tensor.copy_(layout.permuted(tensor, len(old_units), order))
+    return [
+        (tensor, layout.permuted(tensor, len(old_units), order))
+        for tensor, layout in pieces
+        if layout is not REPLICA  # a group's replica does not depend on its heads' order
+    ]
 
 
 def unit_specs(block, state_keys) -> list[TensorSpec]:

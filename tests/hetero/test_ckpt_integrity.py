@@ -98,3 +98,44 @@ def test_metadata_that_needs_anything_else_is_refused_without_running(tmp_path, 
     path.write_bytes(b"not a pickle")
     with pytest.raises(UnsafeCheckpointError, match="refused"):
         check_metadata(str(path))
+
+
+def test_numpy_s_rng_state_loads_under_either_numpy_major_s_name():
+    """The byte-item check allows NumPy's array constructor under the module names NumPy 1
+    and 2 pickle it by: a checkpoint saved in an image with the one (a GPU container) loads
+    where the other is installed; anything else stays refused."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    from megatron.hetero.ckpt_integrity import load_weights_only
+
+    saved = io.BytesIO()
+    torch.save({"numpy": np.random.get_state()}, saved)
+
+    def renamed(raw, old, new):
+        source, out = zipfile.ZipFile(io.BytesIO(raw)), io.BytesIO()
+        with zipfile.ZipFile(out, "w") as target:
+            for item in source.infolist():
+                data = source.read(item.filename)
+                if item.filename.endswith("data.pkl"):
+                    assert old in data or new in data
+                    data = data.replace(old, new)
+                target.writestr(item, data)
+        return out.getvalue()
+
+    for name in (b"numpy.core.multiarray", b"numpy._core.multiarray"):
+        raw = renamed(saved.getvalue(), b"numpy._core.multiarray", name)
+        raw = renamed(raw, b"numpy.core.multiarray", name)
+        state = load_weights_only(raw)["numpy"]
+        assert state[0] == "MT19937" and np.array_equal(state[1], np.random.get_state()[1])
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    crafted = io.BytesIO()
+    torch.save(Evil(), crafted)
+    with pytest.raises(pickle.UnpicklingError):
+        load_weights_only(crafted.getvalue())

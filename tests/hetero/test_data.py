@@ -96,6 +96,23 @@ def test_preprocess_text_folder_is_deterministic_and_bounded(tmp_path, capsys):
     assert texts == ["aaaa", "bbbb", "c"]  # 10 bytes; "cé" would be 11
 
 
+def test_a_json_file_in_an_input_folder_is_a_text(tmp_path, capsys):
+    """Only a .json file --input names itself is read as JSON lines (Megatron-LM's inputs);
+    one inside a folder (a package.json) is a document like the folder's other files."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("aaaa")
+    (folder / "config.json").write_text('{\n  "a": 1\n}')
+    out = str(tmp_path / "out")
+    status, _, err = _preprocess(capsys, "--input", str(folder), "--output-prefix", out)
+    assert status == 0, err
+    dataset = IndexedDataset(f"{out}_text_document")
+    texts = [bytes(dataset[i].tolist()).decode() for i in range(len(dataset))]
+    assert texts == ["aaaa", '{\n  "a": 1\n}']
+
+
 def test_preprocess_errors_are_clear(tmp_path, capsys):
     status, _, err = _preprocess(
         capsys, "--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "o")
@@ -202,8 +219,15 @@ def test_the_dataset_index_cache_must_be_writable_at_start(tmp_path):
     with pytest.raises(ArgumentError, match=f"--data-cache-path {blocker}/cache: not writable"):
         check(f"--data-cache-path {blocker}/cache")
     check(f"--data-cache-path {tmp_path}/elsewhere")
-    # the default, a cache/ folder beside the corpus, cannot be made (a file is in its way):
-    # refused naming the flag that moves it
-    (tmp_path / "cache").write_text("")
-    with pytest.raises(ArgumentError, match="give --data-cache-path a writable folder"):
+    assert not (tmp_path / "elsewhere").exists()  # checked, not created
+    # megatron-core's default, a cache/ folder under the prefix, cannot be made (a file named
+    # as the prefix is in its way): refused naming the flag that moves it
+    with open(prefix, "w"):
+        pass
+    with pytest.raises(ArgumentError, match=f"the default under {prefix}.*give --data-cache-path"):
         check("")
+    # a cache built already (a read-only shared one, say) is only read: not refused
+    built = tmp_path / "built"
+    built.mkdir()
+    (built / "index.npy").write_text("")
+    check(f"--data-cache-path {built}/")

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -91,6 +92,15 @@ def test_a_file_system_without_hard_links_gets_an_exclusively_created_lock(tmp_p
         SaveLock(str(tmp_path), _other()).acquire()
     first.release()
     assert sorted(os.listdir(tmp_path)) == []
+    # a job that died between creating the lock and writing it left it empty: refused while
+    # it may still be being written, taken over once it is old
+    (tmp_path / LOCK_FILE).write_text("")
+    with pytest.raises(SaveLockError, match="is unreadable"):
+        SaveLock(str(tmp_path)).acquire()
+    old = time.time() - 120
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+    lock = SaveLock(str(tmp_path))
+    assert lock.acquire().startswith("took over the empty lock") and lock.held
 
 
 def test_a_live_remote_holder_is_respected_and_an_unreadable_lock_refused(tmp_path):

@@ -136,7 +136,7 @@ def test_unit_views_sums_and_permutation():
     assert view.data_ptr() == wide.data_ptr() and view.shape == (5, 6)
 
 
-def test_unit_sums_read_every_layout_in_place_at_fp32_or_better():
+def test_unit_sums_read_every_layout_at_fp32_or_better():
     # column-split weights in parts (units along axis 1), and a 3-d tensor split on its middle
     for layout, shape in [
         (UnitLayout(axis=1, width=3, parts=2), (5, 2 * 4 * 3)),
