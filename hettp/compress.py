@@ -95,7 +95,10 @@ class ErrorFeedbackReducer:
         """The residues a checkpoint keeps, so that a resumed run sends what this one would."""
         # on the CPU: a checkpoint's byte items are read by every rank, and a CUDA tensor
         # comes back on the device it was saved from (another rank's GPU, or none there)
-        return {"kind": self.kind, "errors": {k: e.detach().cpu() for k, e in self.errors.items()}}
+        return {
+            "kind": self.kind,
+            "errors": {k: e.detach().to("cpu", copy=True) for k, e in self.errors.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Residues of the same compression; a buffer whose size changed starts over (zeros),

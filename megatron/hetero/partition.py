@@ -430,11 +430,11 @@ class HetPartition:
                     (index, name),
                     block,
                     new_units,
-                    new_shards,
-                    moments,
-                    replicas,
-                    new_state,
-                    old_params,
+                    new_shards=new_shards,
+                    moments=moments,
+                    replicas=replicas,
+                    new_state=new_state,
+                    old_params=old_params,
                 )
             )
         return staged
