@@ -19,7 +19,13 @@ if git -C "$dir" rev-parse --show-toplevel >/dev/null 2>&1; then
     echo "apply.sh: warning: $dir is at '${tag:-an untagged commit}'; the patch is for core_v0.16.1" >&2
   fi
 fi
-(cd "$dir" && git apply --check "$patch")
+real=$(cd "$dir" && pwd -P)
+# Inside another git repository (an extracted tree in a project's checkout) git apply takes
+# paths from that repository's root and skips the rest, silently: look no further up than here
+apply() { (cd "$real" && GIT_CEILING_DIRECTORIES=$(dirname "$real") git apply "$@" "$patch"); }
+apply --check
 if [ "$check" = 1 ]; then echo "apply.sh: the patch applies cleanly to $dir"; exit 0; fi
-(cd "$dir" && git apply "$patch")
+apply
+grep -q "from megatron.hetero import upstream as het_tp" "$real/pretrain_gpt.py" || {
+  echo "apply.sh: git apply left $dir/pretrain_gpt.py unpatched" >&2; exit 1; }
 echo "apply.sh: patched $dir (pretrain_gpt.py, gpt_builders.py, megatron/training/training.py, megatron/training/checkpointing.py)"

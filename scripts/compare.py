@@ -411,8 +411,11 @@ def parse(argv):
         interval=4,
         out=os.path.join(ROOT, "results", "compare"),
     )
-    if a.dp > 1:
+    if a.dp > 1 and a.tp > 1:
         full.update(scenarios="none,replica-3x,crossed-3x", policies="migrate,rebatch,joint")
+        quick.update(scenarios="none,replica-3x", policies="rebatch")
+    elif a.dp > 1:  # one rank a replica: nothing to split within it, only micro-batches to move
+        full.update(scenarios="none,replica-3x", policies="rebatch")
         quick.update(scenarios="none,replica-3x", policies="rebatch")
     for key, value in (quick if a.quick else full).items():
         if getattr(a, key) is None:

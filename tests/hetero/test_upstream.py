@@ -217,6 +217,9 @@ def test_the_patch_applies_to_a_fresh_copy_of_megatron_lm(tmp_path):
     them; the CPU shims' upstream lines are found in the fresh and the patched tree."""
     from megatron.hetero import upstream_cpu
 
+    # an extracted tree inside another git repository (a project's own checkout): git apply
+    # run there patched nothing, silently, and apply.sh said "patched"
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     tree = fresh_megatron_lm(str(tmp_path / "Megatron-LM"))
     upstream_cpu.check(tree)
     apply = os.path.join(ROOT, "patches", "apply.sh")

@@ -298,6 +298,17 @@ def test_head_unit_variants_run_their_policy_with_head_units():
     assert compare.VARIANTS["hybrid-heads"][1] == ["--het-tp-attn-granularity", "1"]
 
 
+def test_data_parallel_defaults_are_what_the_layout_can_run():
+    """At TP=1 a replica is one rank: no crossed TP straggler, no TP moves (the defaults
+    named a scenario that exists at TP > 1 only, and policies the trainer refuses there)."""
+    compare = load_script("compare")
+    single = compare.parse(["--tp", "1", "--dp", "2"])
+    assert [s.name for s in single.scenario_list] == ["none", "replica-3x"]
+    assert single.policy_list[-1:] == ["rebatch"] and "migrate" not in single.policy_list
+    both = compare.parse(["--tp", "2", "--dp", "2"])
+    assert [s.name for s in both.scenario_list] == ["none", "replica-3x", "crossed-3x"]
+
+
 def test_capped_variants_run_their_policy_within_the_memory_cap():
     compare = load_script("compare")
     a = compare.parse(
