@@ -155,20 +155,27 @@ def test_a_damaged_dataset_file_is_named_before_training(tmp_path, ext, how, mes
     assert message in str(err.value)
 
 
+def _validate_on(prefix, extra: str) -> None:
+    """The start-time checks of a run on the byte-level corpus at `prefix`, with `extra` flags
+    (a later --data-path replaces it)."""
+    from megatron.hetero.arguments import build_parser, validate_args
+
+    base = BASE.replace(
+        "--mock-data --vocab-size 255", f"--data-path {prefix} --tokenizer-type ByteLevelTokenizer"
+    )
+    validate_args(build_parser().parse_args((base + " " + extra).split()), 1, cuda_available=False)
+
+
 def test_a_split_megatron_core_cannot_build_is_refused_naming_it(tmp_path):
     """Every split of non-zero weight is built, asked for samples or not; one left no tokens
     would make megatron-core's builder loop forever (0 tokens per epoch never reach the
     samples asked): 4 sequences at 969,30,1 leave validation and test none."""
-    from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
+    from megatron.hetero.arguments import ArgumentError
 
     prefix = make_corpus(tmp_path)
-    base = BASE.replace(
-        "--mock-data --vocab-size 255", f"--data-path {prefix} --tokenizer-type ByteLevelTokenizer"
-    )
 
     def check(extra):
-        args = build_parser().parse_args((base + " " + extra).split())
-        validate_args(args, 1, cuda_available=False)
+        _validate_on(prefix, extra)
 
     for eval_iters in ("1", "0"):
         with pytest.raises(ArgumentError) as err:
@@ -203,16 +210,12 @@ def test_a_split_megatron_core_cannot_build_is_refused_naming_it(tmp_path):
 def test_the_dataset_index_cache_must_be_writable_at_start(tmp_path):
     """megatron-core writes it after the model is built and a checkpoint loaded; there, a
     folder it cannot write stopped rank 0 with an error naming no flag."""
-    from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
+    from megatron.hetero.arguments import ArgumentError
 
     prefix = make_corpus(tmp_path)
-    base = BASE.replace(
-        "--mock-data --vocab-size 255", f"--data-path {prefix} --tokenizer-type ByteLevelTokenizer"
-    )
 
     def check(extra):
-        args = build_parser().parse_args((base + " --split 50,25,25 " + extra).split())
-        validate_args(args, 1, cuda_available=False)
+        _validate_on(prefix, "--split 50,25,25 " + extra)
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
