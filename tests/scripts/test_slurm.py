@@ -156,6 +156,12 @@ def test_sbatch_dry_runs_print_the_resolved_commands():
     )  # plain vanilla's layers, slowed as the others are
     assert "compare.py --report-only" in compare.stdout and "--repeats 2" in compare.stdout
     assert not os.path.exists("/tmp/hettp-dry-compare")  # a dry run writes nothing
+    # two replicas: each ran one micro-batch a step (Megatron's default global batch), and the
+    # report records that (compare.py's own default at --dp 2 is 4)
+    replicas = _dry("compare.sbatch", OUT="/tmp/hettp-dry-compare", SLURM_NTASKS="4")
+    assert replicas.returncode == 0, replicas.stderr
+    assert "--dp 2 --microbatches 1 " in replicas.stdout
+    assert "--global-batch-size" not in replicas.stdout
     # outside an allocation a dry run prints the commands all the same
     outside = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     for script in ("het_tp.sbatch", "het_tp_torchrun.sbatch"):
