@@ -131,8 +131,11 @@ def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, stea
     first = decisions[0]
     # the straggle starts at step 20; detection runs every step, on the median of 3 steps:
     # acted on at the boundary after the second slow step, so step 22 runs on the new plan
-    # (the wall clock also sees the neighbours on a shared machine: a step or two later)
-    assert first["action"] == "migrate" and 21 <= first["iteration"] <= 23
+    # (the wall clock also sees the neighbours on a shared machine: a step or two later; a
+    # loaded CI machine once acted at 24)
+    assert first["action"] == "migrate" and 21 <= first["iteration"] <= (
+        23 if clock == "cpu" else 24
+    )
     assert first["slowdown"][1] > 1.5 and first["predicted_after_s"] < first["predicted_before_s"]
     plan = PartitionPlan.from_json(first["plan"])
     assert plan.counts(0, "mlp")[1] < plan.counts(0, "mlp")[0]
