@@ -437,3 +437,93 @@ def test_the_work_between_a_blocks_linears_is_timed():
         assert timer.read_attention() == 0.0
     finally:
         timer.remove()
+
+
+class _Work(torch.autograd.Function):
+    """Identity that advances the scripted clock: `forward` seconds of CPU time in the
+    forward, `backward` in the backward, each taking `stretch` x that in wall time (a core
+    shared with a busy process)."""
+
+    @staticmethod
+    def forward(ctx, x, clock, forward, backward, stretch):
+        ctx.args = clock, backward, stretch
+        clock.work(forward, forward * stretch)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        clock, backward, stretch = ctx.args
+        clock.work(backward, backward * stretch)
+        return grad, None, None, None, None
+
+
+class _Block(torch.nn.Module):
+    """A block's work (forward 10 ms, backward 20 ms of CPU), then its TP all-reduce."""
+
+    def __init__(self, clock, stretch):
+        super().__init__()
+        self.clock, self.stretch = clock, stretch
+
+    def forward(self, hidden_states, **kwargs):
+        out = _Work.apply(hidden_states, self.clock, 0.010, 0.020, self.stretch)
+        dist.all_reduce(out)
+        return out, None
+
+
+class _Layer(torch.nn.Module):
+    """A transformer layer: a norm (1 ms forward, 2 ms backward of CPU) before each block and a
+    residual add (0.5 ms, 0.5 ms) after each, around two blocks."""
+
+    def __init__(self, clock, stretch):
+        super().__init__()
+        self.clock, self.stretch = clock, stretch
+        self.self_attention, self.mlp = _Block(clock, stretch), _Block(clock, stretch)
+
+    def forward(self, hidden_states, attention_mask=None):
+        x = hidden_states
+        for block in (self.self_attention, self.mlp):
+            normed = _Work.apply(x, self.clock, 0.001, 0.002, self.stretch)
+            out, _ = block(normed)
+            x = _Work.apply(x + out, self.clock, 0.0005, 0.0005, self.stretch)
+        return x, None
+
+
+@pytest.mark.parametrize(
+    "clock_name, device, stretch, factor, between",
+    [
+        # a busy neighbour doubles every wall second: the norms' and adds' 8 ms (forward 3,
+        # backward 5) read as 16, the all-reduces' waits left out
+        ("wall", False, 2.0, 1.0, 2 * 0.008),
+        # the device mode's delays slow them by the factor (slept before the collectives)
+        ("cpu", True, 1.0, 3.0, 3 * 0.008),
+        # the sharded emulation slows the blocks only: alike on every rank, not taken
+        ("cpu", False, 1.0, 3.0, None),
+    ],
+)
+def test_the_compute_between_the_blocks_is_timed_where_a_slowdown_reaches_it(
+    clock, collectives, clock_name, device, stretch, factor, between
+):
+    """A slow device or a shared core is slow at the norms and residual adds between a layer's
+    blocks too; they delay the rank's next collective, so the planner gives it fewer units
+    for them (hettp.step_model.StepModel.between)."""
+    collectives.wait = 0.050  # every all-reduce waits 50 ms for the other rank
+    layer = _Layer(clock, stretch)
+    model = types.SimpleNamespace(decoder=types.SimpleNamespace(layers=[layer]))
+    timer = ComputeTimer(model, clock_name, device=device, emulated=factor > 1.0)
+    timer.cuda, timer.spin = False, False
+    try:
+        timer.reset(factor=factor)
+        x = torch.randn(2, 4, requires_grad=True)
+        out, _ = layer(x)
+        # megatron-core's pipeline schedules free a layer's output and need it not a view
+        assert out._base is None or between is None
+        out.sum().backward()
+        timer.end_step()
+        if between is None:
+            assert timer.read_between() is None
+        else:
+            assert timer.read_between() == pytest.approx(between)
+        # the blocks' own seconds are what they were: 2 x (10 + 20) ms, stretched
+        assert timer.read() == pytest.approx(2 * 0.030 * stretch * factor)
+    finally:
+        timer.remove()
