@@ -37,9 +37,6 @@ class TimingReport:
     # of compute, the seconds in the attention modules (the rest past `fixed` is the MLP's),
     # if known: what each block took, where the totals hide which block a rank waits in
     attention: tuple[float, ...] | None = None
-    # seconds in the rank's layers between the timed blocks (norms, residual adds), where a
-    # slowdown reaches them (a shared core, a slow device); None where it does not
-    between: tuple[float, ...] | None = None
 
     @property
     def measured(self) -> Measured:
@@ -52,20 +49,15 @@ class TimingReport:
     @classmethod
     def from_dict(cls, saved: dict) -> TimingReport:
         """The inverse of dataclasses.asdict (lists back to tuples)."""
-
-        def per_rank(name):  # attention and between are absent in older checkpoints
-            value = saved.get(name)
-            return tuple(value) if value is not None else None
-
+        fixed, busy, attention = saved.get("fixed"), saved.get("busy"), saved.get("attention")
         return cls(
             saved["iteration"],
             tuple(saved["compute"]),
             tuple(saved["work"]),
             saved["step"],
-            per_rank("fixed"),
-            per_rank("busy"),
-            per_rank("attention"),
-            per_rank("between"),
+            tuple(fixed) if fixed is not None else None,
+            tuple(busy) if busy is not None else None,
+            tuple(attention) if attention is not None else None,  # absent in older checkpoints
         )
 
     @classmethod
@@ -106,7 +98,6 @@ class TimingReport:
             per_rank("fixed"),
             per_rank("busy"),
             per_rank("attention"),
-            per_rank("between"),
         )
 
     @classmethod
@@ -134,7 +125,6 @@ class TimingReport:
             per_rank("fixed"),
             per_rank("busy"),
             per_rank("attention"),
-            per_rank("between"),
         )
 
 
@@ -167,21 +157,13 @@ def step_model(
     """The planner's model of a step from a report: measured factors for stragglers, 1 for the
     rest (their spread is noise; planning on it would shuffle units for nothing), each rank's
     compute as `fixed` + `per_unit` x work times its factor, of which `apart` runs after the
-    blocks (hettp.costfit.Line), what each rank computes between the blocks where the report
-    has it (the stragglers' as measured, the others' at their median: their spread is noise),
-    and the time past the slowest rank's layers as the part no partition changes."""
+    blocks (hettp.costfit.Line), and the time outside the slowest rank's compute as the part
+    no partition changes."""
     known = [f for f in factors if f is not None]
     fastest = min(known) if known else 1.0
     slowest = max(known) if known else 1.0
-    between, layers = (), report.compute
-    if report.between is not None:
-        level = statistics.median(
-            [o for r, o in enumerate(report.between) if r not in stragglers] or report.between
-        )
-        between = tuple(o if r in stragglers else level for r, o in enumerate(report.between))
-        layers = [c + o for c, o in zip(report.compute, report.between)]
     return StepModel(
-        max(0.0, report.step - max(layers)),
+        max(0.0, report.step - max(report.compute)),
         tuple(
             max(1.0, (f if f is not None else slowest) / fastest) if r in stragglers else 1.0
             for r, f in enumerate(factors)
@@ -189,7 +171,6 @@ def step_model(
         per_unit * fastest,
         max(0.0, fixed - apart) * fastest,
         min(apart, fixed) * fastest,
-        between,
     )
 
 

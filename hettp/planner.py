@@ -61,8 +61,7 @@ def balancing_shares(
         if rank not in stragglers or movable <= 0 or model.rank_time(rank, w) <= target:
             shares.append(0.0)
             continue
-        time_left = target - model.rank_time(rank, 0.0)  # what the target leaves its units
-        keep = time_left / model.factors[rank] / model.slope - kept[rank]
+        keep = (target / model.factors[rank] - model.fixed) / model.slope - kept[rank]
         shares.append(round(min(cap, 1.0 - keep / movable), 4))
     return tuple(shares)
 

@@ -13,35 +13,28 @@ from .resize import skipped_count
 
 @dataclass(frozen=True)
 class StepModel:
-    """A step takes `rest + max_r (between_r + factor_r * (fixed + slope * work_r)) + max_r
-    factor_r * apart`: `slope * work` is an unslowed rank's time in the work its units carry,
-    `fixed` its per-call costs in the blocks that no split changes, `apart` what it computes
-    after the blocks whatever its units (the optimizer's per-tensor work), `factor_r` the
-    rank's slowdown. Every block ends in a TP collective, so the ranks wait for each other
-    before the optimizer: a slow rank's optimizer time is not made up for by giving it fewer
-    units in the blocks, and only the blocks' part is balanced. `between_r` (empty: none) is
-    what the rank computes in its layers between the blocks (norms, residual adds), as
-    measured: no split moves it, but it delays the rank's next collective, so where a
-    slowdown reaches it (a slow device, a shared core) the slow rank needs fewer units."""
+    """A step takes `rest + max_r factor_r * (fixed + slope * work_r) + max_r factor_r *
+    apart`: `slope * work` is an unslowed rank's time in the work its units carry, `fixed`
+    its per-call costs in the blocks that no split changes, `apart` what it computes after
+    the blocks whatever its units (the optimizer's per-tensor work), `factor_r` the rank's
+    slowdown. Every block ends in a TP collective, so the ranks wait for each other before
+    the optimizer: a slow rank's optimizer time is not made up for by giving it fewer units
+    in the blocks, and only the blocks' part is balanced."""
 
     rest: float
     factors: tuple[float, ...]
     slope: float
     fixed: float = 0.0
     apart: float = 0.0
-    between: tuple[float, ...] = ()
-
-    def _between(self, rank: int) -> float:
-        return self.between[rank] if self.between else 0.0
 
     def rank_time(self, rank: int, work: float) -> float:
-        """The rank's time in its layers: the blocks, and what it computes between them."""
-        return self._between(rank) + self.factors[rank] * (self.fixed + self.slope * work)
+        """The rank's time in the blocks."""
+        return self.factors[rank] * (self.fixed + self.slope * work)
 
     def rank_compute(self, rank: int, work: float) -> float:
         """All of the rank's timed compute: its blocks and what it computes after them (the
         cost fit's line at `work`, times its slowdown)."""
-        return self.factors[rank] * (self.fixed + self.slope * work + self.apart)
+        return self.rank_time(rank, work) + self.factors[rank] * self.apart
 
     def step_time(self, work: Sequence[float]) -> float:
         blocks = max(self.rank_time(r, w) for r, w in enumerate(work))
@@ -56,10 +49,8 @@ class StepModel:
         if not blocks:
             return self.step_time((0.0,) * len(self.factors))
         per = self.fixed / len(blocks)
-        spread = [self._between(r) / len(blocks) for r in range(len(self.factors))]
         slowest = sum(
-            max(o + f * (per + self.slope * w) for o, f, w in zip(spread, self.factors, works))
-            for works in blocks
+            max(f * (per + self.slope * w) for f, w in zip(self.factors, works)) for works in blocks
         )
         return self.rest + slowest + max(self.factors) * self.apart
 
@@ -69,11 +60,10 @@ class StepModel:
         ranks = list(range(len(self.factors)))
         while True:
             speed = sum(1.0 / self.factors[r] for r in ranks)
-            late = sum(self._between(r) / self.factors[r] for r in ranks)
-            finish = (self.slope * total + len(ranks) * self.fixed + late) / speed
+            finish = (self.slope * total + len(ranks) * self.fixed) / speed
             work = [0.0] * len(self.factors)
             for r in ranks:
-                work[r] = ((finish - self._between(r)) / self.factors[r] - self.fixed) / self.slope
+                work[r] = (finish / self.factors[r] - self.fixed) / self.slope
             idle = [r for r in ranks if work[r] < 0]
             if not idle:
                 return work

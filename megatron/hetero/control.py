@@ -12,7 +12,6 @@ back.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -168,12 +167,7 @@ class Controller:
         step = self._gather(
             iteration,
             [self.timer.read(), self._work.work, wall_seconds, self.timer.read_fixed()],
-            [
-                self.timer.read_busy(),
-                self.timer.read_attention(),
-                *self._work.kinds,
-                _or_nan(self.timer.read_between()),
-            ],
+            [self.timer.read_busy(), self.timer.read_attention(), *self._work.kinds],
         )
         verdict = self._decide(step, plan, shares, unit_bytes)
         self._price_core_attention(work)
@@ -313,16 +307,14 @@ class Controller:
 
     def _gather(self, iteration, row, extra) -> TimingReport:
         """This TP group's step from each rank's `row` (compute, work, wall, fixed) and `extra`
-        (busy, then its attention seconds, its work by kind, and its seconds between the
-        blocks, NaN where the timer does not take them); with data parallelism, the
+        (busy, then its attention seconds and its work by kind); with data parallelism, the
         slowest replica's at each TP position (replicas share a plan), each replica's scaled
         to the even split's micro-batch count under --het-dp. Every rank of every replica
         keeps the same block samples."""
         mine = torch.tensor([*row, *extra], dtype=torch.float64, device=comm_device())
         rows = [torch.empty_like(mine) for _ in range(self.tp_size)]
         dist.all_gather(rows, mine, group=self.group)
-        # [tp, (compute, work, wall, fixed, busy, attn, kinds..., between)]
-        table = torch.stack(rows)
+        table = torch.stack(rows)  # [tp, (compute, work, wall, fixed, busy, attn, kinds...)]
         tables = [table]
         if self.dp_size > 1:
             tables = [torch.empty_like(table) for _ in range(self.dp_size)]
@@ -346,7 +338,6 @@ class Controller:
                     tuple(r[3] for r in rows),
                     tuple(r[4] for r in rows),
                     tuple(r[5] for r in rows),
-                    None if any(math.isnan(r[-1]) for r in rows) else tuple(r[-1] for r in rows),
                 )
             )
         if self.counts is not None:
@@ -371,9 +362,4 @@ def _per_microbatches(report: TimingReport, scale: float) -> TimingReport:
         attention=(
             tuple(a * scale for a in report.attention) if report.attention is not None else None
         ),
-        between=tuple(b * scale for b in report.between) if report.between is not None else None,
     )
-
-
-def _or_nan(value: float | None) -> float:
-    return math.nan if value is None else value

@@ -237,8 +237,7 @@ class EventLog:
 
     def timing(self, report, verdict, stage=None) -> None:
         """A timing report (JSONL only): per-rank compute per step (and of it, the part no split
-        changes and the attention modules' seconds; all of the rank's compute, busy; and where
-        the timer takes them, its seconds in the layers between the blocks, between), work,
+        changes and the attention modules' seconds; and all of the rank's compute, busy), work,
         fitted slowdown factor and where it was read from (`reading`: hettp.loop.Verdict), the
         cost fit's own reading of the report (`modelled`), and the detector's smoothed
         slowdowns; with pipelining, one per stage's TP group, marked with its `stage`."""
@@ -252,7 +251,6 @@ class EventLog:
                 fixed_s=list(report.fixed) if report.fixed is not None else None,
                 busy_s=list(report.busy) if report.busy is not None else None,
                 attention_s=list(report.attention) if report.attention is not None else None,
-                between_s=list(report.between) if report.between is not None else None,
                 work=list(report.work),
                 factor=list(verdict.factors),
                 step_s=report.step,

@@ -45,7 +45,6 @@ import os
 import time
 
 import torch
-from megatron.core.utils import make_viewless_tensor
 
 from .model import unwrap_model
 
@@ -127,7 +126,7 @@ class _CollectivePatch:
 
     @contextlib.contextmanager
     def paused(self):
-        running = [t for t in self.timers if t.running or t.between_running]
+        running = [t for t in self.timers if t.running]
         for timer in running:
             timer.pause()
         try:
@@ -224,14 +223,6 @@ class ComputeTimer:
         self._delayed = 0.0  # of the running region's elapsed time, what was already delayed
         self._paused_clock = 0.0  # the same on the timer's clock
         self._stretched = 0.0  # wall seconds of the running region's dilation slept in a pause
-        # what the rank computes in its layers between the blocks (norms, residual adds), on
-        # the timer's clock with collectives left out: a stopwatch that runs inside a layer
-        # while no block's region does, where a slowdown reaches that work (read_between)
-        self.times_between = not self.cuda and (clock == "wall" or device)
-        self._between = 0.0
-        self._in_layer = False
-        self._b0 = None  # the stopwatch's start on the clock, None while stopped
-        self._b_paused = 0.0  # of the running stopwatch's time, spent in collectives
         self._step0 = time.thread_time()  # CPU time at reset()
         self._spun = 0.0  # CPU seconds of emulated delays spun since reset()
         self._emulated = 0.0  # seconds of emulated delay since reset()
@@ -251,30 +242,16 @@ class ComputeTimer:
         self._handles = []
 
     def _hook(self, model) -> None:
-        marks = [
-            (block, start)
-            for layer in unwrap_model(model).decoder.layers
-            for block, start in ((layer.self_attention, "start_attention"), (layer.mlp, "start"))
-        ]
-        for block, start in marks:
-            self._hook_marks(block, start, "stop")
-        if self.times_between:
-            for layer in unwrap_model(model).decoder.layers:
-                self._hook_marks(layer, "enter_layer", "leave_layer", viewless=True)
-
-    def _hook_marks(self, module, start: str, stop: str, viewless: bool = False) -> None:
-        """`start` where the forward enters `module` and the backward leaves it, `stop` where
-        the forward leaves it and the backward enters it."""
-        self._handles.append(
-            module.register_forward_pre_hook(
-                functools.partial(self._enter, start=start, stop=stop), with_kwargs=True
-            )
-        )
-        self._handles.append(
-            module.register_forward_hook(
-                functools.partial(self._exit, start=start, stop=stop, viewless=viewless)
-            )
-        )
+        for layer in unwrap_model(model).decoder.layers:
+            for block, start in ((layer.self_attention, "start_attention"), (layer.mlp, "start")):
+                self._handles.append(
+                    block.register_forward_pre_hook(
+                        functools.partial(self._enter, start=start), with_kwargs=True
+                    )
+                )
+                self._handles.append(
+                    block.register_forward_hook(functools.partial(self._exit, start=start))
+                )
 
     def reset(self, factor: float = 1.0) -> None:
         if factor != 1.0 and self.cuda:
@@ -284,7 +261,6 @@ class ComputeTimer:
             )
         self.factor = factor
         self._seconds, self._fixed, self._attention, self._events = 0.0, 0.0, 0.0, []
-        self._between = 0.0
         self._step0 = self._mark = time.thread_time()
         self._spun = self._emulated = 0.0
 
@@ -311,17 +287,6 @@ class ComputeTimer:
         self.read()
         return self._attention
 
-    def read_between(self) -> float | None:
-        """Seconds since `reset()` in the layers between the timed blocks (norms, residual
-        adds), where a slowdown reaches them: on the wall clock (a shared core slows them),
-        and in the emulation's device mode (its delays slow them by the factor). None where
-        none does (the CPU clock, whose sharded emulation slows the blocks only, and GPUs,
-        whose events time the blocks only): then it is alike on every rank, and no split
-        depends on it."""
-        if not self.times_between:
-            return None
-        return self._between * (self.factor if self.device else 1.0)
-
     def read_busy(self) -> float:
         """All of this rank's compute since `reset()`: its thread's CPU time with the emulated
         delays counted as compute (on GPU: the timed regions only)."""
@@ -342,37 +307,13 @@ class ComputeTimer:
     def running(self) -> bool:
         return self._t0 is not None
 
-    @property
-    def between_running(self) -> bool:
-        return self._b0 is not None
-
     def pause(self) -> None:
         self._paused_at = (time.perf_counter(), self._now())
 
     def resume(self) -> None:
         wall, clock = self._paused_at
-        if self._t0 is not None:
-            self._paused += time.perf_counter() - wall
-            self._paused_clock += self._now() - clock
-        if self._b0 is not None:
-            self._b_paused += self._now() - clock
-
-    def enter_layer(self) -> None:
-        self._in_layer = True
-        self._between_start()
-
-    def leave_layer(self) -> None:
-        self._between_stop()
-        self._in_layer = False
-
-    def _between_start(self) -> None:
-        if not self.cuda and self._in_layer and self._b0 is None:
-            self._b0, self._b_paused = self._now(), 0.0
-
-    def _between_stop(self) -> None:
-        if self._b0 is not None:
-            self._between += self._now() - self._b0 - self._b_paused
-            self._b0 = None
+        self._paused += time.perf_counter() - wall
+        self._paused_clock += self._now() - clock
 
     def before_collective(self) -> None:
         if self.dilation > 1.0:
@@ -409,7 +350,6 @@ class ComputeTimer:
     def start(self, fixed: bool = False) -> None:
         """Open a region; `fixed`: its time does not scale with the rank's units (the optimizer
         step, whose cost on these models is per tensor far more than per element)."""
-        self._between_stop()
         self._in_fixed, self._in_attention = fixed, False
         if self.cuda:
             self._t0 = torch.cuda.Event(enable_timing=True)
@@ -443,7 +383,6 @@ class ComputeTimer:
             self._fixed += seconds if self._in_fixed else 0.0
             self._attention += seconds if self._in_attention else 0.0
         self._t0 = None
-        self._between_start()
 
     def _elapsed(self) -> float:
         """The running region's time on the timer's clock, collectives' waits left out."""
@@ -475,26 +414,17 @@ class ComputeTimer:
         time.sleep(want)
         self._overslept = time.perf_counter() - start - want
 
-    def _enter(self, module, args, kwargs, start="start", stop="stop"):
+    def _enter(self, module, args, kwargs, start="start"):
         if not (module.training and torch.is_grad_enabled()):
             return None
         if args:
-            return (_Mark.apply(args[0], self, start, stop), *args[1:]), kwargs
-        marked = _Mark.apply(kwargs["hidden_states"], self, start, stop)
+            return (_Mark.apply(args[0], self, start, "stop"), *args[1:]), kwargs
+        marked = _Mark.apply(kwargs["hidden_states"], self, start, "stop")
         return args, dict(kwargs, hidden_states=marked)
 
-    def _exit(self, module, args, output, start="start", stop="stop", viewless=False):
-        """`viewless`: the output leaves a layer, where megatron-core's pipeline schedules
-        free it and require it not to be a view (its own layers return it viewless)."""
+    def _exit(self, module, args, output, start="start"):
         if not (module.training and torch.is_grad_enabled()):
             return None
-
-        def marked(x):
-            out = _Mark.apply(x, self, stop, start)
-            return (
-                make_viewless_tensor(out, requires_grad=True, keep_graph=True) if viewless else out
-            )
-
         if isinstance(output, tuple):
-            return (marked(output[0]), *output[1:])
-        return marked(output)
+            return (_Mark.apply(output[0], self, "stop", start), *output[1:])
+        return _Mark.apply(output, self, "stop", start)

@@ -247,12 +247,6 @@ def test_device_mode_slows_all_of_a_ranks_compute_and_is_acted_on(tmp_path, stea
     # tests/hetero/test_timing.py's to check); an emulation that slowed nothing reads 1.0
     assert 2.0 <= after[1] / after[0] <= 5.0
     assert 2.0 <= timing[acted]["compute_s"][1] / timing[acted]["compute_s"][0] <= 5.0
-    # the norms and residual adds between the blocks are slowed as much, and timed (what the
-    # planner gives the slow rank fewer units for); the CPU clock without the device mode
-    # (the steady run) does not take them: nothing slows them there
-    between = timing[acted]["between_s"]
-    assert min(between) > 0 and 2.0 <= between[1] / between[0] <= 5.0
-    assert all(r["between_s"] is None for r in steady[1] if r["kind"] == "timing")
     # the steady run's ranks stay well apart from that (CI once read 1.36x there)
     steady_busy = [r["busy_s"] for r in steady[1] if r["kind"] == "timing"]
     assert all(max(b) / min(b) < 1.6 for b in steady_busy[1:])

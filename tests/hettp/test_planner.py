@@ -324,44 +324,6 @@ def test_a_slow_ranks_optimizer_step_costs_it_no_units():
     assert model.factors == (1.0, 2.0) and model.rest == pytest.approx(1.0)
 
 
-def test_a_slow_ranks_compute_between_the_blocks_costs_it_units():
-    """What a rank computes in its layers between the blocks (norms, residual adds) moves
-    with no split, but delays its next collective: where the slowdown reaches it (a shared
-    core: 0.4 s a step on the 2x rank against 0.2 s) the slow rank gets fewer units, so both
-    reach their collectives together. The same on every rank changes no split."""
-    alike = StepModel(rest=1.0, factors=(1.0, 2.0), slope=0.1, fixed=0.1, between=(0.2, 0.2))
-    plain = StepModel(rest=1.0, factors=(1.0, 2.0), slope=0.1, fixed=0.1)
-    assert alike.balanced_work(30) == pytest.approx(plain.balanced_work(30))
-    model = StepModel(rest=1.0, factors=(1.0, 2.0), slope=0.1, fixed=0.1, between=(0.2, 0.4))
-    work = model.balanced_work(30)
-    # 0.2 + 0.1 + 0.1 w0 = 0.4 + 2 (0.1 + 0.1 w1), w0 + w1 = 30: w1 = 9 (9.667 without it)
-    assert work == pytest.approx([21.0, 9.0])
-    assert plain.balanced_work(30)[1] == pytest.approx(29 / 3)
-    assert model.rank_time(0, work[0]) == pytest.approx(model.rank_time(1, work[1]))
-    assert model.step_time(work) == pytest.approx(1.0 + 0.2 + 0.1 + 0.1 * 21)
-    # the timed compute (what the cost fit and the reports' checks compare) leaves it out
-    assert model.rank_compute(1, 10.0) == pytest.approx(plain.rank_compute(1, 10.0))
-    # each block waits for its slowest rank: the between-blocks part spread over the blocks
-    blocks = [(work[0] / 2, work[1] / 2)] * 2
-    assert model.blocks_time(blocks) == pytest.approx(model.step_time(work))
-    # a resize brings the straggler's layers, not its blocks alone, to the others' time
-    plan = PartitionPlan.even(2, 2, 4, 8)
-    shares = balancing_shares(
-        plan, UNIT_WORK, StepModel(0.0, (1.0, 1.5), 1.0, between=(1.0, 2.5)), {1}, 0.9
-    )
-    # rank 0: 1 + 24; rank 1: 2.5 + 1.5 w = 25: w = 15 of its 24
-    assert shares == (0.0, round(1 - 15 / 24, 4))
-    # step_model takes the stragglers' measured part, the others at their median's level
-    # (their spread is noise), and the rest of the step past the slowest rank's layers
-    report = TimingReport(5, (2.0, 2.0, 2.2), (10.0,) * 3, 3.0, between=(0.21, 0.5, 0.19))
-    model = step_model(report, (1.0, 2.0, 1.1), {1}, per_unit=0.1)
-    assert model.between == pytest.approx((0.2, 0.5, 0.2))
-    assert model.rest == pytest.approx(3.0 - 2.5)
-    assert step_model(report, (1.0, 2.0, 1.1), set(), per_unit=0.1).between == pytest.approx(
-        (0.21,) * 3
-    )
-
-
 def test_compute_fit_finds_what_runs_apart_from_the_timed_region():
     """The timed optimizer region's seconds against work: its intercept runs apart (Adam's
     per-parameter part moves with the units, in the slope); before a line, all of it."""
