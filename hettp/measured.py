@@ -20,15 +20,6 @@ from .step_model import block_works, plan_work, unit_counts
 # groups, 6 and 5.
 ATTENTION_FIT_SPREAD = 1.5
 
-# ... and only where the per-call part it fits is at most this many times the probe's price of
-# it (hettp.attention_probe), against the fitted price of a unit. Runs' own reports read the
-# call at 2.3x the probe's (the median of 75 runs), 4.6x with group units; a slowdown misread
-# on the rank at fewer units goes into the intercept whole: a 2.1x rank read at 1.65x put
-# 20-33x the probe's price in the call (8.8 ms a layer against 1.2 ms a head in the run's fit),
-# so that a rank's count hardly mattered, and the deal moved 6 : 4 heads to 9 : 1 (generalize
-# seed 37830, results/generalize-2026-12-07-reviews/).
-CALL_FIT_LIMIT = 10.0
-
 
 @dataclass(frozen=True)
 class Measured:
@@ -97,11 +88,7 @@ def measured_mlp_split(plan: PartitionPlan, seen: Measured) -> MeasuredSplit | N
 
 
 def measured_attention_split(
-    plan: PartitionPlan,
-    seen: Measured,
-    factors: Sequence[float],
-    kv: float = 0.0,
-    call_price: float = 0.0,
+    plan: PartitionPlan, seen: Measured, factors: Sequence[float], kv: float = 0.0
 ) -> MeasuredSplit | None:
     """`plan` with each layer's attention units dealt by what the report measured, the MLP as
     it is; None where the report cannot tell a unit's cost from the call's. A rank's
@@ -117,11 +104,7 @@ def measured_attention_split(
     Head units: a rank's units count each K/V replica it computes at `kv` head units (the
     step model's ratio: a replica's GEMM rows against a head's), in the fit and in the deal.
     Two seconds cannot part three costs; the model's ratio parts the replicas' from the
-    heads', and the deal takes a rank's heads from as few groups as they fill.
-
-    `call_price`: the probe's price of the per-call part in attention units (0: none); a fit
-    that puts more than CALL_FIT_LIMIT times that in the call reads a misread slowdown, not
-    the call, and is not dealt by."""
+    heads', and the deal takes a rank's heads from as few groups as they fill."""
     attention, n = seen.attention, plan.tp_size
     if len(attention) != n or len(factors) != n:
         return None
@@ -143,7 +126,7 @@ def measured_attention_split(
     call, unit = (cy * hh - hy * ch) / det, (cc * hy - ch * cy) / det
     if call < 0:  # the ranks' seconds are below any per-call part: read through the origin
         call, unit = 0.0, hy / hh
-    if unit <= 0 or (call_price > 0 and call > CALL_FIT_LIMIT * call_price * unit):
+    if unit <= 0:
         return None
 
     def seconds(r: int, work: float) -> float:

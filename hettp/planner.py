@@ -478,11 +478,7 @@ class Planner:
             return False
         return (
             measured_attention_split(
-                plan,
-                seen,
-                model.factors,
-                _in_attention_units(self.unit_work, "kv"),
-                _in_attention_units(self.unit_work, "call"),
+                plan, seen, model.factors, _in_attention_units(self.unit_work, "kv")
             )
             is not None
         )
@@ -501,7 +497,6 @@ class Planner:
             dataclasses.replace(seen, attention=medians),
             model.factors,
             _in_attention_units(self.unit_work, "kv"),
-            _in_attention_units(self.unit_work, "call"),
         )
 
     def _model_missed(self, plan: PartitionPlan, model: StepModel) -> str | None:
