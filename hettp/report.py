@@ -359,10 +359,9 @@ def compare(
     slowdown per rank for iterations 1..n; scenarios in `real` get speeds measured from their
     timed vanilla runs instead. T_fast and every row's speedup, E and R are against the plain
     vanilla runs (PLAIN) where the comparison has them. Scenarios in `device` slow all of a
-    rank's compute (the emulation's device mode), as real contention does (`real` are
-    stretched alike): their bound stretches all of it, where the others' stretches the timed
-    compute only; in both, the part of it no split moves (the optimizer step) stays on each
-    rank. With pipeline stages (the runs say how many),
+    rank's compute (the emulation's device mode): their bound stretches all of it, where the
+    others' stretches the timed compute only; in both, the part of it no split moves (the
+    optimizer step) stays on each rank. With pipeline stages (the runs say how many),
     per-rank values hold each stage's TP ranks in turn, units move inside a stage only, and
     T_ideal is the slowest stage's balanced step with the rest of the step unchanged: an
     approximation that leaves out how 1F1B's bubbles scale with the slowest stage. With
@@ -402,18 +401,9 @@ def compare(
         ]
         baseline["fixed_s"] = max(fixed)
         movable = c - baseline["fixed_s"]
-    # A slow device is slow at all of its compute, and so is a rank whose core a busy process
-    # shares (its optimizer step, norms and launch overheads as much as its GEMMs, 1.7x to
-    # 1.9x alike in the timing records): the bound stretches all of that compute, not only the
-    # timed part, which left the slowed rank's untimed work at full speed: a bound below any
-    # plan's reach.
-    whole = set(device) | set(real)
-    if whole & {r.scenario for r in runs}:
+    if device:  # a slow device is slow at all of its compute: the bound stretches that
         if not all(r.busy for r in timed_base):
-            raise ValueError(
-                "device-mode and real-contention scenarios need busy times from the timed "
-                "vanilla runs (scenario 'none', policy 'none')"
-            )
+            raise ValueError("device-mode scenarios need busy times from the timed vanilla runs")
         busy = [statistics.median(v) for v in zip(*(r.sharded_compute("busy") for r in timed_base))]
         baseline["busy_s"] = max(busy)
 
@@ -460,7 +450,7 @@ def compare(
         all_speeds[scenario] = speeds
         speeds_from[scenario] = "measured" if measured_from else "emulated"
         window = vanilla[0].window(vary)
-        slowed = baseline["busy_s"] if scenario in whole else c
+        slowed = baseline["busy_s"] if scenario in device else c
         bounds[scenario] = {"slowed_s": slowed, "movable_s": movable}
         ideal_per_it = [ideal_step(t_fast, slowed, speeds[i - 1], movable, stages) for i in window]
         t_ideal = statistics.fmean(ideal_per_it)

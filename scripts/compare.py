@@ -658,7 +658,6 @@ def main(argv=None) -> int:
         + (f" (`--het-tp-emulate {s.emulate}`)" if s.emulate else "")
         + (", mean over the run" if varying[s.name] else "")
         + f"; compute timer {_timer(s)}; T_ideal from {result['speeds_from'][s.name]} speeds"
-        + (", stretching all of a slowed rank's compute" if s.real or s.name in device else "")
         for s in a.scenario_list
     ]
     header = [

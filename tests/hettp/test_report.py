@@ -265,14 +265,11 @@ def test_medians_over_repeats_and_varying_scenarios():
 
 
 def test_real_contention_speeds_are_measured_from_vanilla():
-    """A busy process on a rank's core slows all of its compute, not only the timed part: the
-    bound stretches the rank's busy time (0.5 s, 0.4 s of it timed and moving with units)."""
     n = 10
-    parts = {"busy": [0.5, 0.5]}
     runs = [
-        _run("none", "none", [1.0] * n, compute=[0.4, 0.4], **parts),
-        _run("busy", "none", [1.4] * n, compute=[0.4, 0.8], **parts),
-        _run("busy", "migrate", [1.2] * n, compute=[0.5, 0.5], **parts),
+        _run("none", "none", [1.0] * n, compute=[0.4, 0.4]),
+        _run("busy", "none", [1.4] * n, compute=[0.4, 0.8]),
+        _run("busy", "migrate", [1.2] * n, compute=[0.5, 0.5]),
     ]
     result = compare(
         runs,
@@ -282,19 +279,7 @@ def test_real_contention_speeds_are_measured_from_vanilla():
     )
     assert result["speeds"]["busy"][0] == pytest.approx((1.0, 0.5))
     row = [r for r in result["rows"] if r["policy"] == "migrate"][0]
-    # 0.5 s untouched; the untimed 0.1 s stays on each rank, at 2x on rank 1
-    assert row["t_ideal_s"] == pytest.approx(ideal_step(1.0, 0.5, (1.0, 0.5), movable=0.4))
-    assert row["t_ideal_s"] == pytest.approx(0.5 + (0.4 * 2 + 0.1 * 2) / 1.5)
-    assert result["bounds"]["busy"] == {"slowed_s": 0.5, "movable_s": pytest.approx(0.4)}
-    # without busy times there is no such bound to draw: refused by name, not a looser bound
-    bare = [_run("none", "none", [1.0] * n, compute=[0.4, 0.4]), *runs[1:]]
-    with pytest.raises(ValueError, match="real-contention scenarios need busy times"):
-        compare(
-            bare,
-            {"none": [(1.0, 1.0)] * n, "busy": [(1.0, 1.0)] * n},
-            {"none": False, "busy": False},
-            real={"busy"},
-        )
+    assert row["t_ideal_s"] == pytest.approx(0.6 + 0.4 * 2 / 1.5)
 
 
 def test_compare_needs_the_vanilla_baseline():
@@ -313,7 +298,7 @@ def test_plain_vanilla_is_the_baseline_and_timed_vanilla_gives_c_and_real_speeds
     n = 10
     runs = [
         _run("none", "vanilla", [1.0] * n),
-        _run("none", "none", [1.02] * n, compute=[0.6, 0.6], busy=[0.6, 0.6]),
+        _run("none", "none", [1.02] * n, compute=[0.6, 0.6]),
         # the emulation times it: 2x emulated, read 2.5x (what the planner sees)
         _run("slow", "vanilla", [1.6] * n, compute=[0.6, 1.5]),
         _run("slow", "migrate", [1.2] * n, compute=[0.8, 0.8]),
