@@ -5,8 +5,8 @@
 # both are 1: two data-parallel ranks).
 #   bash scripts/run_local.sh --tensor-model-parallel-size 2 --num-layers 2 --hidden-size 128 \
 #       --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
-#       --micro-batch-size 2 --global-batch-size 2 --train-iters 20 --mock-data --vocab-size 255 \
-#       --het-tp-policy hybrid --het-tp-emulate persistent:rank=1,factor=2
+#       --micro-batch-size 2 --global-batch-size 2 --train-iters 20 --lr 1e-3 --mock-data \
+#       --vocab-size 255 --het-tp-policy hybrid --het-tp-emulate persistent:rank=1,factor=2
 #   DRY_RUN=1 bash scripts/run_local.sh ...   # print the command only
 # Knobs: PYTHON (default .venv/bin/python if present, else python3), NPROC, MASTER_PORT (29500).
 set -euo pipefail

@@ -652,3 +652,43 @@ def test_refused_load_and_unwritable_metrics_leave_no_folder(tmp_path):
     blocked.write_text("")
     with pytest.raises(ArgumentError, match=f"--metrics-file {blocked}: not writable"):
         _args(f"--metrics-file {blocked / 'm.jsonl'}")
+
+
+def _readme_flags_table() -> dict[str, set[str]]:
+    """README.md's Flags table: per group, every `--flag` its row names."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    table = text.split("\n## Flags\n", 1)[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 2 and cells[0] not in ("group", "---"):
+            rows[cells[0]] = set(re.findall(r"--[a-z0-9][a-z0-9_-]*", cells[1]))
+    return rows
+
+
+def test_the_readme_flags_table_is_what_the_parser_accepts():
+    """Every flag the README's table lists parses (the refused ones too: refused by name after
+    parsing), and every het-TP flag the parser has is in the table; the table's policy choices
+    are the parser's."""
+    rows = _readme_flags_table()
+    assert {"model", "training", "checkpoints", "het-TP (hettp)"} <= set(rows), sorted(rows)
+    parser = build_parser()
+    known = set(parser._option_string_actions)
+    listed = set().union(*rows.values())
+    assert not listed - known, sorted(listed - known)
+    het = {o for o in known if o.startswith("--het")}
+    assert het == rows["het-TP (hettp)"], sorted(het ^ rows["het-TP (hettp)"])
+    policy = parser._option_string_actions["--het-tp-policy"].choices
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert f"--het-tp-policy {{{','.join(policy)}}}" in text
+
+
+def test_the_local_launcher_s_usage_example_is_a_valid_command():
+    """scripts/run_local.sh's header shows how to launch (the README sends users there): its
+    pretrain_gpt.py flags parse and validate at the ranks it would start (TP=2: two)."""
+    header = open(os.path.join(ROOT, "scripts", "run_local.sh"), encoding="utf-8").read()
+    example = header.split("#   bash scripts/run_local.sh ", 1)[1].split("\n#   DRY_RUN", 1)[0]
+    argv = example.replace("\\\n#", " ").split()
+    args = build_parser().parse_args(argv)
+    validate_args(args, 2, cuda_available=False)
+    assert args.tensor_model_parallel_size == 2 and args.het_tp_policy == "hybrid"
