@@ -389,7 +389,7 @@ def parse(argv):
         "--quick",
         action="store_true",
         help="a tiny model, 12 iterations, scenarios none,persistent-4x,noisy, "
-        "policy migrate, 2 rounds: the whole path in about 2.5 minutes",
+        "policy migrate, 2 rounds: the whole path in under a minute on 2 cores",
     )
     a = p.parse_args(argv)
     # --quick includes the real-contention path when each of its 2 ranks can have a core
