@@ -59,6 +59,7 @@ def test_split_groups_match_the_dense_reference(references, case):
     argv = (model + f" --tensor-model-parallel-size {tp} --het-tp {flags}").split()
     results = run_ranks(het_numerics, tp, argv, plans)[0]
     reference = references[model.replace(" --sequence-parallel", "")]
+    assert len(results) == len(plans)
     for plan, result in zip(plans, results):
         # megatron-core's GEMM: its input-gradient all-reduce overlaps the weight gradient's
         assert result.pop("column_backward") == {GEMM_BACKWARD}, plan

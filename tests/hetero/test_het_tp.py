@@ -284,6 +284,7 @@ def test_bf16_migration_carries_fp32_master_weights():
     )
     stays = run_ranks(train_with_repartitions, 4, argv, {3: uneven})[0]
     assert [e["iteration"] for e in there_and_back[0]["events"]] == [3, 3, 6, 6]
+    assert [e["iteration"] for e in stays["events"]] == [3]  # it did move, and stayed
     for result in there_and_back:
         assert result["losses"] == plain["losses"]
     assert plain["losses"][10] < plain["losses"][1] - 0.05
@@ -330,6 +331,8 @@ def test_bf16_checkpoint_resumes_exactly_and_loads_into_vanilla(tmp_path):
         ],
     )[0]
     vanilla = run_ranks(train, 1, argv + ["--load", str(tmp_path / "ckpt")])[0]
+    # both resumed at step 6 (a load that started over would give the same losses here)
+    assert sorted(same_plan["losses"]) == sorted(vanilla["losses"]) == [6, 7, 8, 9, 10]
     for step in range(6, 11):
         want = straight["losses"][step]
         assert same_plan["losses"][step] == want, step
@@ -370,6 +373,7 @@ def test_a_fused_adam_s_group_step_count_survives_a_migration_and_a_resume(tmp_p
     assert [e["iteration"] for e in moved["events"]] == [3]
     _same_losses(moved["losses"], plain["losses"], range(1, 6))
     resumed = run_ranks(using_group_step_adam, 2, train, argv + ["--load", ckpt])[0]
+    assert sorted(resumed["losses"]) == [6, 7, 8]  # resumed, not started over
     _same_losses(resumed["losses"], plain["losses"], range(6, 9))
 
 

@@ -155,6 +155,7 @@ def test_migrations_inside_stages_are_lossless_and_their_checkpoint_loads_anywhe
         _close(result["losses"], reference, range(3, 7))
     shutil.copytree(moved, root / "moved-vanilla")
     vanilla = _run(1, f"--train-iters 8 --load {root / 'moved-vanilla'}")
+    assert sorted(vanilla) == [7, 8]  # resumed (a start over would match the reference too)
     _close(vanilla, reference, (7, 8))
     het = run_ranks(train, 4, _argv(f"--train-iters 8 --load {moved} {TP2_PP2} --het-tp"))[0]
     assert (
@@ -212,7 +213,9 @@ def test_layer_moves_between_stages_are_lossless_and_their_checkpoint_loads_anyw
         ("two-vanilla", 2, "--pipeline-model-parallel-size 2"),
     ):
         shutil.copytree(moved, root / name)
-        _close(_run(ranks_, f"--train-iters 8 --load {root / name} {extra}"), reference, (7, 8))
+        resumed = _run(ranks_, f"--train-iters 8 --load {root / name} {extra}")
+        assert sorted(resumed) == [7, 8], name  # resumed, not started over
+        _close(resumed, reference, (7, 8))
     het = run_ranks(
         train_with_layer_moves, 4, _argv(f"--train-iters 8 --load {moved} {TP2_PP2} --het-tp"), {}
     )

@@ -49,13 +49,12 @@ def test_every_primitive_delivers_exactly_the_scheduled_units():
     for name, _, moves, _, _ in CASES:
         for result in results:
             rank = result["rank"]
-            expected = {(layer, u, s, d) for layer, _, u, s, d in moves if d == rank}
+            expected = {(layer, b, u, s, d) for layer, b, u, s, d in moves if d == rank}
             got = result["got"][name]
             assert set(got) == expected, (name, rank)
-            for (layer, unit, src, _dst), (values, ids) in got.items():
-                assert torch.equal(
-                    values, torch.full((3, 5), float(layer * 1000 + unit * 10 + src))
-                )
+            for (layer, block, unit, src, _dst), (values, ids) in got.items():
+                base = layer * 1000 + unit * 10 + src + (500 if block == "attn" else 0)
+                assert torch.equal(values, torch.full((3, 5), float(base)))
                 assert torch.equal(ids, torch.arange(7, dtype=torch.int64) + unit)
     for name, _, _, _, (culprit, stage) in FAULTS:  # every rank aborts; none blocks
         for result in results:

@@ -739,8 +739,11 @@ def exchange_primitives(world_cases: list) -> dict:
     # a weight-like tensor joined along its columns (axis 1), and ids joined along axis 0
     specs = [TensorSpec((3, 5), torch.float32, axis=1), TensorSpec((7,), torch.int64)]
 
-    def unit(move):  # what the sender holds for a unit: depends only on the move
-        base = float(move.layer * 1000 + move.unit * 10 + move.src)
+    def unit(move):  # what the sender holds for a unit: depends only on the move (its block
+        # too: one layer's MLP unit 0 and attention unit 0 must not be mistaken for each other)
+        base = float(
+            move.layer * 1000 + move.unit * 10 + move.src + (500 if move.block == "attn" else 0)
+        )
         return [torch.full((3, 5), base), torch.arange(7, dtype=torch.int64) + move.unit]
 
     def payload(run):  # a run's units joined along each spec's axis
@@ -777,7 +780,7 @@ def exchange_primitives(world_cases: list) -> dict:
             got[name] = str(err)
             continue
         got[name] = {
-            (m.layer, m.unit, m.src, m.dst): [t.clone() for t in tensors]
+            (m.layer, m.block, m.unit, m.src, m.dst): [t.clone() for t in tensors]
             for m, tensors in result.received.items()
         }
         assert result.payload_bytes == schedule.total_bytes
