@@ -288,9 +288,11 @@ def test_bf16_migration_carries_fp32_master_weights():
     for result in there_and_back:
         assert result["losses"] == plain["losses"]
     assert plain["losses"][10] < plain["losses"][1] - 0.05
+    # bf16 rounding of the partial sums: 2.6e-5 relative at most, measured; one step's
+    # training moves the loss by 0.3%, which 1e-3 still catches
     for step in range(1, 11):
         want = plain["losses"][step]
-        assert abs(stays["losses"][step] - want) <= 2e-2 * abs(want), step
+        assert abs(stays["losses"][step] - want) <= 1e-3 * abs(want), step
 
 
 def test_bf16_checkpoint_resumes_exactly_and_loads_into_vanilla(tmp_path):
@@ -336,7 +338,8 @@ def test_bf16_checkpoint_resumes_exactly_and_loads_into_vanilla(tmp_path):
     for step in range(6, 11):
         want = straight["losses"][step]
         assert same_plan["losses"][step] == want, step
-        assert abs(vanilla["losses"][step] - want) <= 2e-2 * abs(want), step
+        # vanilla's own bf16 GEMMs: 1.2e-5 relative at most, measured; a step moves it 0.3%
+        assert abs(vanilla["losses"][step] - want) <= 1e-3 * abs(want), step
 
 
 def test_core_attention_refuses_a_per_head_softmax_offset():
