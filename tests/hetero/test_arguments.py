@@ -654,9 +654,8 @@ def test_refused_load_and_unwritable_metrics_leave_no_folder(tmp_path):
         _args(f"--metrics-file {blocked / 'm.jsonl'}")
 
 
-def _readme_flags_table() -> dict[str, set[str]]:
+def _readme_flags_table(text: str) -> dict[str, set[str]]:
     """README.md's Flags table: per group, every `--flag` its row names."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     table = text.split("\n## Flags\n", 1)[1].split("\n\n", 2)[1]
     rows = {}
     for line in table.splitlines():
@@ -670,7 +669,8 @@ def test_the_readme_flags_table_is_what_the_parser_accepts():
     """Every flag the README's table lists parses (the refused ones too: refused by name after
     parsing), and every het-TP flag the parser has is in the table; the table's policy choices
     are the parser's."""
-    rows = _readme_flags_table()
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    rows = _readme_flags_table(text)
     assert {"model", "training", "checkpoints", "het-TP (hettp)"} <= set(rows), sorted(rows)
     parser = build_parser()
     known = set(parser._option_string_actions)
@@ -679,7 +679,6 @@ def test_the_readme_flags_table_is_what_the_parser_accepts():
     het = {o for o in known if o.startswith("--het")}
     assert het == rows["het-TP (hettp)"], sorted(het ^ rows["het-TP (hettp)"])
     policy = parser._option_string_actions["--het-tp-policy"].choices
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     assert f"--het-tp-policy {{{','.join(policy)}}}" in text
 
 
