@@ -230,11 +230,12 @@ def test_device_mode_slows_all_of_a_ranks_compute_and_is_acted_on(tmp_path, stea
     )
     timing = {r["iteration"]: r for r in records if r["kind"] == "timing"}
     # before the onset every rank's busy time is its own compute; after it, rank 1's all 3x
-    # (its timed compute too), while the steady run's ranks stay alike. Before it, both
-    # reports (the medians of steps 1-5 and 6-10): the second alone read 1.32 on a loaded
-    # clean-clone CI run
+    # (its timed compute too, >= 2.0 below), while the steady run's ranks stay alike. Before
+    # it, both reports (the medians of steps 1-5 and 6-10) read below 1.6, the bound the
+    # steady run is held to: a loaded clean-clone CI run read 1.32 in the second alone, and
+    # another 1.30 over both (this test once held the mean within 1.3 of 1)
     ratios = [timing[i]["busy_s"][1] / timing[i]["busy_s"][0] for i in (5, 10)]
-    assert statistics.mean(ratios) == pytest.approx(1.0, rel=0.3)
+    assert 1 / 1.6 < statistics.mean(ratios) < 1.6, ratios
     decisions = [r for r in records if r["kind"] == "decision"]
     # acted on at the boundary after the second slow step (a loaded machine: a step later)
     assert decisions and decisions[0]["action"] == "migrate", decisions
