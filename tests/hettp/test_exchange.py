@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.utils import exchange_primitives, run_ranks
+from tests.utils import exchange_primitives, exchange_value, run_ranks
 
 # (layer, block, unit, src, dst)
 MANY = [
@@ -53,8 +53,8 @@ def test_every_primitive_delivers_exactly_the_scheduled_units():
             got = result["got"][name]
             assert set(got) == expected, (name, rank)
             for (layer, block, unit, src, _dst), (values, ids) in got.items():
-                base = layer * 1000 + unit * 10 + src + (500 if block == "attn" else 0)
-                assert torch.equal(values, torch.full((3, 5), float(base)))
+                base = exchange_value(layer, block, unit, src)
+                assert torch.equal(values, torch.full((3, 5), base))
                 assert torch.equal(ids, torch.arange(7, dtype=torch.int64) + unit)
     for name, _, _, _, (culprit, stage) in FAULTS:  # every rank aborts; none blocks
         for result in results:

@@ -15,6 +15,7 @@ from tests.utils.upstream import PATCH, fresh_megatron_lm
 from tests.utils.workers import (
     compat_paths,
     exchange_primitives,
+    exchange_value,
     exit_watch,
     het_numerics,
     preloaded,
@@ -50,6 +51,7 @@ __all__ = [
     "damage",
     "load_script",
     "exchange_primitives",
+    "exchange_value",
     "exit_watch",
     "fresh_megatron_lm",
     "het_numerics",

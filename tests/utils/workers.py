@@ -722,6 +722,12 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
         shutdown()
 
 
+def exchange_value(layer: int, block: str, unit: int, src: int) -> float:
+    """What exchange_primitives' sender fills a unit's weight with: every (layer, block, unit,
+    sender) its own (one layer's MLP and attention unit 0 must not be mistaken for each other)."""
+    return float(layer * 1000 + unit * 10 + src + (500 if block == "attn" else 0))
+
+
 def exchange_primitives(world_cases: list) -> dict:
     """run_transfer with every primitive on synthetic schedules; returns what each rank got
     (or the error it raised) and the cost model measured on this group. A case is (name,
@@ -739,11 +745,8 @@ def exchange_primitives(world_cases: list) -> dict:
     # a weight-like tensor joined along its columns (axis 1), and ids joined along axis 0
     specs = [TensorSpec((3, 5), torch.float32, axis=1), TensorSpec((7,), torch.int64)]
 
-    def unit(move):  # what the sender holds for a unit: depends only on the move (its block
-        # too: one layer's MLP unit 0 and attention unit 0 must not be mistaken for each other)
-        base = float(
-            move.layer * 1000 + move.unit * 10 + move.src + (500 if move.block == "attn" else 0)
-        )
+    def unit(move):  # what the sender holds for a unit: depends only on the move
+        base = exchange_value(move.layer, move.block, move.unit, move.src)
         return [torch.full((3, 5), base), torch.arange(7, dtype=torch.int64) + move.unit]
 
     def payload(run):  # a run's units joined along each spec's axis
