@@ -33,12 +33,11 @@ class HetDDP(DistributedDataParallel):
         super().__init__(*args, **kwargs)
         self.reducer = ErrorFeedbackReducer(compress) if compress != "none" else None
 
-    def rebuilt(self) -> HetDDP:
-        """A new wrapper around the same module (its parameters re-shaped by a migration or a
-        layer move), reducing as this one does. The compression residues start over: they
-        belong to the old buffers' layout."""
-        kind = self.reducer.kind if self.reducer is not None else "none"
-        return type(self)(self.config, self.ddp_config, self.module, compress=kind)
+    def rebuild_kwargs(self) -> dict:
+        """What a new wrapper around the same module (its parameters re-shaped by a migration
+        or a layer move) takes besides the configs to reduce as this one does. The compression
+        residues start over: they belong to the old buffers' layout."""
+        return {"compress": self.reducer.kind if self.reducer is not None else "none"}
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
         if self.reducer is not None:

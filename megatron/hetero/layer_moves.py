@@ -131,8 +131,9 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
     `state` is the runtime's TrainState (model, optimizer, scheduler and config are replaced),
     `module` the GPTModel of this stage and `whole` the whole model's unit plan (a moved layer
     keeps its units). `fault(stage_name)` lets tests fail a rank at "pack" (before anything
-    is built), "built" (the incoming layers built, before the vote) or "exchanged" (after the
-    transfer, before the second vote)."""
+    is built), "built" (the incoming layers built, before the vote), "exchanged" (after the
+    transfer, before the second vote), or in the rebuild ("wrapper", "optimizer": after each
+    build, before its vote)."""
     before, after = tuple(before), tuple(after)
     pp = len(before)
     check_split(after, sum(before), pp)
@@ -205,10 +206,10 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
                 "changed" + (f": {error}" if error is not None else " (failed on another rank)")
             ) from error
         moved_bytes = sum(t.numel() * t.element_size() for t, _ in sends + receives)
-        # commit: the new layer list, the split, then DDP and the optimizer (collectives over
-        # the job: a rank failing there stalls the others, as any failed collective does; it
-        # gets its layer list and split back, but a new DDP wrapper built before the failure
-        # has already taken the parameters' gradient buffers: that rank's run cannot go on)
+        # commit: the new layer list, the split, then DDP and the optimizer, whose rebuild
+        # votes over the job: a failure there on any rank (one of its collectives failing
+        # aside, which is the transport's) undoes it on every rank, each putting back its
+        # layer list and split here
         saved = (
             decoder.layers,
             decoder.num_layers_per_pipeline_rank,
@@ -222,7 +223,7 @@ def move_layers(state, module, before, after, whole: PartitionPlan, fault=None) 
             decoder.num_layers_per_pipeline_rank = len(layers)
             decoder.submodules.layer_specs = [decoder.submodules.layer_specs[0]] * len(layers)
             set_split(config, after)
-            _rebuild(state, {}, carried, old=view)
+            _rebuild(state, {}, carried, old=view, fault=fault)
         except BaseException:
             decoder.layers, decoder.num_layers_per_pipeline_rank = saved[0], saved[1]
             decoder.submodules.layer_specs = saved[2]

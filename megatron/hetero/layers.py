@@ -18,6 +18,8 @@ all-reduce.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -519,6 +521,27 @@ def _even_units(num_units):
     return range(start, start + per_rank)
 
 
+@dataclasses.dataclass(frozen=True)
+class _LinearShards:
+    units: tuple
+    checkpoint_run: int
+    params: dict  # unit-sharded parameter name -> Parameter
+    stores: dict  # with head units: "kv_weight"/"kv_bias" -> ParameterDict of the replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class InstalledShards:
+    """One block's shards as UnitBlock.installed() found them (`active`: its resize, None for
+    every unit)."""
+
+    active: int | None
+    linears: dict  # linear name -> _LinearShards
+
+    @property
+    def units(self) -> tuple:
+        return next(iter(self.linears.values())).units
+
+
 class UnitBlock:
     """Mixin for an attention or MLP block made of units; `block` names it in plans."""
 
@@ -567,6 +590,34 @@ class UnitBlock:
         for name in self.linear_names:
             getattr(self, name).set_shard(units, tensors[name])
         self.set_active(None)
+
+    def installed(self) -> InstalledShards:
+        """The shards in place now. A move whose DDP and optimizer rebuild fails puts them back
+        (reinstall): the very Parameter objects the old wrapper and optimizer still hold."""
+        linears = {}
+        for name in self.linear_names:
+            linear = getattr(self, name)
+            params = {p: getattr(linear, p) for p in linear.unit_layouts}
+            stores = {
+                attr: getattr(linear, attr)
+                for attr in ("kv_weight", "kv_bias")
+                if isinstance(getattr(linear, attr, None), torch.nn.ParameterDict)
+            }
+            linears[name] = _LinearShards(linear.units, linear.checkpoint_run, params, stores)
+        active = self.active
+        return InstalledShards(None if active == len(self.units) else active, linears)
+
+    def reinstall(self, shards: InstalledShards) -> None:
+        """Put back what installed() returned: parameters, K/V replicas, units, checkpoint run
+        and resize, as they were (no allocation: reference swaps)."""
+        for name, kept in shards.linears.items():
+            linear = getattr(self, name)
+            for attr, value in {**kept.params, **kept.stores}.items():
+                setattr(linear, attr, value)
+            linear.units = kept.units
+            linear.checkpoint_run = kept.checkpoint_run
+            linear._update_local_size(len(kept.units))
+        self.set_active(shards.active)
 
     def set_checkpoint_run(self, run: int) -> None:
         """Every rank of the TP group owns whole aligned runs of `run` units (the plan says)."""

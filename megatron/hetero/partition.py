@@ -6,7 +6,9 @@ training continues on exactly the trajectory it was on. Then it rebuilds what me
 sized by shape: the DDP wrapper (its gradient buffers) and the optimizer (its parameter
 groups), keeping the optimizer's step count and the learning-rate schedule.
 
-The transfer is transactional (hettp.exchange): if any rank fails, every rank raises
+The move is transactional, the rebuild included: the transfer votes (hettp.exchange), and so
+does the rebuild, which a failure on any rank undoes everywhere (the new wrapper made inert, the
+parameters' DDP fields and the installed shards put back). Either way every rank raises
 TransferError and keeps its previous model, optimizer and plan.
 """
 
@@ -21,14 +23,14 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 
 from hettp.attention_probe import ProbeShape
-from hettp.exchange import Migration, run_transfer, vote
+from hettp.exchange import Migration, TransferError, run_transfer, vote
 from hettp.plan import BLOCKS, PartitionPlan, PlanError
 from hettp.step_model import core_attention_work, plan_work
 from hettp.transfer import KV_REPLICA, CostModel, plan_transfer
 
 from . import cpu_compat
 from .ddp import HetDDP, gathered_params
-from .layers import UnitBlock
+from .layers import InstalledShards, UnitBlock
 from .model import unwrap_model
 from .portable_optimizer import set_group_values
 from .unit_state import (
@@ -254,7 +256,7 @@ class HetPartition:
     def install(self, module, plan: PartitionPlan, step=None, fault=None) -> Migration:
         """Move weights of a model that has no optimizer yet (right after it was built)."""
         plan = self.check(plan)
-        migration, _ = self._move(module, plan, optimizer=None, step=step, fault=fault)
+        migration, _, _ = self._move(module, plan, optimizer=None, step=step, fault=fault)
         return migration
 
     def repartition(self, state, plan: PartitionPlan, step=None, fault=None) -> Migration:
@@ -270,7 +272,7 @@ class HetPartition:
             # every TP group of the job (data-parallel replicas, pipeline stages) transfers at
             # this boundary: all commit or none, and all rebuild if any moved units, since
             # building an optimizer runs collectives over every rank
-            migration, replaced = self._move(
+            migration, replaced, installed = self._move(
                 state.model,
                 plan,
                 optimizer=view,
@@ -281,7 +283,11 @@ class HetPartition:
             moved = torch.tensor([migration.units_moved], dtype=torch.int64, device=comm_device())
             dist.all_reduce(moved, op=dist.ReduceOp.MAX)
             if moved.item():
-                _rebuild(state, *replaced, old=view)
+                try:
+                    _rebuild(state, *replaced, old=view, step=step, fault=fault)
+                except TransferError:  # every rank: the old wrapper and optimizer stay
+                    self._put_back(state.model, installed)
+                    raise
             else:  # at most a local reorder, done on the gathered copies
                 _write_back(view)
                 if plan != before:
@@ -322,8 +328,9 @@ class HetPartition:
     # ------------------------------------------------------------------------------------
 
     def _move(self, module, plan, optimizer, step, fault, agree_over=None):
-        """Transfer and commit; returns the Migration and ({old param: (new param, new
-        optimizer state)}, {K/V replica new to this rank: (master, optimizer state)})."""
+        """Transfer and commit; returns the Migration, ({old param: (new param, new
+        optimizer state)}, {K/V replica new to this rank: (master, optimizer state)}) and
+        what the commit replaced (_Installed, for _put_back)."""
         blocks = het_blocks(module)
         keys = state_keys(optimizer, blocks)
         own = {b: unit_specs(blocks[(0, b)], keys) for b in BLOCKS}
@@ -371,12 +378,25 @@ class HetPartition:
                 failures.append(f"commit: {type(err).__name__}: {err}")
             vote(failures, self.group, comm_device(), step, agree_over)
             result.received = {}  # the staging buffers: built into the new shards
+            installed = _Installed(
+                self.plan, [(s.block, s.block.installed(), s.pieces) for s in staged]
+            )
             replaced, created = self._install(staged)
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
         self._size_checkpoint_runs(blocks)
         self._mark_replicas(blocks)
-        return migration, (replaced, created)
+        return migration, (replaced, created), installed
+
+    def _put_back(self, module, installed: _Installed) -> None:
+        """Undo a committed move here (its rebuild failed on some rank): every block's old
+        parameters, K/V replicas, order, checkpoint run and resize, and the old plan."""
+        for block, shards, pieces in reversed(installed.blocks):
+            if pieces is not None:  # an order change, made in place: undone in place
+                permute(pieces, block.units, shards.units)
+            block.reinstall(shards)
+        self.plan = installed.plan
+        self._mark_replicas(het_blocks(module))
 
     def _prepare(self, blocks, pieces, positions, plan, state_keys, result, own) -> list:
         """Build every block's new shards, moments and K/V replicas from what it keeps and
@@ -398,6 +418,7 @@ class HetPartition:
                         block,
                         new_units,
                         ordered=permuted(mine, old_units, new_units),
+                        pieces=mine,
                     )
                 )
                 continue
@@ -471,17 +492,29 @@ class HetPartition:
 @dataclasses.dataclass
 class _Staged:
     """One block's part of a move, built and not yet installed (`ordered`: its units only
-    change order, and these are its tensors' copies in the new order, for install to copy)."""
+    change order, and these are its tensors' copies in the new order, for install to copy
+    into `pieces`, its (tensor, layout) list)."""
 
     key: tuple
     block: object
     new_units: tuple
     ordered: list | None = None
+    pieces: list | None = None
     new_shards: dict | None = None
     moments: list | None = None
     replicas: dict | None = None
     new_state: dict | None = None
     old_params: list | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Installed:
+    """What a move's commit replaced on this rank: the plan before and, per changed block, the
+    block, its shards before (UnitBlock.installed) and, where only its order changed, its
+    (tensor, layout) pieces, permuted in place. References only: the staged copies go."""
+
+    plan: PartitionPlan
+    blocks: list[tuple[UnitBlock, InstalledShards, list | None]]
 
 
 def _new_replicas(block, new_units, per_unit, state_keys):
@@ -542,37 +575,61 @@ def _write_back(view) -> None:
             view.scatter(param, view.master(param), view.state[param])
 
 
-def _rebuild(state, replaced, extra=None, *, old):
+def _rebuild(state, replaced, extra=None, *, old, step=None, fault=None):
     """New DDP wrapper and optimizer around the re-shaped parameters, same training state:
     fp32 masters, moments, step count, loss scaler and learning-rate schedule carry over.
     `old` is the gathered view of the old optimizer; `extra` gives parameters new to the
     model (a layer moved in from another stage, a K/V replica a head brought) their
-    {param: (master, state)}."""
-    old_ddp, old_opt = state.model, state.optimizer
+    {param: (master, state)}. Every rank of the job calls it.
 
-    if isinstance(old_ddp, HetDDP):  # keeps its gradient compression
-        model = old_ddp.rebuilt()
-    else:  # upstream Megatron-LM's own wrapper
-        model = type(old_ddp)(old_ddp.config, old_ddp.ddp_config, old_ddp.module)
-    # Upstream Megatron-LM under --disable-gloo-process-groups has none, and megatron-core
-    # asserts on them unless told (this trainer always creates them).
-    gloo = getattr(parallel_state, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
-    optimizer = get_megatron_optimizer(old_opt.config, [model], use_gloo_process_groups=gloo)
-    if len(optimizer.param_groups) == len(old_opt.param_groups):  # built from the flags: a
-        set_group_values(optimizer, old_opt.param_groups)  # resumed run's rates may differ
-    carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
-    for old_param, (master, param_state) in whole_state(old).items():
-        new_param, moved = replaced.get(old_param, (old_param, {}))
-        carried[new_param] = (
-            moved.get("master", master),
-            {**param_state, **{k: v for k, v in moved.items() if k != "master"}},
-        )
-    carried.update(extra or {})
-    carry_into(optimizer, carried)
-    carry_group_steps(old_opt, optimizer)
-    # The old wrapper's backward hooks stay on unchanged parameters: make them no-ops.
-    old_ddp.param_to_bucket_group = {}
-    new = OptimizerView(optimizer)
+    Both builds allocate (gradient buffers; masters and moments), so both are voted on: a
+    failure on any rank (`fault(stage)`, for tests: "wrapper" or "optimizer") makes the new
+    wrapper inert and puts back the parameters' DDP fields on every rank, which then raises
+    TransferError with the old wrapper and optimizer in place; the caller puts back what it
+    installed. The optimizer build opens with a collective over the job (megatron-core
+    aligns its parameter groups), hence the vote before it. Past the second vote, only
+    references are swapped."""
+    old_ddp, old_opt = state.model, state.optimizer
+    fields = {p: (p.data, p.grad, dict(vars(p))) for p in old_ddp.module.parameters()}
+    failures, model = [], None
+
+    def agree(stage):
+        try:
+            vote(failures, dist.group.WORLD, comm_device(), step, what=f"rebuild of the {stage}")
+        except TransferError:
+            _discard(model, fields)
+            raise
+
+    try:
+        model = _wrapper_like(old_ddp, fault)
+    except _HalfBuilt as err:  # any failure aborts the rebuild everywhere
+        failures.append(f"DDP wrapper: {err}")
+        model = err.wrapper  # released by agree()
+    agree("DDP wrapper")
+    try:
+        # Upstream Megatron-LM under --disable-gloo-process-groups has none, and megatron-core
+        # asserts on them unless told (this trainer always creates them).
+        gloo = getattr(parallel_state, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
+        optimizer = get_megatron_optimizer(old_opt.config, [model], use_gloo_process_groups=gloo)
+        if len(optimizer.param_groups) == len(old_opt.param_groups):  # built from the flags: a
+            set_group_values(optimizer, old_opt.param_groups)  # resumed run's rates may differ
+        carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
+        for old_param, (master, param_state) in whole_state(old).items():
+            new_param, moved = replaced.get(old_param, (old_param, {}))
+            carried[new_param] = (
+                moved.get("master", master),
+                {**param_state, **{k: v for k, v in moved.items() if k != "master"}},
+            )
+        carried.update(extra or {})
+        carry_into(optimizer, carried)
+        carry_group_steps(old_opt, optimizer)
+        new = OptimizerView(optimizer)
+        if fault is not None:
+            fault("optimizer")
+    except Exception as err:  # noqa: BLE001
+        failures.append(f"optimizer: {type(err).__name__}: {err}")
+    agree("optimizer")
+    # committed: reference swaps from here
     for old_sub, new_sub in zip(old.subs, new.subs):
         if getattr(old_sub, "grad_scaler", None) is not None:
             new_sub.grad_scaler = old_sub.grad_scaler
@@ -582,19 +639,76 @@ def _rebuild(state, replaced, extra=None, *, old):
     if state.config.grad_scale_func is not None:
         state.config.grad_scale_func = optimizer.scale_loss
     state.model, state.optimizer = model, optimizer
-    # The old wrapper stays reachable through its (now no-op) hooks on the parameters that did
-    # not change; it must not keep its buffers alive, neither directly nor through the replaced
-    # parameters (its grad accumulators and parameter lists hold them, their main_grad and,
-    # under the distributed optimizer, their data and main_param are views of its buffers).
-    old_ddp.buffers, old_ddp.bucket_groups = [], []
-    old_ddp.expert_parallel_buffers, old_ddp.expert_parallel_bucket_groups = [], []
-    old_ddp.grad_accs, old_ddp.params_with_grad = [], []
+    _release(old_ddp)
+    # ... nor through the replaced parameters (their main_grad and, under the distributed
+    # optimizer, their data and main_param are views of its buffers)
     live = set(model.module.parameters())  # replaced ones, and K/V replicas given up
     for old_param in [p for p in whole_state(old) if p not in live]:
         for key in ("main_grad", "main_param", "main_param_sharded"):
             old_param.__dict__.pop(key, None)
     for param in model.module.parameters():
         param.grad = None  # the last step's, a view of the old buffer (FP32Optimizer sets it)
+
+
+class _HalfBuilt(RuntimeError):
+    """A DDP wrapper's construction failed; `wrapper` is the half-built one, whose hooks may
+    already be on the parameters and the modules."""
+
+    def __init__(self, wrapper, cause):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.wrapper = wrapper
+
+
+def _wrapper_like(old_ddp, fault=None):
+    """A new DDP wrapper around `old_ddp`'s module (its parameters re-shaped), configured and
+    reducing as `old_ddp` does; a failure while constructing it raises _HalfBuilt (`fault`,
+    for tests, fails it at "wrapper": built, its hooks on the parameters)."""
+    cls = type(old_ddp)
+    kwargs = old_ddp.rebuild_kwargs() if isinstance(old_ddp, HetDDP) else {}
+    wrapper = cls.__new__(cls)
+    try:
+        wrapper.__init__(old_ddp.config, old_ddp.ddp_config, old_ddp.module, **kwargs)
+        if fault is not None:
+            fault("wrapper")
+    except Exception as err:  # noqa: BLE001 - the caller votes on it
+        raise _HalfBuilt(wrapper, err) from err
+    return wrapper
+
+
+def _release(wrapper) -> None:
+    """A DDP wrapper set aside (the old one after a rebuild, or a new one whose rebuild failed,
+    maybe half-built) stays reachable through its backward hooks on the parameters: it must act
+    on none (the hooks find no bucket; its forward pre-hooks are lifted, with no parameter
+    gather) and keep none of its buffers alive (its buckets, grad accumulators and parameter
+    lists hold them)."""
+    fields = wrapper.__dict__  # as set: a half-built one may lack nn.Module's own fields
+    fields["param_to_bucket_group"] = {}
+    for handle in fields.get("remove_forward_pre_hook_handles", {}).values():
+        handle.remove()
+    fields["remove_forward_pre_hook_handles"] = {}
+    for name in (
+        "buffers",
+        "bucket_groups",
+        "expert_parallel_buffers",
+        "expert_parallel_bucket_groups",
+        "grad_accs",
+        "params_with_grad",
+    ):
+        fields[name] = []
+
+
+def _discard(wrapper, fields) -> None:
+    """Undo a rebuild that will not be committed: `wrapper` (new, maybe half-built) is
+    released, and every parameter gets back its data, grad and DDP fields (`fields`, taken
+    before the build: the new wrapper re-pointed them at its buffers)."""
+    if wrapper is not None:
+        _release(wrapper)
+    with torch.no_grad():
+        for param, (data, grad, attrs) in fields.items():
+            param.data = data
+            param.grad = grad
+            param.__dict__.clear()
+            param.__dict__.update(attrs)
 
 
 # The config's hooks the schedule calls on the DDP wrapper (set by whoever built it: this

@@ -59,10 +59,12 @@ def test_residues_round_trip_a_state_dict_of_their_own_kind_only():
 
 
 def test_a_rebuilt_wrapper_keeps_compressing():
-    """A migration or layer move rebuilds DDP (partition._rebuild: `rebuilt()`); the new
-    wrapper must reduce as the old one did, residues started over."""
+    """A migration or layer move rebuilds DDP (partition._wrapper_like, from the old
+    wrapper's `rebuild_kwargs()`); the new wrapper must reduce as the old one did, residues
+    started over."""
     from hettp.compress import ErrorFeedbackReducer
     from megatron.hetero.ddp import HetDDP
+    from megatron.hetero.partition import _wrapper_like
 
     class Probe(HetDDP):
         def __init__(self, config, ddp_config, module, compress="none"):
@@ -71,10 +73,10 @@ def test_a_rebuilt_wrapper_keeps_compressing():
 
     old = Probe("config", "ddp", "module", compress="int8")
     old.reducer.errors["buffer"] = torch.ones(3)
-    new = old.rebuilt()
+    new = _wrapper_like(old)
     assert type(new) is Probe and new.module == "module"
     assert new.reducer.kind == "int8" and not new.reducer.errors
-    assert Probe("config", "ddp", "module").rebuilt().reducer is None
+    assert _wrapper_like(Probe("config", "ddp", "module")).reducer is None
 
 
 TRAIN = MHA.replace("--train-iters 1", "--train-iters 8").split() + [

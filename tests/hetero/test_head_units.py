@@ -134,7 +134,8 @@ def test_split_plans_and_migrations_train_as_vanilla(case):
     """10 steps, gradient clipping on (megatron's default 1.0: a replica counted twice in the
     gradient norm would change every clipped step): vanilla megatron-core, a plan splitting
     groups from the start, and the even plan migrated three times, creating and dropping
-    K/V replicas."""
+    K/V replicas; at 7 the third move fails to build its optimizer on TP rank 1 after its
+    shards and replicas were installed, and every rank puts back its old ones."""
     model, world, parallel, flags, split, plans, moved_bytes = TRAINING[case]
     argv = (
         model.replace("--train-iters 1", "--train-iters 10")
@@ -143,13 +144,20 @@ def test_split_plans_and_migrations_train_as_vanilla(case):
     het = ["--het-tp", *flags.split()]
     vanilla = run_ranks(train, world, argv)[0]
     split_run = run_ranks(train, world, argv + het + ["--het-tp-plan", split])[0]
-    migrated = run_ranks(train_with_repartitions, world, argv + het, plans)
+    fault = {"iteration": 7, "rank": 1, "stage": "optimizer"}
+    migrated = run_ranks(
+        train_with_repartitions, world, argv + het, {**plans, 7: plans[8]}, (fault,)
+    )
     for step in range(1, 11):
         want = vanilla["losses"][step]
         for got in [split_run["losses"][step]] + [r["losses"][step] for r in migrated]:
             assert abs(got - want) <= 1e-6 * abs(want), f"{case} step {step}: {got} vs {want}"
-    events = migrated[0]["events"]
-    assert [e["iteration"] for e in events] == [3, 6, 8]
+    for result in migrated:
+        events = result["events"]
+        assert [e["iteration"] for e in events] == [3, 6, 7, 8]
+        failed = events[2]
+        assert "rebuild of the optimizer at iteration 7 aborted" in failed["error"]
+        assert failed["unchanged"] and failed["plan_kept"] and failed["stray_buffers"] == 0
     assert (events[0]["bytes"], events[1]["bytes"]) == moved_bytes
 
 
@@ -189,7 +197,9 @@ def test_checkpoint_of_split_groups_loads_anywhere(tmp_path):
 
 def test_layers_with_split_groups_move_between_pipeline_stages():
     """TP=2 x PP=2, four layers whose group 0 is split 3/1: layers move to the last stage at 3
-    and back at 5, each built there with its K/V replicas; the losses stay vanilla's."""
+    and back at 5, each built there with its K/V replicas (at 4 the move back fails to
+    build its DDP wrapper on one rank, and every rank keeps its layers); the losses stay
+    vanilla's."""
     argv = (
         GQA2.replace("--num-layers 2", "--num-layers 4").replace("--train-iters 1", "")
         + " --train-iters 7 --global-batch-size 8 --eval-iters 0 --log-interval 1"
@@ -197,9 +207,14 @@ def test_layers_with_split_groups_move_between_pipeline_stages():
     ).split()
     vanilla = run_ranks(train, 4, argv)[0]["losses"]
     heads = argv + "--het-tp --het-tp-attn-granularity 1 --het-tp-plan attn=3,5".split()
-    ranks = run_ranks(train_with_layer_moves, 4, heads, {3: (1, 3), 5: (3, 1)})
+    fault = {"iteration": 4, "global_rank": 3, "stage": "wrapper"}  # the rebuild fails
+    ranks = run_ranks(train_with_layer_moves, 4, heads, {3: (1, 3), 4: (3, 1), 5: (3, 1)}, (fault,))
     for rank, result in enumerate(ranks):
         assert [e["iteration"] for e in result["events"] if "sent" in e] == [3, 5], rank
+        failed = next(e for e in result["events"] if e["iteration"] == 4)
+        assert "rebuild of the DDP wrapper aborted: rank(s) [3]" in failed["error"]
+        assert failed["kept"] and failed["stray_buffers"] == 0
+        assert result["seen"][4][0] == ([1] if rank < 2 else [2, 3, 4])
         assert result["seen"][5][0] == ([1, 2, 3] if rank < 2 else [4])
         for step in range(1, 8):
             got, want = result["losses"][step], vanilla[step]

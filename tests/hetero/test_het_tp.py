@@ -102,6 +102,20 @@ SHUFFLED = json.dumps(
     }
 )
 PLANS = {7: "attn=4,0;mlp=64,0", 15: "attn=1,3;mlp=10,54", 22: SHUFFLED}
+# from the even plan: layer 0's attention units change order only, its MLP units move
+REORDERED = json.dumps(
+    {
+        "version": 1,
+        "tp_size": 2,
+        "attn_units": 4,
+        "mlp_units": 64,
+        "mlp_unit_size": 4,
+        "layers": [
+            {"attn": [[1, 0], [3, 2]], "mlp": [list(range(0, 64, 2)), list(range(1, 64, 2))]},
+            {"attn": [[0, 1], [2, 3]], "mlp": [list(range(0, 32)), list(range(32, 64))]},
+        ],
+    }
+)
 # One unit's payload: its parameters plus Adam's two moments, fp32 (computed from the shapes,
 # independently of the implementation). attention: QKV rows 3 x 16 of 64 + their bias + 16
 # output-projection columns of 64; MLP: 4 fc1 rows of 64 + their bias + 4 fc2 columns of 64.
@@ -178,27 +192,45 @@ def test_migration_where_some_ranks_keep_their_units():
 
 def test_failed_transfer_leaves_every_rank_intact(unmigrated):
     """Each stage of a move's transaction, the building of the new shards after the data has
-    arrived ("commit": where a rank runs out of memory) included, aborts the move on every
-    rank, each keeping its state."""
+    arrived ("commit": where a rank runs out of memory) and the rebuild of the DDP wrapper and
+    the optimizer that follows the install included, aborts the move on every rank, each
+    keeping its state (the rebuild's failures put back the installed shards)."""
     faults = (
         {"iteration": 7, "rank": 1, "stage": "pack"},
         {"iteration": 15, "rank": 0, "stage": "verify"},
         {"iteration": 22, "rank": 1, "stage": "exchange"},
         {"iteration": 24, "rank": 0, "stage": "commit"},
+        {"iteration": 25, "rank": 1, "stage": "wrapper"},
+        {"iteration": 26, "rank": 0, "stage": "optimizer"},
     )
-    plans = {7: PLANS[7], 15: PLANS[15], 22: PLANS[22], 24: PLANS[15], 26: PLANS[7]}
+    plans = {
+        7: PLANS[7],
+        15: PLANS[15],
+        22: PLANS[22],
+        24: PLANS[15],
+        25: REORDERED,  # some blocks only change order: permuted back
+        26: PLANS[7],
+        27: PLANS[7],
+    }
     results = run_ranks(train_with_repartitions, 4, MIGRATE, plans, faults)
+    # TP=2 x DP=2: a TP rank's fault fails it in both replicas, the rebuild names global ranks
+    expected = (
+        "unit transfer at iteration 7 aborted: TP rank(s) [1] failed",
+        "unit transfer at iteration 15 aborted: TP rank(s) [0] failed",
+        "unit transfer at iteration 22 aborted: TP rank(s) [1] failed",
+        "unit transfer at iteration 24 aborted: TP rank(s) [0] failed",
+        "rebuild of the DDP wrapper at iteration 25 aborted: rank(s) [1, 3] failed",
+        "rebuild of the optimizer at iteration 26 aborted: rank(s) [0, 2] failed",
+    )
     for rank, result in enumerate(results):
         failed = [e for e in result["events"] if "error" in e]
-        assert [e["iteration"] for e in failed] == [7, 15, 22, 24]
-        for event, culprit in zip(failed, (1, 0, 1, 0)):
+        assert [e["iteration"] for e in failed] == [7, 15, 22, 24, 25, 26]
+        for event, message in zip(failed, expected):
             assert event["unchanged"] and event["plan_kept"], event
-            assert (
-                f"at iteration {event['iteration']} aborted: TP rank(s) [{culprit}] failed"
-                in event["error"]
-            )
+            assert event["stray_buffers"] == 0, event
+            assert message in event["error"], event["error"]
         # training went on, then a later re-partition still worked
-        assert [e["iteration"] for e in result["events"] if "error" not in e] == [26]
+        assert [e["iteration"] for e in result["events"] if "error" not in e] == [27]
         for step in range(1, 31):
             got, want = result["losses"][step], unmigrated["losses"][step]
             assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}"

@@ -230,19 +230,27 @@ def test_layer_moves_between_stages_are_lossless_and_their_checkpoint_loads_anyw
 def test_layer_moves_with_data_parallel_replicas_and_the_distributed_optimizer(single_stage):
     """TP=1 x PP=2 x DP=2 under --use-distributed-optimizer: each replica's stages move their
     layers (1/3, then 3/1), whole masters and moments gathered over DP and scattered into the
-    rebuilt optimizer's ranges; the losses stay on the single-stage run's."""
+    rebuilt optimizer's ranges; the losses stay on the single-stage run's. At 5 a move fails
+    to build its optimizer on one rank after the layers were exchanged and installed: every
+    rank puts back its layers, split, wrapper and optimizer."""
     root, reference = single_stage
     moved = _from_start(root, "layers-dp")
     argv = _argv(
-        f"--train-iters 6 --load {moved} --pipeline-model-parallel-size 2 --het-tp "
+        f"--train-iters 8 --load {moved} --pipeline-model-parallel-size 2 --het-tp "
         "--use-distributed-optimizer"
     )
-    ranks = run_ranks(train_with_layer_moves, 4, argv, {3: (1, 3), 4: (3, 1)})
+    fault = {"iteration": 5, "global_rank": 1, "stage": "optimizer"}
+    ranks = run_ranks(train_with_layer_moves, 4, argv, {3: (1, 3), 4: (3, 1), 5: (2, 2)}, (fault,))
     for rank, result in enumerate(ranks):  # pipeline stage = rank // 2 (TP 1, DP 2 inner)
-        assert [e["iteration"] for e in result["events"]] == [3, 4]
+        assert [e["iteration"] for e in result["events"]] == [3, 4, 5]
         assert result["seen"][3][0] == ([1] if rank < 2 else [2, 3, 4])
         assert result["seen"][4][0] == ([1, 2, 3] if rank < 2 else [4])
-        _close(result["losses"], reference, range(3, 7))
+        failed = result["events"][2]
+        assert "rebuild of the optimizer aborted: rank(s) [1] failed" in failed["error"]
+        assert failed["kept"] and failed["stray_buffers"] == 0
+        assert result["seen"][5][0] == result["seen"][4][0]
+        assert tuple(result["seen"][5][2]) == (3, 1)
+        _close(result["losses"], reference, range(3, 9))  # 6-8 trained after the failure
 
 
 # Timing wants the sharded GEMMs to dominate their linears' per-call costs (test_control.py)

@@ -327,6 +327,21 @@ def train_with_failing_save(argv: list[str], fail_at_iteration: int) -> dict:
     return {"error": None}
 
 
+def _stray_buffers(live) -> int:
+    """How many buffers DDP wrappers other than `live` still hold, after a collection: a
+    wrapper set aside (the old one of a move, a failed rebuild's new one) must let its go."""
+    import gc
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    gc.collect()
+    return sum(
+        len(o.__dict__.get("buffers", ()))
+        for o in gc.get_objects()
+        if isinstance(o, DistributedDataParallel) and o is not live
+    )
+
+
 def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) -> dict:
     """pretrain, switching to plans[iteration] (an inline spec, JSON, "rebalance:<counts>", or a
     list of them applied in turn) after that iteration.
@@ -426,6 +441,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     "error": str(err),
                     "unchanged": same,
                     "plan_kept": runtime.whole_plan() == current,
+                    "stray_buffers": _stray_buffers(state.model),
                 }
             )
             return
@@ -933,7 +949,12 @@ def train_with_layer_moves(argv: list[str], moves: dict, faults: tuple = ()) -> 
                 events.append({"iteration": iteration, "sent": moved.sent, "got": moved.received})
             except TransferError as err:
                 events.append(
-                    {"iteration": iteration, "error": str(err), "kept": state.model is model}
+                    {
+                        "iteration": iteration,
+                        "error": str(err),
+                        "kept": state.model is model,
+                        "stray_buffers": _stray_buffers(state.model),
+                    }
                 )
         model = unwrap_model(state.model)
         seen[iteration] = (
