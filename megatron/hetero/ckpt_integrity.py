@@ -12,8 +12,9 @@ resolves the classes dist-checkpoint metadata is made of (`SAFE_GLOBALS`); a fil
 anything else is refused by name and nothing of it runs. The byte items inside `.distcp` files
 (the RNG states, het-TP's runtime state, layers' extra state) torch unpickles without
 restriction too (dist-checkpoint's `load_bytes`), so each is first loaded from the file with
-`weights_only=True` (tensors, containers, numbers, and NumPy's arrays for the RNG states);
-one that needs more is refused naming it. `common.pt` torch reads with `weights_only=True`.
+`weights_only=True` (tensors, containers, numbers, and NumPy's arrays for the RNG states),
+each rank a share of them; one that needs more is refused naming it, on every rank.
+`common.pt` torch reads with `weights_only=True`.
 A manifest is not a signature: someone who can write the folder can rewrite it too.
 """
 
@@ -109,7 +110,9 @@ def load_weights_only(raw: bytes):
 def check_byte_items(folder: str, metadata) -> None:
     """Raise UnsafeCheckpointError naming the first byte item of the checkpoint in `folder` that
     does not load with `weights_only=True`, or that lies outside the folder or behind a storage
-    transform (this trainer writes none), before torch unpickles them unrestricted."""
+    transform (this trainer writes none), before torch unpickles them unrestricted. Each rank
+    checks every world-th item (a job holds a few per rank, so checking all of them on every
+    rank would read world-squared items) and all raise the same first refusal."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     items = {
@@ -117,23 +120,37 @@ def check_byte_items(folder: str, metadata) -> None:
         for fqn, meta in metadata.state_dict_metadata.items()
         if isinstance(meta, BytesStorageMetadata)
     }
+    stored = sorted((metadata.storage_data or {}).items(), key=lambda kv: kv[0].fqn)
+    checks = [(index, info) for index, info in stored if index.fqn in items]
+    rank, world = _share()
+    first = None  # (position in checks, refusal) of this rank's first refused item
+    for position in range(rank, len(checks), world):
+        refusal = _byte_item_refusal(folder, *checks[position])
+        if refusal is not None:
+            first = (position, refusal)
+            break
+    found = sorted(f for f in _gathered(first) if f is not None)
+    if found:
+        raise UnsafeCheckpointError(found[0][1])
+
+
+def _byte_item_refusal(folder: str, index, info) -> str | None:
+    """Why one byte item is refused (None: it loads with `weights_only=True`)."""
     root = os.path.realpath(folder)
-    for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: kv[0].fqn):
-        if index.fqn not in items:
-            continue
-        path = os.path.realpath(os.path.join(folder, info.relative_path))
-        named = f"{os.path.join(folder, info.relative_path)}: item {index.fqn}"
-        if os.path.commonpath([root, path]) != root:
-            raise UnsafeCheckpointError(f"{named} refused: it lies outside {folder}")
-        if getattr(info, "transform_descriptors", None):
-            raise UnsafeCheckpointError(f"{named} refused: stored behind a transform")
-        try:
-            with open(path, "rb") as f:
-                f.seek(info.offset)
-                raw = f.read(info.length)
-            load_weights_only(raw)
-        except Exception as err:  # noqa: BLE001 - any failure: the item is not loaded
-            raise UnsafeCheckpointError(f"{named} refused: {_why(err)}") from None
+    path = os.path.realpath(os.path.join(folder, info.relative_path))
+    named = f"{os.path.join(folder, info.relative_path)}: item {index.fqn}"
+    if os.path.commonpath([root, path]) != root:
+        return f"{named} refused: it lies outside {folder}"
+    if getattr(info, "transform_descriptors", None):
+        return f"{named} refused: stored behind a transform"
+    try:
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        load_weights_only(raw)
+    except Exception as err:  # noqa: BLE001 - any failure: the item is not loaded
+        return f"{named} refused: {_why(err)}"
+    return None
 
 
 def _why(err: Exception) -> str:
@@ -156,19 +173,30 @@ def _digest(path: str) -> dict:
 def _digests(folder: str, names: list[str]) -> dict:
     """{name: digest} of `names`, each rank hashing every world-th file; the same dict on every
     rank. A file that cannot be read gets {"error": ...}."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = _share()
     mine = {}
     for name in names[rank::world]:
         try:
             mine[name] = _digest(os.path.join(folder, name))
         except OSError as err:
             mine[name] = {"error": err.strerror or str(err)}
-    if world == 1:
-        return mine
-    parts = [None] * world
+    return {name: d for part in _gathered(mine) for name, d in part.items()}
+
+
+def _share() -> tuple[int, int]:
+    """(rank, world size) of the job that checks a folder together ((0, 1) alone)."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _gathered(mine) -> list:
+    """Every rank's `mine`, in rank order, on every rank."""
+    if _share()[1] == 1:
+        return [mine]
+    parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
-    return {name: d for part in parts for name, d in part.items()}
+    return parts
 
 
 def _files(folder: str) -> list[str]:

@@ -139,3 +139,53 @@ def test_numpy_s_rng_state_loads_under_either_numpy_major_s_name():
     torch.save(Evil(), crafted)
     with pytest.raises(pickle.UnpicklingError):
         load_weights_only(crafted.getvalue())
+
+
+class _Pid:
+    """Pickles as a call of os.getpid: harmless if it ran, refused by a weights-only load."""
+
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def _byte_items(folder, crafted: set[int]):
+    """A .metadata with five byte items in one file, those numbered in `crafted` refused."""
+    import io
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    folder.mkdir()
+    blob, storage = b"", {}
+    for i in range(5):
+        raw = io.BytesIO()
+        torch.save(_Pid() if i in crafted else {"item": torch.arange(i + 1)}, raw)
+        storage[MetadataIndex(f"item_{i}")] = _StorageInfo(
+            "__0_0.distcp", len(blob), len(raw.getvalue())
+        )
+        blob += raw.getvalue()
+    (folder / "__0_0.distcp").write_bytes(blob)
+    meta = Metadata(
+        state_dict_metadata={f"item_{i}": BytesStorageMetadata() for i in range(5)},
+        storage_data=storage,
+    )
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    return str(folder)
+
+
+def test_byte_items_are_checked_a_share_per_rank_and_refused_alike(tmp_path):
+    """Two gloo ranks: each loads every second byte item (not all of them), and an item only
+    rank 1 loads is refused on both, the first refused one named (item 2's refusal, rank 0's
+    first, loses to item 1's)."""
+    from tests.utils.ranks import run_ranks
+    from tests.utils.workers import check_byte_items_counting_loads
+
+    clean = _byte_items(tmp_path / "clean", set())
+    crafted = _byte_items(tmp_path / "crafted", {1, 2})
+    ranks = run_ranks(check_byte_items_counting_loads, 2, [clean, crafted])
+    assert [r[0] for r in ranks] == [(3, None), (2, None)]  # items 0, 2, 4 and 1, 3
+    refusal = f"{crafted}/__0_0.distcp: item item_1 refused"
+    assert [r[1][0] for r in ranks] == [2, 1]  # rank 0 stopped at item 2, rank 1 at item 1
+    assert all(r[1][1].startswith(refusal) for r in ranks), ranks
+    assert "getpid" in ranks[0][1][1]

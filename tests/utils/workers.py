@@ -327,6 +327,34 @@ def train_with_failing_save(argv: list[str], fail_at_iteration: int) -> dict:
     return {"error": None}
 
 
+def check_byte_items_counting_loads(folders: list[str]) -> list:
+    """ckpt_integrity.check_byte_items on each folder (every rank, gloo): per folder, how
+    many byte items this rank loaded and the refusal it raised (None if none)."""
+    import torch.distributed as dist
+
+    from megatron.hetero import ckpt_integrity
+
+    dist.init_process_group("gloo")
+    loads, real = [], ckpt_integrity.load_weights_only
+
+    def counting(raw):
+        loads.append(raw)
+        return real(raw)
+
+    ckpt_integrity.load_weights_only = counting
+    out = []
+    for folder in folders:
+        loads.clear()
+        meta = ckpt_integrity.check_metadata(os.path.join(folder, ".metadata"))
+        try:
+            ckpt_integrity.check_byte_items(folder, meta)
+            out.append((len(loads), None))
+        except ckpt_integrity.UnsafeCheckpointError as err:
+            out.append((len(loads), str(err)))
+    dist.destroy_process_group()
+    return out
+
+
 def _stray_buffers(live) -> int:
     """How many buffers DDP wrappers other than `live` still hold, after a collection: a
     wrapper set aside (the old one of a move, a failed rebuild's new one) must let its go."""
