@@ -302,11 +302,10 @@ class _Outbox:
             self._send(filler[: sizes[self.sent]])
 
 
-def vote(failures, group, device, step, agree_over=None, what="unit transfer"):
+def vote(failures, group, device, step, agree_over=None):
     """All ranks of `agree_over` (default: `group`) learn whether any rank failed; on failure
-    all raise the same error, naming the ranks of `group` that failed (TP ranks, or the job's
-    with the world group) and `what` was aborted. Also the last step of a move's transaction:
-    whether every rank built its new shards."""
+    all raise the same error, naming the TP ranks (ranks of `group`) that failed. Also the
+    last step of a move's transaction: whether every rank built its new shards."""
     voters = group if agree_over is None else agree_over
     mine = torch.tensor(
         [0 if failures else 1, dist.get_rank(group)], dtype=torch.int64, device=device
@@ -317,9 +316,8 @@ def vote(failures, group, device, step, agree_over=None, what="unit transfer"):
     if failed:
         where = f" at iteration {step}" if step is not None else ""
         detail = f"; this rank: {'; '.join(failures)}" if failures else ""
-        ranks = "rank(s)" if group is dist.group.WORLD else "TP rank(s)"
         raise TransferError(
-            f"{what}{where} aborted: {ranks} {failed} failed{detail}. "
+            f"unit transfer{where} aborted: TP rank(s) {failed} failed{detail}. "
             "Every rank keeps its previous partition and state."
         )
 

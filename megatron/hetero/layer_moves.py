@@ -10,13 +10,12 @@ checkpoint keys and recomputation follow it; the DDP wrapper and optimizer are r
 rank (building an optimizer runs collectives over the whole job), with the training state of
 every parameter carried over, so training stays on its trajectory.
 
-All or nothing where it can be: every rank prepares (builds the incoming layers, packs the
-outgoing ones) and votes before anything is sent; a failure there raises TransferError on every
-rank with the model, optimizer and config as they were. Past the vote, a failed transfer raises
-TransferError with this rank's state as it was (its peers see the transport fail too). A
-failure while rebuilding DDP and the optimizer (collectives over the job, where the others
-stall) is not undone: the layer list and split are put back, but a new DDP wrapper may have
-taken the gradient buffers, so the run stops there.
+All or nothing: every rank prepares (builds the incoming layers, packs the outgoing ones) and
+votes before anything is sent, and again after the transfer (a transport failure shows on the
+ranks of its link only); the rebuild of DDP and the optimizer agrees over the job as a unit
+move's does (partition._build). A failure at any of these raises TransferError on every rank
+with the model, optimizer and config as they were (after a failed rebuild each rank puts its
+layer list and split back). A collective that itself fails is the transport's.
 
 Lossless at dropout 0: a moved layer draws its dropout masks from its new stage's RNG stream.
 """

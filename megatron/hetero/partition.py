@@ -14,6 +14,7 @@ TransferError and keeps its previous model, optimizer and plan.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -389,14 +390,17 @@ class HetPartition:
         return migration, (replaced, created), installed
 
     def _put_back(self, module, installed: _Installed) -> None:
-        """Undo a committed move here (its rebuild failed on some rank): every block's old
-        parameters, K/V replicas, order, checkpoint run and resize, and the old plan."""
+        """Undo a committed move here (its rebuild failed on some rank): every changed block's
+        old parameters, K/V replicas, order and resize, and the old plan, with every block's
+        checkpoint run and replica marks."""
         for block, shards, pieces in reversed(installed.blocks):
-            if pieces is not None:  # an order change, made in place: undone in place
-                permute(pieces, block.units, shards.units)
+            for piece in pieces or ():  # an order change, made in place: undone in place, a
+                permute([piece], block.units, shards.units)  # tensor's copy at a time
             block.reinstall(shards)
         self.plan = installed.plan
-        self._mark_replicas(het_blocks(module))
+        blocks = het_blocks(module)
+        self._size_checkpoint_runs(blocks)
+        self._mark_replicas(blocks)
 
     def _prepare(self, blocks, pieces, positions, plan, state_keys, result, own) -> list:
         """Build every block's new shards, moments and K/V replicas from what it keeps and
@@ -580,56 +584,11 @@ def _rebuild(state, replaced, extra=None, *, old, step=None, fault=None):
     fp32 masters, moments, step count, loss scaler and learning-rate schedule carry over.
     `old` is the gathered view of the old optimizer; `extra` gives parameters new to the
     model (a layer moved in from another stage, a K/V replica a head brought) their
-    {param: (master, state)}. Every rank of the job calls it.
-
-    Both builds allocate (gradient buffers; masters and moments), so both are voted on: a
-    failure on any rank (`fault(stage)`, for tests: "wrapper" or "optimizer") makes the new
-    wrapper inert and puts back the parameters' DDP fields on every rank, which then raises
-    TransferError with the old wrapper and optimizer in place; the caller puts back what it
-    installed. The optimizer build opens with a collective over the job (megatron-core
-    aligns its parameter groups), hence the vote before it. Past the second vote, only
-    references are swapped."""
-    old_ddp, old_opt = state.model, state.optimizer
-    fields = {p: (p.data, p.grad, dict(vars(p))) for p in old_ddp.module.parameters()}
-    failures, model = [], None
-
-    def agree(stage):
-        try:
-            vote(failures, dist.group.WORLD, comm_device(), step, what=f"rebuild of the {stage}")
-        except TransferError:
-            _discard(model, fields)
-            raise
-
-    try:
-        model = _wrapper_like(old_ddp, fault)
-    except _HalfBuilt as err:  # any failure aborts the rebuild everywhere
-        failures.append(f"DDP wrapper: {err}")
-        model = err.wrapper  # released by agree()
-    agree("DDP wrapper")
-    try:
-        # Upstream Megatron-LM under --disable-gloo-process-groups has none, and megatron-core
-        # asserts on them unless told (this trainer always creates them).
-        gloo = getattr(parallel_state, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
-        optimizer = get_megatron_optimizer(old_opt.config, [model], use_gloo_process_groups=gloo)
-        if len(optimizer.param_groups) == len(old_opt.param_groups):  # built from the flags: a
-            set_group_values(optimizer, old_opt.param_groups)  # resumed run's rates may differ
-        carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
-        for old_param, (master, param_state) in whole_state(old).items():
-            new_param, moved = replaced.get(old_param, (old_param, {}))
-            carried[new_param] = (
-                moved.get("master", master),
-                {**param_state, **{k: v for k, v in moved.items() if k != "master"}},
-            )
-        carried.update(extra or {})
-        carry_into(optimizer, carried)
-        carry_group_steps(old_opt, optimizer)
-        new = OptimizerView(optimizer)
-        if fault is not None:
-            fault("optimizer")
-    except Exception as err:  # noqa: BLE001
-        failures.append(f"optimizer: {type(err).__name__}: {err}")
-    agree("optimizer")
-    # committed: reference swaps from here
+    {param: (master, state)}. Every rank of the job calls it; a failure on any rank raises
+    TransferError on every rank with the old wrapper and optimizer in place (_build), and
+    the caller puts back what it installed. Past the build, only references are swapped."""
+    old_ddp = state.model
+    model, optimizer, new = _build(state, replaced, extra, old, step, fault)
     for old_sub, new_sub in zip(old.subs, new.subs):
         if getattr(old_sub, "grad_scaler", None) is not None:
             new_sub.grad_scaler = old_sub.grad_scaler
@@ -648,6 +607,130 @@ def _rebuild(state, replaced, extra=None, *, old, step=None, fault=None):
             old_param.__dict__.pop(key, None)
     for param in model.module.parameters():
         param.grad = None  # the last step's, a view of the old buffer (FP32Optimizer sets it)
+
+
+def _build(state, replaced, extra, old, step, fault):
+    """(wrapper, optimizer, OptimizerView of it), new, agreed on by every rank of the job.
+
+    Both builds allocate (gradient buffers; masters and moments), so the job agrees after
+    each (_agree). A failure on any rank (`fault(stage)`, for tests: "wrapper" after the
+    wrapper's build, "param groups" between the optimizer build's collectives, "optimizer"
+    after it) releases the new wrapper and gives the parameters back their data, grad and DDP
+    fields on every rank, which then raises TransferError. What was built is let go first,
+    so that a build that ran out of memory leaves the put-back the memory it needs."""
+    old_ddp = state.model
+    fields = {p: (p.data, p.grad, dict(vars(p))) for p in old_ddp.module.parameters()}
+    built, failures, aborted = {}, [], False
+
+    def agree(stage, aborted=False):
+        failed = _agree(failures, aborted)
+        if failed is not None:
+            _discard(built.pop("wrapper", None), fields)
+            built.clear()
+            where = f" at iteration {step}" if step is not None else ""
+            detail = f"; this rank: {'; '.join(failures)}" if failures else ""
+            raise TransferError(
+                f"rebuild of the {stage}{where} aborted: rank(s) {failed} failed{detail}. "
+                "Every rank keeps its previous partition and state."
+            )
+
+    try:
+        built["wrapper"] = _wrapper_like(old_ddp, fault)
+    except _HalfBuilt as err:
+        failures.append(f"DDP wrapper: {err}")
+        built["wrapper"] = err.wrapper
+    agree("DDP wrapper")
+    try:
+        with _build_collectives(fault):
+            built["optimizer"], built["view"] = _new_optimizer(
+                built["wrapper"], state.optimizer, replaced, extra, old
+            )
+        if fault is not None:
+            fault("optimizer")
+    except _PeerFailed:  # another rank failed between the build's collectives
+        aborted = True
+    except Exception as err:  # noqa: BLE001 - any failure aborts the rebuild everywhere
+        failures.append(f"optimizer: {type(err).__name__}: {err}")
+    agree("optimizer", aborted)
+    return built["wrapper"], built["optimizer"], built["view"]
+
+
+def _new_optimizer(model, old_opt, replaced, extra, old):
+    """megatron-core's optimizer around `model`, given the old one's state: (optimizer, its
+    OptimizerView)."""
+    # Upstream Megatron-LM under --disable-gloo-process-groups has none, and megatron-core
+    # asserts on them unless told (this trainer always creates them).
+    gloo = getattr(parallel_state, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
+    optimizer = get_megatron_optimizer(old_opt.config, [model], use_gloo_process_groups=gloo)
+    if len(optimizer.param_groups) == len(old_opt.param_groups):  # built from the flags: a
+        set_group_values(optimizer, old_opt.param_groups)  # resumed run's rates may differ
+    carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
+    for old_param, (master, param_state) in whole_state(old).items():
+        new_param, moved = replaced.get(old_param, (old_param, {}))
+        carried[new_param] = (
+            moved.get("master", master),
+            {**param_state, **{k: v for k, v in moved.items() if k != "master"}},
+        )
+    carried.update(extra or {})
+    carry_into(optimizer, carried)
+    carry_group_steps(old_opt, optimizer)
+    return optimizer, OptimizerView(optimizer)
+
+
+# The job's agreement on a rebuild rides on all_gather_object over the world, the collective
+# megatron-core's optimizer build itself runs between its allocations (once per kind of
+# parameter group, to align the groups over ranks): a rank that fails between them sends its
+# vote where its peers expect a group list, and they learn of the failure there.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Vote:
+    ok: bool
+    failed: bool  # this rank failed (not: it stopped because another did)
+
+
+class _PeerFailed(RuntimeError):
+    """Another rank's vote arrived inside the optimizer build's collective."""
+
+
+def _agree(failures, aborted: bool) -> list[int] | None:
+    """Every rank of the job: None if every rank built, else the ranks that failed. Votes go
+    round until every rank has voted: a rank still inside the build receives the votes in its
+    own collective (_build_collectives raises _PeerFailed there) and votes in the next
+    round."""
+    mine = _Vote(ok=not failures and not aborted, failed=bool(failures))
+    while True:
+        votes = [None] * dist.get_world_size()
+        _ALL_GATHER_OBJECT(votes, mine)
+        if all(isinstance(v, _Vote) for v in votes):
+            if all(v.ok for v in votes):
+                return None
+            return [rank for rank, v in enumerate(votes) if v.failed]
+
+
+_ALL_GATHER_OBJECT = dist.all_gather_object
+
+
+@contextlib.contextmanager
+def _build_collectives(fault=None):
+    """While megatron-core builds an optimizer: each of its all_gather_object calls raises
+    _PeerFailed if a vote came in with the group lists (`fault`, for tests, may fail this
+    rank at "param groups" after the first). Restored on exit."""
+    calls = []
+
+    def gather(object_list, obj, group=None):
+        _ALL_GATHER_OBJECT(object_list, obj, group=group)
+        if any(isinstance(o, _Vote) for o in object_list):
+            raise _PeerFailed("another rank failed to build its optimizer")
+        calls.append(1)
+        if fault is not None and len(calls) == 1:
+            fault("param groups")
+
+    dist.all_gather_object = gather
+    try:
+        yield
+    finally:
+        dist.all_gather_object = _ALL_GATHER_OBJECT
 
 
 class _HalfBuilt(RuntimeError):

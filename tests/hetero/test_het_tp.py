@@ -193,8 +193,10 @@ def test_migration_where_some_ranks_keep_their_units():
 def test_failed_transfer_leaves_every_rank_intact(unmigrated):
     """Each stage of a move's transaction, the building of the new shards after the data has
     arrived ("commit": where a rank runs out of memory) and the rebuild of the DDP wrapper and
-    the optimizer that follows the install included, aborts the move on every rank, each
-    keeping its state (the rebuild's failures put back the installed shards)."""
+    the optimizer that follows the install included (the optimizer failing after its build or
+    between its collectives), aborts the move on every rank, each keeping its state: weights,
+    masters, moments, checkpoint runs and replica marks (the rebuild's failures put back the
+    installed shards), with no buffer of the failed wrapper left alive."""
     faults = (
         {"iteration": 7, "rank": 1, "stage": "pack"},
         {"iteration": 15, "rank": 0, "stage": "verify"},
@@ -202,6 +204,9 @@ def test_failed_transfer_leaves_every_rank_intact(unmigrated):
         {"iteration": 24, "rank": 0, "stage": "commit"},
         {"iteration": 25, "rank": 1, "stage": "wrapper"},
         {"iteration": 26, "rank": 0, "stage": "optimizer"},
+        # between megatron-core's collectives in the optimizer build: the others, still in
+        # it, learn of the failure in their next one
+        {"iteration": 27, "rank": 1, "stage": "param groups"},
     )
     plans = {
         7: PLANS[7],
@@ -210,7 +215,8 @@ def test_failed_transfer_leaves_every_rank_intact(unmigrated):
         24: PLANS[15],
         25: REORDERED,  # some blocks only change order: permuted back
         26: PLANS[7],
-        27: PLANS[7],
+        27: PLANS[22],
+        28: PLANS[7],
     }
     results = run_ranks(train_with_repartitions, 4, MIGRATE, plans, faults)
     # TP=2 x DP=2: a TP rank's fault fails it in both replicas, the rebuild names global ranks
@@ -221,16 +227,17 @@ def test_failed_transfer_leaves_every_rank_intact(unmigrated):
         "unit transfer at iteration 24 aborted: TP rank(s) [0] failed",
         "rebuild of the DDP wrapper at iteration 25 aborted: rank(s) [1, 3] failed",
         "rebuild of the optimizer at iteration 26 aborted: rank(s) [0, 2] failed",
+        "rebuild of the optimizer at iteration 27 aborted: rank(s) [1, 3] failed",
     )
     for rank, result in enumerate(results):
         failed = [e for e in result["events"] if "error" in e]
-        assert [e["iteration"] for e in failed] == [7, 15, 22, 24, 25, 26]
+        assert [e["iteration"] for e in failed] == [7, 15, 22, 24, 25, 26, 27]
         for event, message in zip(failed, expected):
             assert event["unchanged"] and event["plan_kept"], event
             assert event["stray_buffers"] == 0, event
             assert message in event["error"], event["error"]
         # training went on, then a later re-partition still worked
-        assert [e["iteration"] for e in result["events"] if "error" not in e] == [27]
+        assert [e["iteration"] for e in result["events"] if "error" not in e] == [28]
         for step in range(1, 31):
             got, want = result["losses"][step], unmigrated["losses"][step]
             assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}"

@@ -102,25 +102,29 @@ def test_even_plan_equals_vanilla_and_a_migration_keeps_the_losses(setting):
 
 def test_a_failed_transfer_under_all_settings_leaves_training_intact():
     """A rank failing mid-transfer, and then one failing to build the optimizer after the new
-    shards were installed, under the distributed optimizer and overlapped reductions and
-    gathers: every rank keeps its weights, masters, moments and plan (the gathered copies are
-    dropped; the half-rebuilt wrapper's hooks and buffers are let go), and a later migration
-    still works; the losses stay vanilla's."""
+    shards were installed (after the build, then between its collectives), under the
+    distributed optimizer and overlapped reductions and gathers: every rank keeps its weights,
+    masters, moments and plan (the gathered copies are dropped; the half-rebuilt wrapper's
+    hooks and buffers are let go), and a later migration still works; the losses stay
+    vanilla's."""
     argv = _argv(SETTINGS["all"])
     vanilla = _vanilla("all")
     faults = (
         {"iteration": 4, "rank": 1, "stage": "exchange"},
         {"iteration": 5, "rank": 0, "stage": "optimizer"},
+        {"iteration": 6, "rank": 1, "stage": "param groups"},
     )
-    plans = {4: "attn=3,1;mlp=48,16", 5: "attn=3,1;mlp=48,16", 6: "attn=1,3;mlp=20,44"}
+    plans = {4: "attn=3,1;mlp=48,16", 5: "attn=3,1;mlp=48,16", 6: "attn=3,1;mlp=48,16"}
+    plans[7] = "attn=1,3;mlp=20,44"
     results = run_ranks(train_with_repartitions, 4, argv + ["--het-tp"], plans, faults)
     for result in results:
-        failed, rebuild, done = result["events"]
+        failed, *rebuilds, done = result["events"]
         assert failed["iteration"] == 4 and failed["unchanged"] and failed["plan_kept"]
-        assert rebuild["iteration"] == 5 and rebuild["unchanged"] and rebuild["plan_kept"]
-        assert rebuild["stray_buffers"] == 0
-        assert "rebuild of the optimizer at iteration 5 aborted" in rebuild["error"]
-        assert done["iteration"] == 6 and done["units_moved"] > 0
+        for it, event in zip((5, 6), rebuilds):
+            assert event["iteration"] == it and event["unchanged"] and event["plan_kept"]
+            assert event["stray_buffers"] == 0
+            assert f"rebuild of the optimizer at iteration {it} aborted" in event["error"]
+        assert done["iteration"] == 7 and done["units_moved"] > 0
         _close(result["losses"], vanilla["losses"], range(1, 11))
 
 

@@ -356,17 +356,17 @@ def check_byte_items_counting_loads(folders: list[str]) -> list:
 
 
 def _stray_buffers(live) -> int:
-    """How many buffers DDP wrappers other than `live` still hold, after a collection: a
-    wrapper set aside (the old one of a move, a failed rebuild's new one) must let its go."""
+    """How many of megatron-core's parameter and gradient buffers are alive, after a
+    collection, besides those of DDP wrapper `live`: those of a wrapper set aside (the old one
+    of a move, a failed rebuild's new one, whoever holds them: its optimizer, a traceback)."""
     import gc
 
-    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
     gc.collect()
+    held = {id(b) for b in live.buffers + live.expert_parallel_buffers}
     return sum(
-        len(o.__dict__.get("buffers", ()))
-        for o in gc.get_objects()
-        if isinstance(o, DistributedDataParallel) and o is not live
+        1 for o in gc.get_objects() if isinstance(o, _ParamAndGradBuffer) and id(o) not in held
     )
 
 
@@ -389,7 +389,8 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
     events = []
 
     def snapshot(state):
-        """Every parameter, fp32 master and optimizer state tensor, by parameter name."""
+        """Every parameter, fp32 master and optimizer state tensor, by parameter name; and
+        every linear's checkpoint run and every parameter's replica marks."""
         from megatron.hetero.unit_state import OptimizerView
 
         view = OptimizerView(state.optimizer)
@@ -406,7 +407,16 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     if isinstance(v, torch.Tensor)
                 }
             )
-        return params, extra
+        marks = {
+            name: (getattr(p, "shared", None), getattr(p, "het_replicated", None))
+            for name, p in state.model.module.named_parameters()
+        }
+        runs = {
+            (key, name): getattr(block, name).checkpoint_run
+            for key, block in het_blocks(state.model).items()
+            for name in block.linear_names
+        }
+        return params, extra, (marks, runs)
 
     def hook(iteration, state, runtime):
         specs = plans.get(iteration, [])
@@ -462,6 +472,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                 and before[1].keys() == after[1].keys()
                 and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
                 and all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+                and before[2] == after[2]
             )
             events.append(
                 {
@@ -469,6 +480,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     "error": str(err),
                     "unchanged": same,
                     "plan_kept": runtime.whole_plan() == current,
+                    # while the error (and its traceback) lives, as in the runtime's recovery
                     "stray_buffers": _stray_buffers(state.model),
                 }
             )
@@ -981,7 +993,7 @@ def train_with_layer_moves(argv: list[str], moves: dict, faults: tuple = ()) -> 
                         "iteration": iteration,
                         "error": str(err),
                         "kept": state.model is model,
-                        "stray_buffers": _stray_buffers(state.model),
+                        "stray_buffers": _stray_buffers(state.model),  # the error alive
                     }
                 )
         model = unwrap_model(state.model)
