@@ -98,7 +98,6 @@ REFUSED_FLAGS = (
         "FP8 needs Transformer Engine layers, which are not supported yet",
         lambda value: value is not None,
     ),
-    RefusedFlag("--qk-layernorm", {"action": "store_true"}, "not supported yet"),
     RefusedFlag(
         "--spec",
         {"nargs": "*", "default": None},
@@ -166,6 +165,11 @@ def _add_network_args(parser):
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="Normalise each query and key head (--normalization's kind) before attention.",
+    )
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)

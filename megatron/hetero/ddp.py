@@ -2,12 +2,13 @@
 
 megatron-core reduce-scatters gradients over the data-parallel group, so each DP rank's part of
 a gradient buffer is reduced and the rest holds that rank's own gradient; then it all-reduces the
-gradients of parameters replicated over the TP group (sequence-parallel norms and row-parallel
-biases) over the TP group, whole. Under an even split every TP rank's buffer has the same layout
-and owns the same part of such a parameter, so the owned parts add up right. Under an uneven
-plan the buffers differ between TP ranks, the owned parts differ, and the TP sum would add one
-rank's reduced part to another's unreduced one. `HetDDP` completes those parameters' DP
-reduction (one all-reduce of their masked gradients) before the TP all-reduce runs.
+gradients of parameters replicated over the TP group (sequence-parallel norms, row-parallel
+biases, --qk-layernorm's norms) over the TP group, whole. Under an even split every TP rank's
+buffer has the same layout and owns the same part of such a parameter, so the owned parts add
+up right. Under an uneven plan the buffers differ between TP ranks, the owned parts differ, and
+the TP sum would add one rank's reduced part to another's unreduced one. `HetDDP` completes
+those parameters' DP reduction (one all-reduce of their masked gradients) before the TP
+all-reduce runs.
 
 With --het-dp-compress, `HetDDP` reduces the gradient buffers itself, compressed with error
 feedback (hettp/compress.py), instead of megatron-core's all-reduce: the same pre-scaling by
@@ -70,11 +71,13 @@ class HetDDP(DistributedDataParallel):
 
 def _replicated(param, sequence_parallel: bool) -> bool:
     """Whether `param`'s gradient is summed over TP ranks after the DP reduction: by
-    megatron-core (replicated over the TP group) or by the runtime (a K/V replica of head
-    units held by several ranks, `het_replicated`)."""
+    megatron-core (replicated over the TP group: marked, or --qk-layernorm's weights, which it
+    finds by name and het-TP's attention marks `het_tp_summed`) or by the runtime (a K/V
+    replica of head units held by several ranks, `het_replicated`)."""
     return (
         getattr(param, "average_gradients_across_tp_domain", False)
         or getattr(param, "het_replicated", False)
+        or getattr(param, "het_tp_summed", False)
         or (sequence_parallel and getattr(param, "sequence_parallel", False))
     )
 

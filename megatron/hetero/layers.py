@@ -681,6 +681,11 @@ class HetSelfAttention(UnitBlock, SelfAttention):
         )
         if config.num_query_groups < get_tensor_model_parallel_world_size():
             raise ValueError("het-TP needs at least one query group per TP rank in the even plan")
+        # --qk-layernorm's weights: replicated, their gradient summed over the TP group by
+        # finalize_model_grads, which finds them by name; HetDDP needs the mark (ddp.py)
+        for norm in (self.q_layernorm, self.k_layernorm):
+            for param in norm.parameters() if norm is not None else ():
+                param.het_tp_summed = True
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         dim = self.hidden_size_per_attention_head
         self.heads = None
@@ -760,16 +765,22 @@ class HetSelfAttention(UnitBlock, SelfAttention):
             )
         mixed_qkv, _ = self.linear_qkv(hidden_states)
         sq, b = mixed_qkv.shape[:2]
+        groups, dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
         if self.heads is not None:  # the active heads' query rows, then K and V per group
             heads = self.num_attention_heads_per_partition
-            groups, dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
             query, kv = torch.split(mixed_qkv, [heads * dim, groups * 2 * dim], dim=2)
             kv = kv.reshape(sq, b, groups, 2, dim)
-            return query.reshape(sq, b, heads, dim), kv[:, :, :, 0], kv[:, :, :, 1]
-        groups, dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
-        mixed_qkv = mixed_qkv.view(sq, b, groups, (self.heads_per_group + 2) * dim)
-        query, key, value = torch.split(mixed_qkv, [self.heads_per_group * dim, dim, dim], dim=3)
-        query = query.reshape(sq, b, groups * self.heads_per_group, dim)
+            query, key, value = query.reshape(sq, b, heads, dim), kv[:, :, :, 0], kv[:, :, :, 1]
+        else:
+            mixed_qkv = mixed_qkv.view(sq, b, groups, (self.heads_per_group + 2) * dim)
+            split = [self.heads_per_group * dim, dim, dim]
+            query, key, value = torch.split(mixed_qkv, split, dim=3)
+            query = query.reshape(sq, b, groups * self.heads_per_group, dim)
+        # --qk-layernorm: per head, as megatron-core does (IdentityOp without it)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
         return query, key, value
 
 

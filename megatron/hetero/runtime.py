@@ -130,11 +130,14 @@ class StepEnd:
 
 
 class HetTPRuntime:
-    def __init__(self, config: HetTPConfig, normalization: str = "LayerNorm"):
+    def __init__(
+        self, config: HetTPConfig, normalization: str = "LayerNorm", qk_layernorm: bool = False
+    ):
         if config.validated_for is None:
             raise ValueError("HetTPRuntime needs a validated HetTPConfig (config.validated())")
         self.config = config
         self.normalization = normalization
+        self.qk_layernorm = qk_layernorm
         self.events = EventLog()
         self.partition = None  # HetPartition with --het-tp
         self.resizer = None  # Resizer when units may be skipped
@@ -160,7 +163,9 @@ class HetTPRuntime:
         """The runtime for Megatron-LM style args, or None when het-TP has nothing to do.
         Raises ArgumentError naming the flag."""
         config = het_tp_config(args, cuda_available)
-        return cls(config, args.normalization) if config.active else None
+        if not config.active:
+            return None
+        return cls(config, args.normalization, bool(getattr(args, "qk_layernorm", False)))
 
     # ---- build ------------------------------------------------------------------------------
 
@@ -175,6 +180,7 @@ class HetTPRuntime:
             self.normalization,
             self.config.granularity,
             self.config.head_units(self.config.validated_for),
+            self.qk_layernorm,
         )
 
     def configure(self, config, saved: SavedPlan | None = None) -> None:

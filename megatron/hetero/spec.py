@@ -93,21 +93,32 @@ class TorchNorm:
 
 
 _NORMS = ("input_layernorm", "pre_mlp_layernorm")
+# --qk-layernorm: per-head norms of the queries and keys, over the head dimension. Their
+# weights are replicated over the TP group and each rank's gradient covers its own heads:
+# finalize_model_grads sums them over the group by name (megatron-core's rule, which stays
+# right when the ranks hold unequal numbers of heads).
+_QK_NORMS = ("q_layernorm", "k_layernorm")
 
 
 def _with_torch_norms(spec: ModuleSpec) -> ModuleSpec:
     """`spec` with megatron-core's WrappedTorchNorm (used where apex is absent) replaced by
     TorchNorm; apex's and Transformer Engine's norms already handle sequence parallelism."""
     spec = copy.deepcopy(spec)
-    for name in _NORMS:
-        if getattr(spec.submodules, name, None) is WrappedTorchNorm:
-            setattr(spec.submodules, name, TorchNorm)
+    attention = spec.submodules.self_attention.submodules
+    for owner, names in ((spec.submodules, _NORMS), (attention, _QK_NORMS)):
+        for name in names:
+            if getattr(owner, name, None) is WrappedTorchNorm:
+                setattr(owner, name, TorchNorm)
     return spec
 
 
-def get_local_gpt_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
+def get_local_gpt_layer_spec(
+    normalization: str = "LayerNorm", qk_layernorm: bool = False
+) -> ModuleSpec:
     """megatron-core's local GPT layer spec, sequence-parallel capable."""
-    return _with_torch_norms(get_gpt_layer_local_spec(normalization=normalization))
+    return _with_torch_norms(
+        get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    )
 
 
 def gpt_block_spec(layer_spec: ModuleSpec, num_layers: int) -> TransformerBlockSubmodules:
@@ -122,10 +133,13 @@ def gpt_block_spec(layer_spec: ModuleSpec, num_layers: int) -> TransformerBlockS
 
 
 def get_het_gpt_layer_spec(
-    normalization: str = "LayerNorm", mlp_unit_size: int = 1, attn_head_units: int = 0
+    normalization: str = "LayerNorm",
+    mlp_unit_size: int = 1,
+    attn_head_units: int = 0,
+    qk_layernorm: bool = False,
 ) -> ModuleSpec:
     """`attn_head_units`: query heads per attention unit (0: a whole query group)."""
-    spec = get_local_gpt_layer_spec(normalization)
+    spec = get_local_gpt_layer_spec(normalization, qk_layernorm)
     attention = spec.submodules.self_attention
     attention.module = HetSelfAttention
     attention.params = {**(attention.params or {}), "head_units": attn_head_units}

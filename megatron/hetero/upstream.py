@@ -50,7 +50,6 @@ _REFUSED = (
     ),
     ("use_kitchen", bool, "--use-kitchen: het-TP builds megatron-core's local layers"),
     ("spec", lambda v: v is not None, "--spec: het-TP replaces the layer spec by its own"),
-    ("qk_layernorm", bool, "--qk-layernorm: het-TP's layers have no query/key layernorm yet"),
     (
         "heterogeneous_layers_config_path",
         lambda v: v is not None,

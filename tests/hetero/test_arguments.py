@@ -550,7 +550,6 @@ def test_early_errors_exit_2_with_one_line(tmp_path):
             "--transformer-impl transformer_engine: Transformer Engine layers are not supported",
         ),
         ("--fp8-format hybrid", "--fp8-format hybrid: FP8 needs Transformer Engine"),
-        ("--qk-layernorm", "--qk-layernorm: not supported yet"),
         ("--spec my.module my_spec", "--spec my.module my_spec: hettp builds"),
         ("--spec", "--spec: hettp builds"),
         ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graphs are not supported"),

@@ -20,6 +20,7 @@ from tests.utils import (
     het_numerics,
     run_ranks,
     train,
+    train_and_read_norms,
     train_pricing_a_layer_move,
     train_with_layer_moves,
     train_with_repartitions,
@@ -93,9 +94,9 @@ def test_resized_heads_equal_the_reference_with_those_heads_zeroed():
 
 TRAINING = {
     # TP=2 x DP=2 under the distributed optimizer: replicas' gradients are made whole over DP
-    # before their TP sum
+    # before their TP sum; with --qk-layernorm (the key norm runs on the K/V replicas)
     "tp2-dp2-distopt": (
-        GQA2,
+        GQA2 + " --qk-layernorm",
         4,
         "--tensor-model-parallel-size 2 --use-distributed-optimizer",
         "--het-tp-attn-granularity 1",
@@ -161,15 +162,38 @@ def test_split_plans_and_migrations_train_as_vanilla(case):
     assert (events[0]["bytes"], events[1]["bytes"]) == moved_bytes
 
 
+def test_query_key_norms_stay_replicated_under_the_distributed_optimizer():
+    """TP=2 x DP=2, --qk-layernorm, the distributed optimizer and an uneven plan: the TP ranks'
+    gradient buffers differ, so each DP rank owns other parts of a replicated norm's gradient
+    on each TP rank; the query/key norms' gradients must be made whole over DP before
+    megatron-core sums them over TP (by name), or the TP ranks' copies drift apart."""
+    argv = (
+        GQA2.replace("--train-iters 1", "--train-iters 4")
+        + " --global-batch-size 8 --eval-iters 0 --log-interval 5 --qk-layernorm"
+        " --tensor-model-parallel-size 2 --use-distributed-optimizer --het-tp"
+        " --het-tp-attn-granularity 1 --het-tp-plan attn=1,7;mlp=0,64"
+    ).split()
+    ranks = run_ranks(train_and_read_norms, 4, argv)
+    qk = {
+        n: v for n, (_, v) in ranks[0]["norms"].items() if "q_layernorm" in n or "k_layernorm" in n
+    }
+    assert len(qk) == 4  # q and k, two layers
+    for rank in ranks[1:]:
+        for name, value in qk.items():
+            assert torch.equal(rank["norms"][name][1], value), name
+
+
+# with --qk-layernorm: its per-head norms are replicated weights, saved once
 CKPT = (
     GQA2.replace("--train-iters 1", "--train-iters 10")
-    + " --global-batch-size 8 --eval-iters 0 --log-interval 5"
+    + " --global-batch-size 8 --eval-iters 0 --log-interval 5 --qk-layernorm"
 ).split()
 
 
 def test_checkpoint_of_split_groups_loads_anywhere(tmp_path):
     """Saved with group 0 split 3/1 over the ranks (its K/V saved once), step 5; resumed under
-    another split, under query-group units, and into vanilla megatron-core at TP=1."""
+    another split, under query-group units, and into vanilla megatron-core at TP=1, query/key
+    layernorms included."""
     heads = ["--het-tp", "--het-tp-attn-granularity", "1"]
     saved = run_ranks(
         train,

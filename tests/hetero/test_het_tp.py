@@ -29,6 +29,13 @@ CASES = {
         [None, "attn=2,1,1,0;mlp=30,2,0,32", "attn=0,0,4,0;mlp=1,1,1,61"],
     ),
     "dp2xtp2-mha": (MHA, 4, 2, ["attn=1,3;mlp=0,256"]),
+    # --qk-layernorm: replicated per-head norms whose gradients are summed over unequal heads
+    "tp2-gqa-qk-layernorm": (
+        GQA + " --qk-layernorm",
+        2,
+        2,
+        [None, "attn=3,1;mlp=50,14", "attn=0,4;mlp=64,0"],
+    ),
     # sequence parallelism: the sequence split stays even while the GEMM split is the plan's
     "tp4-gqa-swiglu-sp": (
         GQA + " --sequence-parallel",
@@ -42,7 +49,8 @@ CASES = {
 @pytest.fixture(scope="module")
 def references():
     """Dense single-process references: vanilla megatron-core at TP=1, same seed, same weights."""
-    return {model: run_ranks(het_numerics, 1, model.split(), [None])[0][0] for model in (MHA, GQA)}
+    models = (MHA, GQA, GQA + " --qk-layernorm")
+    return {model: run_ranks(het_numerics, 1, model.split(), [None])[0][0] for model in models}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -87,7 +87,6 @@ def _upstream_args(argv=(), **overrides):
         # upstream flags het-TP layers cannot honour are refused by name, not replaced
         (["--het-tp"], {"transformer_impl": "transformer_engine"}, "pass --transformer-impl local"),
         (["--het-tp"], {"spec": ["my.module", "spec"]}, "--spec: het-TP replaces"),
-        (["--het-tp-policy", "migrate"], {"qk_layernorm": True}, "--qk-layernorm"),
         (["--het-tp"], {"ckpt_format": "torch"}, "--ckpt-format torch: its per-rank files"),
         (["--het-tp"], {"ckpt_format": "torch_dcp"}, "--ckpt-format torch_dcp"),
         (["--het-tp"], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
@@ -257,3 +256,17 @@ def test_every_rank_resumes_the_checkpoint_upstream_loads(tmp_path):
     )
     paths = run_ranks(upstream_resume_paths, 2, str(tmp_path), [None, None], 0)
     assert [p["before"] for p in paths] == [None, None]
+
+
+def test_upstream_s_qk_layernorm_reaches_the_het_layer_spec():
+    """--qk-layernorm on upstream's args: the runtime built from them gives het-TP's attention
+    query and key norms (megatron-core's IdentityOp without the flag)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron.hetero import upstream
+
+    for flag in (True, False):
+        runtime = upstream.create_runtime(_upstream_args(["--het-tp"], qk_layernorm=flag))
+        attention = upstream.layer_spec(runtime, "theirs").submodules.self_attention.submodules
+        for norm in (attention.q_layernorm, attention.k_layernorm):
+            assert (norm is not IdentityOp) == flag, (flag, norm)

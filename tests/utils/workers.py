@@ -684,7 +684,10 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
             from megatron.hetero.spec import get_het_gpt_layer_spec
 
             spec = get_het_gpt_layer_spec(
-                args.normalization, args.het_tp_granularity, args.het_tp_attn_granularity
+                args.normalization,
+                args.het_tp_granularity,
+                args.het_tp_attn_granularity,
+                args.qk_layernorm,
             )
         module = build_gpt_model(args, transformer_config(args), tokenizer.vocab_size, spec)
         if args.het_tp:
@@ -755,10 +758,14 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
             losses.mean().backward()
             if partition is not None:  # what the runtime does: K/V replicas' sum
                 partition.sum_replica_grads(module, attr="grad")
-            for param in module.parameters():
+            for name, param in module.named_parameters():
                 # what finalize_model_grads does under sequence parallelism: sum the replicated
-                # norm weights' gradients over the TP group (each rank saw part of the sequence)
-                if param.grad is not None and getattr(param, "sequence_parallel", False):
+                # norm weights' gradients over the TP group (each rank saw part of the sequence),
+                # and so the query/key norms' (each rank saw its own heads)
+                qk = args.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+                if qk and param.grad is None:  # a rank holding no head (DDP's buffer: zeros)
+                    param.grad = torch.zeros_like(param)
+                if param.grad is not None and (qk or getattr(param, "sequence_parallel", False)):
                     dist.all_reduce(param.grad, group=tp_group)
             for param in module.parameters():  # what DDP does: average over data-parallel ranks
                 if param.grad is not None and dp > 1:
