@@ -776,10 +776,11 @@ class HetSelfAttention(UnitBlock, SelfAttention):
             split = [self.heads_per_group * dim, dim, dim]
             query, key, value = torch.split(mixed_qkv, split, dim=3)
             query = query.reshape(sq, b, groups * self.heads_per_group, dim)
-        # --qk-layernorm: per head, as megatron-core does (IdentityOp without it)
-        if self.q_layernorm is not None:
+        # --qk-layernorm: per head, as megatron-core does (IdentityOp without it); a rank
+        # holding no (active) head has nothing to normalise, which some fused kernels refuse
+        if self.q_layernorm is not None and query.numel():
             query = self.q_layernorm(query)
-        if self.k_layernorm is not None:
+        if self.k_layernorm is not None and key.numel():
             key = self.k_layernorm(key)
         return query, key, value
 

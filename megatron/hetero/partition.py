@@ -622,11 +622,17 @@ def _build(state, replaced, extra, old, step, fault):
     fields = {p: (p.data, p.grad, dict(vars(p))) for p in old_ddp.module.parameters()}
     built, failures, aborted = {}, [], False
 
-    def agree(stage, aborted=False):
-        failed = _agree(failures, aborted)
-        if failed is not None:
+    def let_go():
+        if built:
             _discard(built.pop("wrapper", None), fields)
             built.clear()
+
+    def agree(stage, aborted=False):
+        if failures or aborted:  # aborted whatever the others vote: let go before voting
+            let_go()
+        failed = _agree(failures, aborted)
+        if failed is not None:
+            let_go()
             where = f" at iteration {step}" if step is not None else ""
             detail = f"; this rank: {'; '.join(failures)}" if failures else ""
             raise TransferError(
@@ -701,25 +707,26 @@ def _agree(failures, aborted: bool) -> list[int] | None:
     mine = _Vote(ok=not failures and not aborted, failed=bool(failures))
     while True:
         votes = [None] * dist.get_world_size()
-        _ALL_GATHER_OBJECT(votes, mine)
+        dist.all_gather_object(votes, mine)  # outside the build: not _build_collectives's
+
         if all(isinstance(v, _Vote) for v in votes):
             if all(v.ok for v in votes):
                 return None
             return [rank for rank, v in enumerate(votes) if v.failed]
 
 
-_ALL_GATHER_OBJECT = dist.all_gather_object
-
-
 @contextlib.contextmanager
 def _build_collectives(fault=None):
-    """While megatron-core builds an optimizer: each of its all_gather_object calls raises
-    _PeerFailed if a vote came in with the group lists (`fault`, for tests, may fail this
-    rank at "param groups" after the first). Restored on exit."""
-    calls = []
+    """While megatron-core builds an optimizer: each of its all_gather_object calls over the
+    job raises _PeerFailed if a vote came in with the group lists (`fault`, for tests, may
+    fail this rank at "param groups" after the first). Put back on exit, unless someone
+    replaced it meanwhile."""
+    calls, before = [], dist.all_gather_object
 
     def gather(object_list, obj, group=None):
-        _ALL_GATHER_OBJECT(object_list, obj, group=group)
+        before(object_list, obj, group=group)
+        if group not in (None, dist.group.WORLD):
+            return
         if any(isinstance(o, _Vote) for o in object_list):
             raise _PeerFailed("another rank failed to build its optimizer")
         calls.append(1)
@@ -730,7 +737,8 @@ def _build_collectives(fault=None):
     try:
         yield
     finally:
-        dist.all_gather_object = _ALL_GATHER_OBJECT
+        if dist.all_gather_object is gather:
+            dist.all_gather_object = before
 
 
 class _HalfBuilt(RuntimeError):

@@ -87,6 +87,7 @@ def _upstream_args(argv=(), **overrides):
         # upstream flags het-TP layers cannot honour are refused by name, not replaced
         (["--het-tp"], {"transformer_impl": "transformer_engine"}, "pass --transformer-impl local"),
         (["--het-tp"], {"spec": ["my.module", "spec"]}, "--spec: het-TP replaces"),
+        (["--het-tp"], {"qk_layernorm": True, "qk_l2_norm": True}, "--qk-l2-norm: het-TP's"),
         (["--het-tp"], {"ckpt_format": "torch"}, "--ckpt-format torch: its per-rank files"),
         (["--het-tp"], {"ckpt_format": "torch_dcp"}, "--ckpt-format torch_dcp"),
         (["--het-tp"], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
@@ -136,6 +137,7 @@ def test_upstreams_defaults_pass_the_refusals():
         transformer_impl="local",
         spec=None,
         qk_layernorm=False,
+        qk_l2_norm=False,
         ckpt_format="torch_dist",
         cuda_graph_impl="none",
         enable_cuda_graph=False,
