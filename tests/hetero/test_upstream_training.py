@@ -26,10 +26,11 @@ pytestmark = pytest.mark.skipif(
 
 # A tiny GPT with upstream's own flags; the fusions are CUDA kernels, dropout 0 for exact
 # comparisons, and a fixed decay length so a resumed run keeps the same schedule. One query
-# group per TP rank: the het-TP runs use query heads as attention units (HEADS).
+# group per TP rank: the het-TP runs use query heads as attention units (HEADS), whose query
+# and key norms (--qk-layernorm) upstream's vanilla builds from its own spec.
 MODEL = (
     "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
-    "--group-query-attention --num-query-groups 2 "
+    "--group-query-attention --num-query-groups 2 --qk-layernorm "
     "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 2 "
     "--lr 1e-3 --lr-decay-iters 14 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
     "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-interval 100 "
