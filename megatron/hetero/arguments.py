@@ -170,6 +170,12 @@ def _add_network_args(parser):
         action="store_true",
         help="Normalise each query and key head (--normalization's kind) before attention.",
     )
+    g.add_argument(
+        "--qk-l2-norm",
+        action="store_true",
+        help="Normalise each query and key head by its root mean square, with no weights "
+        "(megatron-core's L2Norm; it replaces --qk-layernorm's norms).",
+    )
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)

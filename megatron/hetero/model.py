@@ -31,6 +31,7 @@ def transformer_config(args) -> TransformerConfig:
         layernorm_epsilon=args.norm_epsilon,
         normalization=args.normalization,
         qk_layernorm=args.qk_layernorm,
+        qk_l2_norm=args.qk_l2_norm,
         add_bias_linear=args.add_bias_linear,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
@@ -69,7 +70,9 @@ def build_gpt_model(args, config: TransformerConfig, vocab_size: int, layer_spec
     `vocab_size` is the tokenizer's; it is padded as Megatron-LM pads it.
     """
     if layer_spec is None:
-        layer_spec = get_local_gpt_layer_spec(args.normalization, args.qk_layernorm)
+        layer_spec = get_local_gpt_layer_spec(
+            args.normalization, args.qk_layernorm, args.qk_l2_norm
+        )
     model = GPTModel(
         config=config,
         # this pipeline stage's layers (megatron-core numbers them from the stage's offset)

@@ -131,13 +131,17 @@ class StepEnd:
 
 class HetTPRuntime:
     def __init__(
-        self, config: HetTPConfig, normalization: str = "LayerNorm", qk_layernorm: bool = False
+        self,
+        config: HetTPConfig,
+        normalization: str = "LayerNorm",
+        qk_layernorm: bool = False,
+        qk_l2_norm: bool = False,
     ):
         if config.validated_for is None:
             raise ValueError("HetTPRuntime needs a validated HetTPConfig (config.validated())")
         self.config = config
         self.normalization = normalization
-        self.qk_layernorm = qk_layernorm
+        self.qk_layernorm, self.qk_l2_norm = qk_layernorm, qk_l2_norm
         self.events = EventLog()
         self.partition = None  # HetPartition with --het-tp
         self.resizer = None  # Resizer when units may be skipped
@@ -165,7 +169,12 @@ class HetTPRuntime:
         config = het_tp_config(args, cuda_available)
         if not config.active:
             return None
-        return cls(config, args.normalization, bool(getattr(args, "qk_layernorm", False)))
+        return cls(
+            config,
+            args.normalization,
+            bool(getattr(args, "qk_layernorm", False)),
+            bool(getattr(args, "qk_l2_norm", False)),
+        )
 
     # ---- build ------------------------------------------------------------------------------
 
@@ -181,6 +190,7 @@ class HetTPRuntime:
             self.config.granularity,
             self.config.head_units(self.config.validated_for),
             self.qk_layernorm,
+            self.qk_l2_norm,
         )
 
     def configure(self, config, saved: SavedPlan | None = None) -> None:

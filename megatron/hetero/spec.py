@@ -113,11 +113,14 @@ def _with_torch_norms(spec: ModuleSpec) -> ModuleSpec:
 
 
 def get_local_gpt_layer_spec(
-    normalization: str = "LayerNorm", qk_layernorm: bool = False
+    normalization: str = "LayerNorm", qk_layernorm: bool = False, qk_l2_norm: bool = False
 ) -> ModuleSpec:
-    """megatron-core's local GPT layer spec, sequence-parallel capable."""
+    """megatron-core's local GPT layer spec, sequence-parallel capable (`qk_l2_norm`: the
+    query/key norm is megatron-core's parameter-free L2Norm, ahead of `qk_layernorm`'s)."""
     return _with_torch_norms(
-        get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+        get_gpt_layer_local_spec(
+            normalization=normalization, qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm
+        )
     )
 
 
@@ -137,9 +140,10 @@ def get_het_gpt_layer_spec(
     mlp_unit_size: int = 1,
     attn_head_units: int = 0,
     qk_layernorm: bool = False,
+    qk_l2_norm: bool = False,
 ) -> ModuleSpec:
     """`attn_head_units`: query heads per attention unit (0: a whole query group)."""
-    spec = get_local_gpt_layer_spec(normalization, qk_layernorm)
+    spec = get_local_gpt_layer_spec(normalization, qk_layernorm, qk_l2_norm)
     attention = spec.submodules.self_attention
     attention.module = HetSelfAttention
     attention.params = {**(attention.params or {}), "head_units": attn_head_units}

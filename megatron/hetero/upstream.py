@@ -51,12 +51,6 @@ _REFUSED = (
     ("use_kitchen", bool, "--use-kitchen: het-TP builds megatron-core's local layers"),
     ("spec", lambda v: v is not None, "--spec: het-TP replaces the layer spec by its own"),
     (
-        "qk_l2_norm",
-        bool,
-        "--qk-l2-norm: het-TP's attention normalises queries and keys with --qk-layernorm's "
-        "norms only",
-    ),
-    (
         "heterogeneous_layers_config_path",
         lambda v: v is not None,
         "--heterogeneous-layers-config-path: het-TP needs one layer spec for every layer",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.utils import (
     GEMM_BACKWARD,
@@ -36,6 +37,8 @@ CASES = {
         2,
         [None, "attn=3,1;mlp=50,14", "attn=0,4;mlp=64,0"],
     ),
+    # --qk-l2-norm: megatron-core's weightless L2Norm in the norms' place
+    "tp2-gqa-qk-l2-norm": (GQA + " --qk-l2-norm", 2, 2, [None, "attn=1,3;mlp=14,50"]),
     # sequence parallelism: the sequence split stays even while the GEMM split is the plan's
     "tp4-gqa-swiglu-sp": (
         GQA + " --sequence-parallel",
@@ -49,7 +52,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def references():
     """Dense single-process references: vanilla megatron-core at TP=1, same seed, same weights."""
-    models = (MHA, GQA, GQA + " --qk-layernorm")
+    models = (MHA, GQA, GQA + " --qk-layernorm", GQA + " --qk-l2-norm")
     return {model: run_ranks(het_numerics, 1, model.split(), [None])[0][0] for model in models}
 
 
@@ -65,6 +68,14 @@ def test_forward_and_gradients_match_dense_reference(references, case):
         assert set(result) == set(reference)
         for key, want in reference.items():
             close(result[key], want, f"{case} plan {plan} {key}")
+
+
+def test_query_key_norms_change_the_dense_reference(references):
+    """With --qk-layernorm or --qk-l2-norm the reference is not plain GQA's: the het-TP runs
+    above, which match it, run the norms too."""
+    plain = references[GQA]["losses"]
+    for flag in (" --qk-layernorm", " --qk-l2-norm"):
+        assert not torch.allclose(references[GQA + flag]["losses"], plain), flag
 
 
 def test_even_plan_reproduces_vanilla_training(tmp_path):

@@ -87,7 +87,6 @@ def _upstream_args(argv=(), **overrides):
         # upstream flags het-TP layers cannot honour are refused by name, not replaced
         (["--het-tp"], {"transformer_impl": "transformer_engine"}, "pass --transformer-impl local"),
         (["--het-tp"], {"spec": ["my.module", "spec"]}, "--spec: het-TP replaces"),
-        (["--het-tp"], {"qk_layernorm": True, "qk_l2_norm": True}, "--qk-l2-norm: het-TP's"),
         (["--het-tp"], {"ckpt_format": "torch"}, "--ckpt-format torch: its per-rank files"),
         (["--het-tp"], {"ckpt_format": "torch_dcp"}, "--ckpt-format torch_dcp"),
         (["--het-tp"], {"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
@@ -260,15 +259,20 @@ def test_every_rank_resumes_the_checkpoint_upstream_loads(tmp_path):
     assert [p["before"] for p in paths] == [None, None]
 
 
-def test_upstream_s_qk_layernorm_reaches_the_het_layer_spec():
-    """--qk-layernorm on upstream's args: the runtime built from them gives het-TP's attention
-    query and key norms (megatron-core's IdentityOp without the flag)."""
+def test_upstream_s_qk_norms_reach_the_het_layer_spec():
+    """--qk-layernorm or --qk-l2-norm on upstream's args: the runtime built from them gives
+    het-TP's attention those query and key norms (megatron-core's IdentityOp without)."""
     from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.torch_norm import L2Norm
 
     from megatron.hetero import upstream
 
-    for flag in (True, False):
-        runtime = upstream.create_runtime(_upstream_args(["--het-tp"], qk_layernorm=flag))
+    for flags, want in (
+        ({"qk_layernorm": True}, lambda norm: norm not in (IdentityOp, L2Norm)),
+        ({"qk_l2_norm": True}, lambda norm: norm is L2Norm),
+        ({}, lambda norm: norm is IdentityOp),
+    ):
+        runtime = upstream.create_runtime(_upstream_args(["--het-tp"], **flags))
         attention = upstream.layer_spec(runtime, "theirs").submodules.self_attention.submodules
         for norm in (attention.q_layernorm, attention.k_layernorm):
-            assert (norm is not IdentityOp) == flag, (flag, norm)
+            assert want(norm), (flags, norm)

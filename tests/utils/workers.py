@@ -688,6 +688,7 @@ def het_numerics(argv: list[str], plans: list, shares=None, zeroed=None, masked=
                 args.het_tp_granularity,
                 args.het_tp_attn_granularity,
                 args.qk_layernorm,
+                args.qk_l2_norm,
             )
         module = build_gpt_model(args, transformer_config(args), tokenizer.vocab_size, spec)
         if args.het_tp:
