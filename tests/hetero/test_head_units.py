@@ -249,6 +249,7 @@ def test_layers_with_split_groups_move_between_pipeline_stages():
         GQA2.replace("--num-layers 2", "--num-layers 4").replace("--train-iters 1", "")
         + " --train-iters 7 --global-batch-size 8 --eval-iters 0 --log-interval 1"
         " --lr-decay-iters 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
+        " --qk-layernorm"  # a moved layer's query/key norms are built and carried too
     ).split()
     vanilla = run_ranks(train, 4, argv)[0]["losses"]
     heads = argv + "--het-tp --het-tp-attn-granularity 1 --het-tp-plan attn=3,5".split()
