@@ -107,34 +107,29 @@ def _migrate_argv(tp=2, iters=30):
 
 
 MIGRATE = _migrate_argv()  # TP=2 x DP=2 on 4 ranks, 30 steps
-SHUFFLED = json.dumps(
-    {
-        "version": 1,
-        "tp_size": 2,
-        "attn_units": 4,
-        "mlp_units": 64,
-        "mlp_unit_size": 4,
-        "layers": [
-            {"attn": [[3, 0], [1, 2]], "mlp": [list(range(1, 64, 2)), list(range(0, 64, 2))]},
-            {"attn": [[0, 1], [2, 3]], "mlp": [list(range(0, 32)), list(range(32, 64))]},
-        ],
-    }
-)
+
+
+def _two_layer_plan(layer0_attn, layer0_mlp) -> str:
+    """A TP=2 plan (4 attention units, 64 MLP units of 4) whose layer 1 is even."""
+    return json.dumps(
+        {
+            "version": 1,
+            "tp_size": 2,
+            "attn_units": 4,
+            "mlp_units": 64,
+            "mlp_unit_size": 4,
+            "layers": [
+                {"attn": layer0_attn, "mlp": layer0_mlp},
+                {"attn": [[0, 1], [2, 3]], "mlp": [list(range(0, 32)), list(range(32, 64))]},
+            ],
+        }
+    )
+
+
+SHUFFLED = _two_layer_plan([[3, 0], [1, 2]], [list(range(1, 64, 2)), list(range(0, 64, 2))])
 PLANS = {7: "attn=4,0;mlp=64,0", 15: "attn=1,3;mlp=10,54", 22: SHUFFLED}
 # from the even plan: layer 0's attention units change order only, its MLP units move
-REORDERED = json.dumps(
-    {
-        "version": 1,
-        "tp_size": 2,
-        "attn_units": 4,
-        "mlp_units": 64,
-        "mlp_unit_size": 4,
-        "layers": [
-            {"attn": [[1, 0], [3, 2]], "mlp": [list(range(0, 64, 2)), list(range(1, 64, 2))]},
-            {"attn": [[0, 1], [2, 3]], "mlp": [list(range(0, 32)), list(range(32, 64))]},
-        ],
-    }
-)
+REORDERED = _two_layer_plan([[1, 0], [3, 2]], [list(range(0, 64, 2)), list(range(1, 64, 2))])
 # One unit's payload: its parameters plus Adam's two moments, fp32 (computed from the shapes,
 # independently of the implementation). attention: QKV rows 3 x 16 of 64 + their bias + 16
 # output-projection columns of 64; MLP: 4 fc1 rows of 64 + their bias + 4 fc2 columns of 64.
