@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -599,6 +600,7 @@ def _rebuild(state, replaced, extra=None, *, old, step=None, fault=None):
         state.config.grad_scale_func = optimizer.scale_loss
     state.model, state.optimizer = model, optimizer
     _release(old_ddp)
+    _rehook(model)
     # ... nor through the replaced parameters (their main_grad and, under the distributed
     # optimizer, their data and main_param are views of its buffers)
     live = set(model.module.parameters())  # replaced ones, and K/V replicas given up
@@ -626,6 +628,7 @@ def _build(state, replaced, extra, old, step, fault):
         if built:
             _discard(built.pop("wrapper", None), fields)
             built.clear()
+            _rehook(old_ddp)
 
     def agree(stage, aborted=False):
         if failures or aborted:  # aborted whatever the others vote: let go before voting
@@ -786,6 +789,37 @@ def _release(wrapper) -> None:
         "params_with_grad",
     ):
         fields[name] = []
+
+
+class _Sentinel:
+    """A hook that does nothing; alive exactly as long as the accumulator it is on."""
+
+    def __call__(self, *unused):
+        return None
+
+
+def _rehook(wrapper) -> None:
+    """Every gradient accumulator `wrapper` hooked, anew and carrying its hook alone.
+
+    megatron-core keeps no handle to take a hook off, so the wrappers set aside before it left
+    theirs (inert) on the accumulators of the parameters no move re-shaped: a call each, every
+    backward, for the rest of the run. Autograd holds an accumulator weakly; once `wrapper`
+    lets go of its own (a set-aside wrapper holds none), each is dropped with its hooks, and
+    its parameter gets a new one with `wrapper`'s hook. One held elsewhere too (a sentinel
+    hook on it outlives the drop) keeps its hooks, `wrapper`'s among them."""
+    params, sentinels = [], []
+    for accumulator in wrapper.grad_accs:
+        sentinel = _Sentinel()
+        accumulator.register_hook(sentinel)
+        params.append(accumulator.variable)
+        sentinels.append(weakref.ref(sentinel))
+        del accumulator, sentinel
+    wrapper.grad_accs = []
+    for param, alive in zip(params, sentinels):
+        accumulator = param.expand_as(param).grad_fn.next_functions[0][0]
+        if alive() is None:  # a new accumulator: no hook on it yet
+            accumulator.register_hook(wrapper._make_backward_post_hook(param))
+        wrapper.grad_accs.append(accumulator)
 
 
 def _discard(wrapper, fields) -> None:

@@ -370,6 +370,19 @@ def _stray_buffers(live) -> int:
     )
 
 
+def _post_hooks() -> int:
+    """How many backward hooks megatron-core's DDP wrappers made are alive, after a
+    collection: each is held only by the gradient accumulator it is on."""
+    import gc
+    import types
+
+    gc.collect()
+    name = "DistributedDataParallel._make_backward_post_hook.<locals>.hook"
+    return sum(
+        1 for o in gc.get_objects() if type(o) is types.FunctionType and o.__qualname__ == name
+    )
+
+
 def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) -> dict:
     """pretrain, switching to plans[iteration] (an inline spec, JSON, "rebalance:<counts>", or a
     list of them applied in turn) after that iteration.
@@ -482,6 +495,8 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     "plan_kept": runtime.whole_plan() == current,
                     # while the error (and its traceback) lives, as in the runtime's recovery
                     "stray_buffers": _stray_buffers(state.model),
+                    # (alive, the live wrapper's): no hook of the failed one left behind
+                    "post_hooks": (_post_hooks(), len(state.model.grad_accs)),
                 }
             )
             return
@@ -506,6 +521,8 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     for name in ("no_sync_func", "grad_sync_func", "param_sync_func")
                 },
                 "units_moved": len(schedule.moves),
+                # (alive, the new wrapper's): no hook of the old wrappers left behind
+                "post_hooks": (_post_hooks(), len(state.model.grad_accs)),
                 "bytes": result.payload_bytes,
                 "primitive": result.primitive,
                 "moves": [(m.layer, m.block, m.unit, m.src, m.dst) for m in schedule.moves],
