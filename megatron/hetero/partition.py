@@ -791,11 +791,8 @@ def _release(wrapper) -> None:
         fields[name] = []
 
 
-class _Sentinel:
-    """A hook that does nothing; alive exactly as long as the accumulator it is on."""
-
-    def __call__(self, *unused):
-        return None
+class _Mark:
+    """Put in an accumulator's metadata: alive exactly as long as that accumulator."""
 
 
 def _rehook(wrapper) -> None:
@@ -805,21 +802,26 @@ def _rehook(wrapper) -> None:
     theirs (inert) on the accumulators of the parameters no move re-shaped: a call each, every
     backward, for the rest of the run. Autograd holds an accumulator weakly; once `wrapper`
     lets go of its own (a set-aside wrapper holds none), each is dropped with its hooks, and
-    its parameter gets a new one with `wrapper`'s hook. One held elsewhere too (a sentinel
-    hook on it outlives the drop) keeps its hooks, `wrapper`'s among them."""
-    params, sentinels = [], []
+    its parameter gets a new one with `wrapper`'s hook. One held elsewhere too (a mark in its
+    metadata outlives the drop: under the distributed optimizer with fp32 weights, the
+    optimizer's views of the parameters hold them) is kept as it is, `wrapper`'s hook on it."""
+    params, marks = [], []
     for accumulator in wrapper.grad_accs:
-        sentinel = _Sentinel()
-        accumulator.register_hook(sentinel)
+        mark = _Mark()
+        accumulator.metadata[_Mark] = mark
         params.append(accumulator.variable)
-        sentinels.append(weakref.ref(sentinel))
-        del accumulator, sentinel
+        marks.append(weakref.ref(mark))
+        del accumulator, mark
     wrapper.grad_accs = []
-    for param, alive in zip(params, sentinels):
+    hooked = []
+    for param, mark in zip(params, marks):
         accumulator = param.expand_as(param).grad_fn.next_functions[0][0]
-        if alive() is None:  # a new accumulator: no hook on it yet
+        if mark() is not None and accumulator.metadata.get(_Mark) is mark():
+            del accumulator.metadata[_Mark]  # the same one, held elsewhere: hooked already
+        else:  # a new one (the old is gone, or no longer the parameter's)
             accumulator.register_hook(wrapper._make_backward_post_hook(param))
-        wrapper.grad_accs.append(accumulator)
+        hooked.append(accumulator)
+    wrapper.grad_accs = hooked
 
 
 def _discard(wrapper, fields) -> None:

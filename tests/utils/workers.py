@@ -370,17 +370,29 @@ def _stray_buffers(live) -> int:
     )
 
 
-def _post_hooks() -> int:
-    """How many backward hooks megatron-core's DDP wrappers made are alive, after a
-    collection: each is held only by the gradient accumulator it is on."""
+def _post_hooks(live) -> dict:
+    """megatron-core's DDP backward hooks alive, after a collection (each is held only by the
+    gradient accumulator it is on): how many belong to wrappers other than `live`, and whether
+    each parameter `live` hooks has exactly one of `live`'s, on its current accumulator."""
     import gc
     import types
 
     gc.collect()
     name = "DistributedDataParallel._make_backward_post_hook.<locals>.hook"
-    return sum(
-        1 for o in gc.get_objects() if type(o) is types.FunctionType and o.__qualname__ == name
+    owners = []  # (wrapper, parameter) of every live hook
+    for o in gc.get_objects():
+        if type(o) is types.FunctionType and o.__qualname__ == name:
+            cells = dict(zip(o.__code__.co_freevars, o.__closure__))
+            owners.append((cells["self"].cell_contents, cells["param"].cell_contents))
+    mine = sorted(id(p) for w, p in owners if w is live)
+    held = {id(a.variable): a for a in live.grad_accs}
+    current = all(
+        a.variable.expand_as(a.variable).grad_fn.next_functions[0][0] is a for a in live.grad_accs
     )
+    return {
+        "others": sum(1 for w, _ in owners if w is not live),
+        "one_each": bool(held) and mine == sorted(held) and current,
+    }
 
 
 def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) -> dict:
@@ -495,8 +507,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     "plan_kept": runtime.whole_plan() == current,
                     # while the error (and its traceback) lives, as in the runtime's recovery
                     "stray_buffers": _stray_buffers(state.model),
-                    # (alive, the live wrapper's): no hook of the failed one left behind
-                    "post_hooks": (_post_hooks(), len(state.model.grad_accs)),
+                    "post_hooks": _post_hooks(state.model),  # none of the failed one's left
                 }
             )
             return
@@ -521,8 +532,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
                     for name in ("no_sync_func", "grad_sync_func", "param_sync_func")
                 },
                 "units_moved": len(schedule.moves),
-                # (alive, the new wrapper's): no hook of the old wrappers left behind
-                "post_hooks": (_post_hooks(), len(state.model.grad_accs)),
+                "post_hooks": _post_hooks(state.model),  # none of the old wrappers' left
                 "bytes": result.payload_bytes,
                 "primitive": result.primitive,
                 "moves": [(m.layer, m.block, m.unit, m.src, m.dst) for m in schedule.moves],
