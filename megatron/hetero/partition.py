@@ -711,7 +711,6 @@ def _agree(failures, aborted: bool) -> list[int] | None:
     while True:
         votes = [None] * dist.get_world_size()
         dist.all_gather_object(votes, mine)  # outside the build: not _build_collectives's
-
         if all(isinstance(v, _Vote) for v in votes):
             if all(v.ok for v in votes):
                 return None
@@ -771,10 +770,10 @@ def _wrapper_like(old_ddp, fault=None):
 
 def _release(wrapper) -> None:
     """A DDP wrapper set aside (the old one after a rebuild, or a new one whose rebuild failed,
-    maybe half-built) stays reachable through its backward hooks on the parameters: it must act
-    on none (the hooks find no bucket; its forward pre-hooks are lifted, with no parameter
-    gather) and keep none of its buffers alive (its buckets, grad accumulators and parameter
-    lists hold them)."""
+    maybe half-built) may stay reachable through its backward hooks on the parameters (until
+    _rehook drops them with their accumulators): it must act on none (the hooks find no
+    bucket; its forward pre-hooks are lifted, with no parameter gather) and keep none of its
+    buffers alive (its buckets, grad accumulators and parameter lists hold them)."""
     fields = wrapper.__dict__  # as set: a half-built one may lack nn.Module's own fields
     fields["param_to_bucket_group"] = {}
     for handle in fields.get("remove_forward_pre_hook_handles", {}).values():
