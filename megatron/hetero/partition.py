@@ -601,8 +601,8 @@ def _rebuild(state, replaced, extra=None, *, old, step=None, fault=None):
     state.model, state.optimizer = model, optimizer
     _release(old_ddp)
     _rehook(model)
-    # ... nor through the replaced parameters (their main_grad and, under the distributed
-    # optimizer, their data and main_param are views of its buffers)
+    # nor may the old wrapper's buffers stay alive through the replaced parameters (their
+    # main_grad and, under the distributed optimizer, their data and main_param are views)
     live = set(model.module.parameters())  # replaced ones, and K/V replicas given up
     for old_param in [p for p in whole_state(old) if p not in live]:
         for key in ("main_grad", "main_param", "main_param_sharded"):
