@@ -208,3 +208,77 @@ def swapped_units(old: PartitionPlan, new: PartitionPlan, shares: Sequence[float
     """How many units a re-sort brings back from skipped to active, over the whole group."""
     before, after = skipped_units(old, shares), skipped_units(new, shares)
     return sum(len(units - after[key]) for key, units in before.items())
+
+
+# ---- frozen units and Adam's bias correction ---------------------------------------------
+
+
+def resumed_moment_factor(beta: float, frozen_at: int, count: int) -> float:
+    """What an Adam moment frozen after optimizer step `frozen_at` (>= 1) is multiplied by when
+    its unit resumes at the optimizer's later `count`, so that bias-corrected at `count` it
+    reads as it did when frozen: Adam's step count is per tensor (or per group), not per unit,
+    and went on while the unit was skipped."""
+    if frozen_at < 1 or count < frozen_at:
+        raise ValueError(f"a moment frozen at step {frozen_at} cannot resume at step {count}")
+    return (1.0 - beta**count) / (1.0 - beta**frozen_at)
+
+
+def first_moment_factor(beta: float, count: int) -> float:
+    """What the moment of a unit that had never been updated (frozen before the optimizer's first
+    step: zero moments) is multiplied by after its first update, taken at the optimizer's
+    `count`: it then holds (1 - beta) of the gradient (or its square), and times this factor
+    it reads, bias-corrected, as a fresh Adam's after one step. The first update itself stays
+    up to (1 - beta1) / sqrt(1 - beta2) times a fresh one's (3.2x at 0.9, 0.999, late in
+    training): to change it, moments written before the step would have to come from that
+    step's gradient, which megatron-core's optimizer unscales and clips inside the step."""
+    if count < 1:
+        raise ValueError(f"no update has been taken at step {count}")
+    return (1.0 - beta**count) / (1.0 - beta)
+
+
+@dataclass
+class FrozenSince:
+    """When each skipped unit was frozen: the optimizer's step count then, per key (a block, or
+    a layer's K/V replica groups) and unit (or group) id, the same on every rank of the TP
+    group. A unit that resumes waits in `resuming` until the optimizer's next step rescales its
+    moments, so that a resize put back at the same boundary (a failed move) changes nothing."""
+
+    since: dict = dataclasses.field(default_factory=dict)  # key -> {id: count}
+    resuming: dict = dataclasses.field(default_factory=dict)  # key -> {id: count}
+
+    def update(self, skipped: Mapping, count: int) -> None:
+        """The units skipped from now on (`skipped`: key -> ids), at the optimizer's `count`.
+        A unit skipped already keeps its count; one that resumed at this boundary and is
+        skipped again takes back the count it resumed with (its moments are untouched)."""
+        for key in set(self.since) | set(self.resuming) | set(skipped):
+            now = set(skipped.get(key, ()))
+            old, waiting = self.since.get(key, {}), self.resuming.get(key, {})
+            kept = {u: old.get(u, waiting.get(u, count)) for u in sorted(now)}
+            waiting = {u: t for u, t in waiting.items() if u not in now}
+            # frozen and resumed between the same two steps: nothing to rescale
+            waiting.update((u, t) for u, t in old.items() if u not in now and t != count)
+            self._set(self.since, key, kept)
+            self._set(self.resuming, key, waiting)
+
+    def take_resuming(self) -> dict:
+        """key -> {id: count frozen at} of the units that resumed since the last step; cleared."""
+        resuming, self.resuming = self.resuming, {}
+        return resuming
+
+    def state_dict(self) -> dict:
+        return {"since": _copy(self.since), "resuming": _copy(self.resuming)}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping) -> FrozenSince:
+        return cls(_copy(state["since"]), _copy(state["resuming"]))
+
+    @staticmethod
+    def _set(table: dict, key, value: dict) -> None:
+        if value:
+            table[key] = value
+        else:
+            table.pop(key, None)
+
+
+def _copy(table: Mapping) -> dict:
+    return {key: {int(u): int(t) for u, t in ids.items()} for key, ids in table.items()}

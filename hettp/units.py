@@ -121,6 +121,17 @@ class UnitLayout:
             for part in range(self.parts)
         ]
 
+    def per_unit(
+        self, values: torch.Tensor, shape: Sequence[int], num_local_units: int
+    ) -> torch.Tensor:
+        """A tensor of a local shard's `shape` holding values[p] on every element of the unit
+        at position p (e.g. a factor per unit, to multiply the shard by)."""
+        dims = [1] * (len(shape) + 2)
+        dims[self.axis + 1] = num_local_units
+        grid = (*shape[: self.axis], self.parts, num_local_units, self.width)
+        grid += tuple(shape[self.axis + 1 :])
+        return values.reshape(dims).expand(grid).reshape(tuple(shape))
+
     def unit_sums(self, local: torch.Tensor, num_local_units: int) -> torch.Tensor:
         """Per local unit, the sum of `local`'s elements over all of the unit's parts (float64).
         Empty for a rank that holds none of the block's units (a migration can leave it so)."""

@@ -8,9 +8,11 @@ units are a suffix of the shard; the layers compute the prefix with views (layer
 Skipped units get no gradient (they are not in the forward); the optimizer still visits their
 elements, so the resizer puts back their weights, fp32 masters and Adam moments after every
 step from a copy taken when the resize began: they resume where they stopped. Adam's step
-count (per tensor, or per group in a fused Adam) goes on while they are skipped, so a resumed
-unit's moments are bias-corrected at the later count: its first updates are larger early in
-training (README, "Frozen units"). Evaluation computes every unit (layers.UnitBlock.train).
+count (per tensor, or per group in a fused Adam) goes on while they are skipped, and its bias
+correction with it, so before a resumed unit's first step its moments are rescaled to read as
+they did when frozen (or, for a unit skipped before any update, after that update to read as a
+fresh Adam's): hettp.resize.FrozenSince keeps when each was frozen. Evaluation computes every
+unit (layers.UnitBlock.train).
 
 The paper's baseline (`--het-tp-policy zero`) instead fills skipped gradients with a tiny constant
 and lets the optimizer update them, as its public code does.
@@ -24,9 +26,12 @@ from megatron.core import parallel_state
 
 from hettp.resize import (
     SCORERS,
+    FrozenSince,
     Priorities,
     check_shares,
+    first_moment_factor,
     realized_share,
+    resumed_moment_factor,
     skipped_count,
     skipped_units,
     swapped_units,
@@ -36,7 +41,7 @@ from hettp.units import UnitLayout
 from . import cpu_compat
 from .ddp import gathered_params
 from .partition import comm_device, het_blocks
-from .unit_state import OptimizerView, state_keys
+from .unit_state import OptimizerView, adam_betas, state_keys, step_count
 
 
 class Resizer:
@@ -75,6 +80,8 @@ class Resizer:
         self._whole = False  # the evidence came whole from a checkpoint
         self._stash = []  # _Frozen: the skipped suffix's weights, masters, moments
         self._stashed_state = True  # False until the optimizer has created its moments
+        self._frozen = FrozenSince()  # when each skipped unit (idle K/V group) was frozen
+        self._first = {}  # key -> units that resumed with no update yet, and the count before
         self._before = None  # weights before the step (the dw scorer)
 
     @property
@@ -182,10 +189,15 @@ class Resizer:
             "scorer": self.scorer,
             "scores": {f"{i}.{b}": list(v) for (i, b), v in self.priorities.scores.items()},
             "evidence": evidence,
+            "frozen": self._frozen.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Take saved priorities (only those of the same scorer; else start unmeasured)."""
+        """Take saved priorities (only those of the same scorer; else start unmeasured) and
+        when the skipped units were frozen (a checkpoint from before 2026-12-07 has no record:
+        its skipped units count as frozen at the step it is loaded at)."""
+        if state.get("frozen") is not None:
+            self._frozen = FrozenSince.from_state_dict(state["frozen"])
         if state["scorer"] != self.scorer:
             return
 
@@ -213,8 +225,12 @@ class Resizer:
         self._observing = self._scores_steps and iteration % self.sample == 0
 
     def before_step(self, state) -> None:
-        """After backward, before optimizer.step(): impute or score gradients, keep weights."""
+        """After backward, before optimizer.step(): rescale the moments of units that resumed,
+        impute or score gradients, keep weights."""
         blocks = het_blocks(state.model)
+        resuming = self._frozen.take_resuming()
+        if resuming:
+            self._resume(state, blocks, resuming)
         if self.impute is not None:
             resized = any(b.active < len(b.units) for b in blocks.values())
             idle = self._idle_groups(blocks) if resized else {}
@@ -238,6 +254,8 @@ class Resizer:
         with torch.no_grad():
             for frozen in self._stash:
                 frozen.restore()
+        if self._first:
+            self._first_updates(state)
         if not self._stashed_state and self._stash_state(state):
             self._stashed_state = True
         scorer = SCORERS[self.scorer]
@@ -266,6 +284,93 @@ class Resizer:
                 n = len(block.units)
                 block.set_active(n - skipped_count(n, share))
             self._stashed_state = self.impute is not None or self._stash_state(state, weights=True)
+        if self.impute is None:
+            count = step_count(OptimizerView(state.optimizer))
+            self._frozen.update(self._skipped(het_blocks(state.model)), count)
+
+    def _skipped(self, blocks) -> dict:
+        """Key -> what is frozen now over the whole TP group (the same on every rank): each
+        block's skipped units, each layer's idle K/V groups (head units)."""
+        out = {}
+        for (index, name, _), units in skipped_units(self.partition.plan, self.shares).items():
+            out.setdefault(_key(index, name), set()).update(units)
+        for index, groups in self._idle_groups(blocks).items():
+            if groups:
+                out[_key(index, KV)] = groups
+        return out
+
+    def _resume(self, state, blocks, resuming) -> None:
+        """Before the first step of units that resumed: moments frozen after step t are
+        rescaled to read at the optimizer's count as they did at t (Adam's count went on while
+        they were skipped); those frozen before any update wait for their first (see
+        _first_updates)."""
+        optimizer = OptimizerView(state.optimizer)
+        count = step_count(optimizer)
+        betas = adam_betas(optimizer)
+        later, first = {}, {}
+        for key, ids in resuming.items():
+            for unit, frozen_at in ids.items():
+                # a count past the optimizer's: it restarted (loaded without its state), and
+                # the unit's moments with it
+                (later if 0 < frozen_at <= count else first).setdefault(key, {})[unit] = frozen_at
+        if later and betas:
+            self._scale(
+                optimizer,
+                blocks,
+                later,
+                lambda beta, frozen_at: resumed_moment_factor(beta, frozen_at, count),
+            )
+        if first:
+            self._first = {"units": first, "count": count}
+
+    def _first_updates(self, state) -> None:
+        """After the first step of units that resumed without an update before it (zero
+        moments): their moments, (1 - beta) of the step's gradient, are rescaled to a fresh
+        Adam's after one step. A step the optimizer skipped (an fp16 overflow) leaves them
+        waiting for the next."""
+        optimizer = OptimizerView(state.optimizer)
+        count = step_count(optimizer)
+        waiting, self._first = self._first, {}
+        if count == waiting["count"]:
+            self._frozen.resuming = _merged(self._frozen.resuming, waiting["units"])
+            return
+        betas = adam_betas(optimizer)
+        if betas:
+            blocks = het_blocks(state.model)
+            self._scale(
+                optimizer,
+                blocks,
+                waiting["units"],
+                lambda beta, _: first_moment_factor(beta, count),
+            )
+
+    def _scale(self, optimizer, blocks, units, factor) -> None:
+        """Multiply the Adam moments of `units` (key -> {id: count frozen at}) by
+        factor(beta, count frozen at), on the ranks that hold them (K/V replicas on each
+        holder, alike)."""
+        betas = adam_betas(optimizer)
+        keys = [k for k in state_keys(optimizer, blocks) if k in betas]
+        with torch.no_grad():
+            for (index, name), block in blocks.items():
+                ids = units.get(_key(index, name), {})
+                n = len(block.units)
+                if ids and n:
+                    for key in keys:
+                        values = [
+                            factor(betas[key], ids[u]) if u in ids else 1.0 for u in block.units
+                        ]
+                        for _, _, param, layout in block.unit_tensors():
+                            per_unit = torch.tensor(values, device=param.device)
+                            full = layout.per_unit(per_unit, param.shape, n)
+                            _scale_state(optimizer, param, key, full)
+                groups = units.get(_key(index, KV), {})
+                if groups and block.heads is not None:
+                    for _, held, _ in block.replica_tensors():
+                        for group, param in held.items():
+                            if group in groups:
+                                for key in keys:
+                                    value = factor(betas[key], groups[group])
+                                    _scale_state(optimizer, param, key, value)
 
     def _stash_state(self, state, weights=False) -> bool:
         """Freeze the skipped suffix of weights (and masters, moments once they exist).
@@ -343,6 +448,37 @@ class Resizer:
                 for key, b in blocks.items()
             }
         return self._evidence
+
+
+KV = "kv"  # the key of a layer's K/V replica groups, beside its blocks'
+
+
+def _key(index: int, name: str) -> str:
+    return f"{index}.{name}"
+
+
+def _merged(a: dict, b: dict) -> dict:
+    out = {key: dict(ids) for key, ids in a.items()}
+    for key, ids in b.items():
+        out.setdefault(key, {}).update(ids)
+    return out
+
+
+def _scale_state(optimizer, param, key, factor) -> None:
+    """Multiply `param`'s optimizer state `key` by `factor` (a number, or a tensor shaped like
+    the parameter), in this DP rank's range of it under the distributed optimizer."""
+    shard = optimizer.shard_of(param, key)
+    if shard is None:  # the whole tensor is here
+        tensor = optimizer.state[param].get(key)
+        if tensor is not None:
+            tensor.mul_(factor.to(tensor.device) if isinstance(factor, torch.Tensor) else factor)
+        return
+    tensor, start = shard
+    if tensor is None:  # this DP rank holds none of it
+        return
+    if isinstance(factor, torch.Tensor):
+        factor = factor.reshape(-1)[start : start + tensor.numel()].to(tensor.device)
+    tensor.mul_(factor)
 
 
 def _replicas_of(block, groups) -> list:

@@ -263,6 +263,40 @@ def _step(sub):
     return None
 
 
+def step_count(view) -> int:
+    """How many steps the optimizer has taken (0 before its first): torch's Adam counts per
+    parameter, Transformer Engine's and apex's fused Adams per group; all count together."""
+    for sub in view.subs:
+        count = _count(sub.optimizer)
+        if count is not None:
+            return count
+    return 0
+
+
+def _count(optimizer) -> int | None:
+    """A torch optimizer's step count, or None before its first step (or where this DP rank
+    holds none of its parameters)."""
+    for group in optimizer.param_groups:
+        if group["params"] and "step" in group:
+            return int(group["step"])
+    for state in optimizer.state.values():
+        if "step" in state:
+            step = state["step"]
+            return int(step.item() if isinstance(step, torch.Tensor) else step)
+    return None
+
+
+def adam_betas(view) -> dict[str, float]:
+    """{moment key: its beta} of an Adam (exp_avg: beta1, exp_avg_sq: beta2); empty for an
+    optimizer without betas."""
+    for sub in view.subs:
+        for group in sub.optimizer.param_groups:
+            if "betas" in group:
+                beta1, beta2 = group["betas"]
+                return {"exp_avg": float(beta1), "exp_avg_sq": float(beta2)}
+    return {}
+
+
 def state_keys(optimizer, blocks) -> list[str]:
     """What moves with a unit besides the weights: "master" (fp32 copy under mixed precision)
     and the optimizer state tensors shaped like the parameter (e.g. exp_avg, exp_avg_sq)."""

@@ -18,6 +18,8 @@ from tests.utils import (
     GEMM_BACKWARD,
     close,
     het_numerics,
+    resume_misfit,
+    resumed_misfits,
     run_ranks,
     train,
     train_and_read_norms,
@@ -269,30 +271,42 @@ def test_layers_with_split_groups_move_between_pipeline_stages():
 
 def test_replicas_no_rank_computes_with_stay_frozen():
     """TP=2, 4 groups of 2 heads, a head per unit: rank 1 holds groups 2 and 3 and skips half
-    its units from step 2, the last two of its order, all of one group. No rank computes with
-    that group's K/V: its weights and Adam moments stay as they were (like the skipped heads'),
-    while the other group's go on training."""
+    its units from step 3 to 5, the last two of its order, all of one group. No rank computes
+    with that group's K/V: its weights and Adam moments stay as they were (like the skipped
+    heads'), while the other group's go on training; restored, they resume alike."""
     argv = (
         COMMON.replace("--train-iters 1", "--train-iters 6")
         + " --num-attention-heads 8 --group-query-attention --num-query-groups 4"
         " --disable-bias-linear --global-batch-size 4 --weight-decay 0.1"
         " --tensor-model-parallel-size 2 --het-tp-attn-granularity 1 --het-tp-resize 0,0"
     ).split()
-    ranks = run_ranks(train_with_resizes, 2, argv, {2: [("resize", (0.0, 0.5))]}, {2, 6})
+    actions = {2: [("resize", (0.0, 0.5))], 5: [("resize", (0.0, 0.0))]}
+    ranks = run_ranks(train_with_resizes, 2, argv, actions, {2, 5, 6})
     records = ranks[1]["records"]
+    keys = records[2]["state_keys"]
     for layer in range(2):
-        at2, at6 = records[2]["blocks"][(layer, "attn")], records[6]["blocks"][(layer, "attn")]
+        at2, at5 = records[2]["blocks"][(layer, "attn")], records[5]["blocks"][(layer, "attn")]
         assert at2["active"] == 2 and set(at2["units"]) == {4, 5, 6, 7}
         skipped = set(at2["units"][2:])
         idle = [g for g in (2, 3) if {2 * g, 2 * g + 1} <= skipped]
         assert len(idle) == 1, at2["units"]  # the precondition: one whole group skipped
         live = ({2, 3} - set(idle)).pop()
-        per_kv = 1 + len(records[2]["state_keys"])  # the K/V weight, then its moments
+        per_kv = 1 + len(keys)  # the K/V weight, then its moments
         for unit in at2["units"]:
-            kv2, kv6 = at2["values"][unit][-per_kv:], at6["values"][unit][-per_kv:]
-            same = all(torch.equal(a, b) for a, b in zip(kv2, kv6))
+            kv2, kv5 = at2["values"][unit][-per_kv:], at5["values"][unit][-per_kv:]
+            same = all(torch.equal(a, b) for a, b in zip(kv2, kv5))
             assert same == (unit // 2 == idle[0]), (layer, unit)
         assert live in {u // 2 for u in at2["units"][:2]}
+        # restored at 5: the idle group's K/V moments, frozen after step 2, are rescaled for
+        # Adam's count before step 6, as its heads' are
+        kv5 = at5["values"][2 * idle[0]][-per_kv:]
+        kv6 = records[6]["blocks"][(layer, "attn")]["values"][2 * idle[0]][-per_kv:]
+        m, v = 1 + keys.index("exp_avg"), 1 + keys.index("exp_avg_sq")
+        misfit = resume_misfit((kv5[m], kv5[v]), (kv6[m], kv6[v]), 2, records[5]["count"])
+        assert misfit < 1e-5, (layer, misfit)
+    resumes = resumed_misfits(ranks)
+    assert {(since, it) for _, _, since, it, _ in resumes} == {(2, 5)}
+    assert max(misfit for *_, misfit in resumes) < 1e-5, resumes
 
 
 def test_replicas_no_rank_computes_with_get_the_imputed_gradient_under_zero():

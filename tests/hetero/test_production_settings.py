@@ -14,6 +14,7 @@ import torch
 
 from tests.utils import (
     MHA,
+    resumed_misfits,
     run_ranks,
     train,
     train_and_count_whole_masters,
@@ -143,9 +144,12 @@ def test_sequence_parallel_norms_are_marked_and_reduced_over_the_tp_group():
 
 def test_resize_then_restore_under_all_settings():
     """Rank 1 skips half its units from the start (bit-identical weights and Adam state while
-    skipped) and computes them again from step 4."""
+    skipped), rank 0 from step 3; both compute them again from step 4, their moments in the
+    distributed optimizer's ranges rescaled for Adam's count (rank 0's, frozen after step 2,
+    before step 4; rank 1's, frozen before any update, after it)."""
     argv = _argv(SETTINGS["all"], iters=7) + ["--het-tp-resize", "0,0.5"]
-    ranks = run_ranks(train_with_resizes, 4, argv, {3: [("resize", (0.0, 0.0))]}, range(1, 6))
+    actions = {2: [("resize", (0.5, 0.5))], 3: [("resize", (0.0, 0.0))]}
+    ranks = run_ranks(train_with_resizes, 4, argv, actions, range(1, 6))
     records = ranks[1]["records"]
     skipped = {k: set(b["units"][b["active"] :]) for k, b in records[1]["blocks"].items()}
     assert any(skipped.values())
@@ -160,6 +164,9 @@ def test_resize_then_restore_under_all_settings():
         for unit in units:
             before = records[3]["blocks"][key]["values"][unit][0]
             assert not torch.equal(before, records[5]["blocks"][key]["values"][unit][0])
+    resumes = resumed_misfits(ranks)
+    assert {(since, it) for _, _, since, it, _ in resumes} == {(0, 3), (2, 3)}
+    assert max(misfit for *_, misfit in resumes) < 1e-5, resumes
     assert all(math.isfinite(v) for v in ranks[0]["losses"].values())
 
 

@@ -5,6 +5,7 @@ the paper's baseline (the pure parts: tests/hettp/test_resize.py)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from tests.utils import (
     GEMM_BACKWARD,
     GQA,
     MHA,
+    GroupStepAdam,
     close,
     het_numerics,
+    resumed_misfits,
     run_ranks,
     train,
     train_with_resizes,
@@ -94,19 +97,20 @@ def _same(a, b):
 @pytest.fixture(scope="module")
 def resized_run():
     """Rank 1 skips half its units from the start; restored at 6; rank 0 resized at 8;
-    units migrate to rank 0 at 10 (priorities refreshed every 4 iterations). Under --bf16, so
-    the fp32 master weights are frozen too."""
+    units migrate to rank 0 at 10; restored at 12 (priorities refreshed every 4 iterations,
+    which swaps units in and out). Under --bf16, so the fp32 master weights are frozen too."""
     actions = {
         6: [("resize", (0.0, 0.0))],
         8: [("resize", (0.5, 0.0))],
         10: [("migrate", "rebalance:attn=3,1;mlp=160,96")],
+        12: [("resize", (0.0, 0.0))],
     }
     return run_ranks(
         train_with_resizes,
         2,
         TRAIN + ["--het-tp-resize", "0,0.5", "--het-tp-priority-interval", "4", "--bf16"],
         actions,
-        range(1, 9),
+        range(1, 14),
     )
 
 
@@ -137,6 +141,44 @@ def test_skipped_units_stay_frozen_and_resume_when_restored(resized_run):
                 records[6]["blocks"][key]["values"][unit][:1],
                 records[8]["blocks"][key]["values"][unit][:1],
             )
+
+
+@pytest.mark.parametrize("adam", [torch.optim.AdamW, GroupStepAdam])
+def test_step_counts_and_betas_read_per_parameter_and_per_group(adam):
+    """torch's Adam counts steps per parameter; TE's and apex's fused Adams (GroupStepAdam's
+    layout) per group: resumed units are rescaled with either."""
+    from megatron.hetero.unit_state import adam_betas, step_count
+
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    optimizer = adam(
+        [{"params": params[:1]}, {"params": params[1:]}],
+        lr=0.1,
+        weight_decay=0.0,
+        betas=(0.8, 0.99),
+        eps=1e-8,
+    )
+    view = SimpleNamespace(subs=[SimpleNamespace(optimizer=optimizer)])
+    assert step_count(view) == 0
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones(3)
+        optimizer.step()
+    assert step_count(view) == 3
+    assert adam_betas(view) == {"exp_avg": 0.8, "exp_avg_sq": 0.99}
+    plain = SimpleNamespace(subs=[SimpleNamespace(optimizer=torch.optim.SGD(params, lr=0.1))])
+    assert adam_betas(plain) == {} and step_count(plain) == 0
+
+
+def test_resumed_units_read_their_moments_as_when_frozen(resized_run):
+    """Adam counts steps per tensor, not per unit, and its bias correction went on while a
+    unit was skipped: before its first step back, its moments are rescaled to read as they did
+    when it was frozen (units frozen after 4 to 10 steps), and a unit skipped from the start
+    (zero moments) reads as a fresh Adam's after its first update. Every resume in the run:
+    the restores at 6 and 12, the priority refreshes' swaps and the migration's re-sort."""
+    events = resumed_misfits(resized_run)
+    assert {since for _, _, since, _, _ in events} >= {0, 4, 8}, events
+    for key, unit, since, it, misfit in events:
+        assert misfit < 1e-5, (key, unit, since, it, misfit)
 
 
 def test_priority_order_survives_a_migration(resized_run):
@@ -213,7 +255,10 @@ def test_paper_baseline_updates_skipped_units_with_imputed_gradients():
 def test_resize_state_survives_a_checkpoint(tmp_path):
     """Stop at 5 and resume: the same losses as one straight run, through a priority refresh at
     4 and 8 and a restore at 6 (the resumed run must bring back the saved skipped units and
-    the saved priorities, not the initial ones)."""
+    the saved priorities, not the initial ones). Rank 0 is resized at 2 and restored at 5,
+    the step saved: its units' moments, frozen after step 2, are rescaled before step 6, and
+    rank 1's, frozen before any update, after step 7, in the resumed run as in the straight
+    one (the checkpoint keeps when each unit was frozen, and which resume is pending)."""
     argv = TRAIN + [
         "--het-tp-resize",
         "0,0.5",
@@ -222,7 +267,11 @@ def test_resize_state_survives_a_checkpoint(tmp_path):
         "--train-iters",
         "10",
     ]
-    actions = {6: [("resize", (0.0, 0.0))]}
+    actions = {
+        2: [("resize", (0.5, 0.5))],
+        5: [("resize", (0.0, 0.5))],
+        6: [("resize", (0.0, 0.0))],
+    }
     straight = run_ranks(train_with_resizes, 2, argv, actions, ())[0]["losses"]
     ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "5"]
     run_ranks(train_with_resizes, 2, argv + ckpt + ["--exit-interval", "5"], actions, ())

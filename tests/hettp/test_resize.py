@@ -11,14 +11,17 @@ import torch
 from hettp.plan import PartitionPlan
 from hettp.resize import (
     SCORERS,
+    FrozenSince,
     Priorities,
     ResizeError,
     Scorer,
     active_counts,
     check_shares,
+    first_moment_factor,
     parse_shares,
     realized_share,
     register_scorer,
+    resumed_moment_factor,
     skipped_count,
     skipped_units,
     swapped_units,
@@ -154,6 +157,81 @@ def test_unit_sums_read_every_layout_at_fp32_or_better():
     # bf16 evidence (a GPU model's weights) is summed at fp32: 4097 ones would read 4096 in bf16
     ones = torch.ones(2, 4097, dtype=torch.bfloat16)
     assert UnitLayout(axis=0, width=1).unit_sums(ones, 2).tolist() == [4097.0, 4097.0]
+
+
+def test_per_unit_values_fill_every_layout():
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    for layout, shape in [
+        (UnitLayout(axis=0, width=2, parts=2), (2 * 4 * 2, 3)),  # SwiGLU fc1 rows
+        (UnitLayout(axis=1, width=3, parts=2), (5, 2 * 4 * 3)),
+        (UnitLayout(axis=1, width=2), (3, 4 * 2, 2)),
+        (UnitLayout(axis=0, width=5), (4 * 5,)),  # a bias
+    ]:
+        full = layout.per_unit(values, shape, 4)
+        assert full.shape == shape
+        for position in range(4):
+            assert torch.all(layout.payload(full, 4, position) == values[position]), layout
+
+
+def _adam(m, v, grad, betas=(0.9, 0.999)):
+    """One step of Adam's moments."""
+    return betas[0] * m + (1 - betas[0]) * grad, betas[1] * v + (1 - betas[1]) * grad**2
+
+
+def _corrected(m, v, count, betas=(0.9, 0.999)):
+    return m / (1 - betas[0] ** count), v / (1 - betas[1] ** count)
+
+
+def test_a_resumed_unit_reads_its_moments_as_when_frozen():
+    """Adam's count went on while the unit was skipped: rescaled, its moments read at the later
+    count as they did when frozen; never updated, after its first update they read as a fresh
+    Adam's after one step (m_hat = g, v_hat = g^2)."""
+    gen = torch.Generator().manual_seed(0)
+    m = v = torch.zeros(5, dtype=torch.float64)
+    for _ in range(100):
+        m, v = _adam(m, v, torch.randn(5, generator=gen, dtype=torch.float64))
+    frozen = _corrected(m, v, 100)
+    rescaled = (
+        m * resumed_moment_factor(0.9, 100, 1000),
+        v * resumed_moment_factor(0.999, 100, 1000),
+    )
+    for got, want in zip(_corrected(*rescaled, 1000), frozen):
+        torch.testing.assert_close(got, want)
+    # left alone, the second moment would read 6.6x smaller (an update 2.6x larger)
+    assert _corrected(m, v, 1000)[1].sum() / frozen[1].sum() == pytest.approx(0.1506, abs=1e-4)
+    grad = torch.randn(5, generator=gen, dtype=torch.float64)
+    m, v = _adam(torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64), grad)
+    m, v = m * first_moment_factor(0.9, 1001), v * first_moment_factor(0.999, 1001)
+    m_hat, v_hat = _corrected(m, v, 1001)
+    torch.testing.assert_close(m_hat, grad)
+    torch.testing.assert_close(v_hat, grad**2)
+    with pytest.raises(ValueError, match="frozen at step 0"):
+        resumed_moment_factor(0.9, 0, 10)
+    with pytest.raises(ValueError, match="frozen at step 12 cannot resume at step 10"):
+        resumed_moment_factor(0.9, 12, 10)
+    with pytest.raises(ValueError, match="no update"):
+        first_moment_factor(0.9, 0)
+
+
+def test_frozen_since_keeps_when_each_unit_was_frozen():
+    frozen = FrozenSince()
+    frozen.update({"0.attn": {1, 2}}, 0)
+    assert frozen.since == {"0.attn": {1: 0, 2: 0}} and frozen.resuming == {}
+    frozen.update({"0.attn": {2, 3}, "0.kv": {1}}, 5)  # 1 resumes, 3 and group 1 freeze at 5
+    assert frozen.since == {"0.attn": {2: 0, 3: 5}, "0.kv": {1: 5}}
+    assert frozen.resuming == {"0.attn": {1: 0}}
+    # a resize put back at the same boundary (a failed move): 2 takes back its count
+    frozen.update({"0.attn": {3}, "0.kv": {1}}, 5)
+    frozen.update({"0.attn": {2, 3}, "0.kv": {1}}, 5)
+    assert frozen.since == {"0.attn": {2: 0, 3: 5}, "0.kv": {1: 5}}
+    assert frozen.resuming == {"0.attn": {1: 0}}
+    saved = FrozenSince.from_state_dict(frozen.state_dict())
+    assert saved == frozen
+    assert frozen.take_resuming() == {"0.attn": {1: 0}} and frozen.resuming == {}
+    # frozen and resumed between the same two steps: nothing to rescale
+    frozen.update({"0.attn": {2}, "0.kv": set()}, 9)
+    assert frozen.since == {"0.attn": {2: 0}}
+    assert frozen.resuming == {"0.attn": {3: 5}, "0.kv": {1: 5}}
 
 
 def test_scorers_measure_what_they_say_and_are_pluggable():

@@ -4,8 +4,9 @@ Test modules import from here only, never from one another. Worker functions kee
 tests.utils.workers (the fork server preloads it; ranks unpickle them by that name)."""
 
 from tests.utils import workers
+from tests.utils.adam_moments import resume_misfit, resumed_misfits
 from tests.utils.files import damage, make_corpus
-from tests.utils.fused_adam import using_group_step_adam
+from tests.utils.fused_adam import GroupStepAdam, using_group_step_adam
 from tests.utils.jobs import Job, run_job
 from tests.utils.models import BASE, COMMON, GEMM_BACKWARD, GQA, MHA, close
 from tests.utils.paths import ROOT
@@ -38,6 +39,7 @@ from tests.utils.workers import (
 
 __all__ = [
     "GEMM_BACKWARD",
+    "GroupStepAdam",
     "BASE",
     "Job",
     "COMMON",
@@ -57,6 +59,8 @@ __all__ = [
     "het_numerics",
     "make_corpus",
     "preloaded",
+    "resume_misfit",
+    "resumed_misfits",
     "run_job",
     "run_ranks",
     "train",

@@ -900,7 +900,7 @@ def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
     take longer to copy and send back than the tiny model takes to train."""
 
     from megatron.hetero.partition import het_blocks
-    from megatron.hetero.unit_state import OptimizerView, state_keys, unit_tensors
+    from megatron.hetero.unit_state import OptimizerView, state_keys, step_count, unit_tensors
 
     records = {}
 
@@ -927,6 +927,7 @@ def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
             record[key] = {
                 "units": block.units,
                 "active": block.active,
+                "unit_tensors": len(list(block.unit_tensors())),  # K/V replicas follow in values
                 "values": {
                     u: [layout.payload(t, n, i).clone() for t, layout in tensors]
                     for i, u in enumerate(block.units)
@@ -939,6 +940,7 @@ def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
         records[iteration] = {
             "blocks": record,
             "state_keys": keys,
+            "count": step_count(optimizer),  # the optimizer's steps: Adam's bias correction
             "shares": resizer.shares,
             "observed": None
             if evidence is None
