@@ -802,8 +802,7 @@ def _rehook(wrapper) -> None:
     backward, for the rest of the run. Autograd holds an accumulator weakly; once `wrapper`
     lets go of its own (a set-aside wrapper holds none), each is dropped with its hooks, and
     its parameter gets a new one with `wrapper`'s hook. One held elsewhere too (a mark in its
-    metadata outlives the drop: under the distributed optimizer with fp32 weights, the
-    optimizer's views of the parameters hold them) is kept as it is, `wrapper`'s hook on it."""
+    metadata outlives the drop) is kept as it is, `wrapper`'s hook on it."""
     params, marks = [], []
     for accumulator in wrapper.grad_accs:
         mark = _Mark()

@@ -126,6 +126,10 @@ def test_a_failed_transfer_under_all_settings_leaves_training_intact():
             assert event["stray_buffers"] == 0
             assert f"rebuild of the optimizer at iteration {it} aborted" in event["error"]
         assert done["iteration"] == 7 and done["units_moved"] > 0
+        # fp32 weights: the optimizer's views of them hold no gradient accumulator, so each
+        # parameter carries the live wrapper's hook alone after failed and successful rebuilds
+        hooks = [event["post_hooks"] for event in result["events"]]
+        assert all(h == {"others": 0, "one_each": True} for h in hooks), hooks
         _close(result["losses"], vanilla["losses"], range(1, 11))
 
 
