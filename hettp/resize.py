@@ -249,7 +249,13 @@ class FrozenSince:
     def update(self, skipped: Mapping, count: int) -> None:
         """The units skipped from now on (`skipped`: key -> ids), at the optimizer's `count`.
         A unit skipped already keeps its count; one that resumed at this boundary and is
-        skipped again takes back the count it resumed with (its moments are untouched)."""
+        skipped again takes back the count it resumed with (its moments are untouched). A
+        count past the optimizer's means it started over (a checkpoint loaded without its
+        state), and every unit's moments with it: such units count as frozen before any
+        update."""
+        for table in (self.since, self.resuming):
+            for ids in table.values():
+                ids.update({u: 0 for u, t in ids.items() if t > count})
         for key in set(self.since) | set(self.resuming) | set(skipped):
             now = set(skipped.get(key, ()))
             old, waiting = self.since.get(key, {}), self.resuming.get(key, {})

@@ -232,6 +232,9 @@ def test_frozen_since_keeps_when_each_unit_was_frozen():
     frozen.update({"0.attn": {2}, "0.kv": set()}, 9)
     assert frozen.since == {"0.attn": {2: 0}}
     assert frozen.resuming == {"0.attn": {3: 5}, "0.kv": {1: 5}}
+    # the optimizer started over (loaded without its state): every count past it reads 0
+    frozen.update({"0.attn": {2, 3}}, 2)
+    assert frozen.since == {"0.attn": {2: 0, 3: 0}} and frozen.resuming == {"0.kv": {1: 0}}
 
 
 def test_scorers_measure_what_they_say_and_are_pluggable():
