@@ -598,6 +598,46 @@ def _add_checkpointing_args(parser):
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None)
     g.add_argument("--load", default=None)
+    g.add_argument(
+        "--no-save-optim",
+        action="store_true",
+        help="Do not save the optimizer state (moments, fp32 masters) nor the learning-rate "
+        "schedule; a load of such a checkpoint starts them over.",
+    )
+    g.add_argument("--no-save-rng", action="store_true", help="Do not save the RNG states.")
+    g.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="On --load, do not load the optimizer state nor the learning-rate schedule "
+        "(as Megatron-LM: both start over; the iteration and data position carry on).",
+    )
+    g.add_argument(
+        "--no-load-rng", action="store_true", help="On --load, do not load the RNG states."
+    )
+    g.add_argument(
+        "--finetune",
+        action="store_true",
+        help="Load the model only: no optimizer, schedule, RNG or het-TP state, and start at "
+        "iteration 0 in this run's plan.",
+    )
+    g.add_argument(
+        "--pretrained-checkpoint",
+        default=None,
+        help="Folder of a checkpoint to finetune from (as --finetune) when --load holds none "
+        "yet; once a run has saved into --load, its next job resumes from there.",
+    )
+    g.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="On --load, the iteration to load (default: the tracker's latest).",
+    )
+    g.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="With --load, exit with an error when it holds no checkpoint rather than start "
+        "from scratch.",
+    )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
         "--ckpt-format",
@@ -1199,12 +1239,29 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             0 < args.exit_duration_in_mins < math.inf,
             f"--exit-duration-in-mins must be a positive number, got {args.exit_duration_in_mins}",
         )
+    _require(
+        not args.finetune or args.load is not None or args.pretrained_checkpoint is not None,
+        "--finetune loads a model: give --load (or --pretrained-checkpoint)",
+    )
+    if args.ckpt_step is not None:
+        _require(args.load is not None, "--ckpt-step needs --load")
+        _require(args.ckpt_step > 0, f"--ckpt-step must be positive, got {args.ckpt_step}")
+    _require(
+        not args.exit_on_missing_checkpoint or args.load is not None,
+        "--exit-on-missing-checkpoint needs --load",
+    )
+    if args.pretrained_checkpoint is not None:
+        _require(
+            os.path.isdir(args.pretrained_checkpoint),
+            f"--pretrained-checkpoint {args.pretrained_checkpoint}: no such directory",
+        )
     if args.load is not None and not os.path.isdir(args.load):
         # A missing --load is a typo that would silently start from scratch, except in
         # Megatron's auto-resume pattern (--load and --save the same folder), whose first run
         # finds nothing yet.
         _require(
-            args.save is not None and same_folder(args.save, args.load),
+            (args.save is not None and same_folder(args.save, args.load))
+            or args.pretrained_checkpoint is not None,
             f"--load {args.load}: no such directory (to start from scratch, drop --load)",
         )
     # last: these create the folders, which nothing refused above should leave behind

@@ -60,6 +60,10 @@ SCHEDULER_UNITS = "samples"
 # mark in the saved args; checkpoints without it hold one "rng_state" per stage and TP rank,
 # DP replica 0's.
 RNG_KEY = "rng_layout"
+# Whether the checkpoint holds the optimizer state (with its schedule) and the generators
+# (--no-save-optim, --no-save-rng); checkpoints without the marks hold both.
+OPTIMIZER_KEY = "optimizer_saved"
+RNG_SAVED_KEY = "rng_saved"
 RNG_PER_RANK = "per-rank"
 
 
@@ -284,9 +288,13 @@ def save_checkpoint(
     detector) the checkpoint keeps, so a resumed run starts where this one stands. `staging`:
     this job's name for the folder being written (SaveLock.staging), the same on every rank.
     `vocab_size`: the tokenizer's, unpadded, which a load checks."""
-    saved = checkpoint_optimizer(optimizer, model, is_loading=False)
-    state = _sharded_state(model, saved, scheduler, is_loading=False)
-    state["rng_states"] = _rng_entry()
+    if args.no_save_optim:
+        state = {"model": model.module.sharded_state_dict()}
+    else:
+        saved = checkpoint_optimizer(optimizer, model, is_loading=False)
+        state = _sharded_state(model, saved, scheduler, is_loading=False)
+    if not args.no_save_rng:
+        state["rng_states"] = _rng_entry()
     if runtime is not None:
         state.update(runtime_entries(runtime))
     state["iteration"] = iteration
@@ -300,6 +308,8 @@ def save_checkpoint(
     state["args"]["het_dp_compress"] = _compression(model)
     state["args"][VOCAB_KEY] = vocab_size
     state["args"][RNG_KEY] = RNG_PER_RANK
+    state["args"][OPTIMIZER_KEY] = not args.no_save_optim
+    state["args"][RNG_SAVED_KEY] = not args.no_save_rng
     residues = _residues(model)
     if residues is not None:
         state["het_dp_residues"] = residues
@@ -399,6 +409,20 @@ class Restored:
     iteration: int
     consumed_train_samples: int
     warning: str | None = None  # what of the saved state did not carry over, for the log
+    notes: tuple[str, ...] = ()  # what the flags (or the checkpoint) left out, for the log
+
+
+def iteration_to_load(root: str | None, step: int | None = None, *, ours: bool = False):
+    """The iteration to load under `root`: `step` (--ckpt-step), which must be there, else the
+    tracker's (agreed_iteration; None: nothing saved yet). Collective."""
+    if step is None:
+        return agreed_iteration(root, ours=ours)
+    folder = checkpoint_dir(root, step)
+    found = [os.path.isdir(folder)] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(found, src=0)
+    if not found[0]:
+        raise CheckpointError(f"--ckpt-step {step}: --load {root} holds no {folder}")
+    return step
 
 
 def load_checkpoint(
@@ -411,12 +435,18 @@ def load_checkpoint(
     *,
     vocab_size: int | None = None,
     iteration: int | None = None,
+    finetune: bool | None = None,
 ) -> Restored | None:
     """Restores checkpoint `iteration` (default: agreed_iteration's) under `root`, or returns
     None when `root` holds no checkpoint yet (training then starts from scratch).
 
     `runtime` gets its saved per-TP-rank state when the checkpoint has one of the same TP
-    size. `vocab_size`: this run's tokenizer's, checked against the saved one."""
+    size. `vocab_size`: this run's tokenizer's, checked against the saved one. As Megatron-LM:
+    `finetune` (default --finetune) loads the model alone and starts at iteration 0;
+    --no-load-optim leaves out the optimizer state and the learning-rate schedule (also where
+    the checkpoint was saved with --no-save-optim), --no-load-rng the generators; the fp32
+    masters of an optimizer not loaded are taken from the loaded weights."""
+    finetune = args.finetune if finetune is None else finetune
     if iteration is None:
         iteration = agreed_iteration(root)
     if iteration is None:
@@ -439,12 +469,20 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {path} was saved with a different model: " + ", ".join(mismatched)
         )
-    saved_scheduler = common["opt_param_scheduler"]
-    if common.get("scheduler_units") != SCHEDULER_UNITS and common["iteration"] > 0:
+    notes = []
+    with_optimizer = not finetune and not args.no_load_optim and saved.get(OPTIMIZER_KEY, True)
+    if not finetune and not with_optimizer:
+        why = "--no-load-optim" if args.no_load_optim else "saved with --no-save-optim"
+        notes.append(
+            f"optimizer state and learning-rate schedule not loaded ({why}): Adam's moments, "
+            "its step count and the schedule start over; fp32 masters from the loaded weights"
+        )
+    saved_scheduler = common.get("opt_param_scheduler")
+    if with_optimizer and common.get("scheduler_units") != SCHEDULER_UNITS and common["iteration"]:
         batch = common["consumed_train_samples"] // common["iteration"]
         saved_scheduler = scheduler_state_in_samples(saved_scheduler, batch)
-    changes = schedule_changes(saved_scheduler, scheduler.state_dict())
-    saved_groups = saved_param_groups(common.get("optimizer"))
+    changes = schedule_changes(saved_scheduler, scheduler.state_dict()) if with_optimizer else []
+    saved_groups = saved_param_groups(common.get("optimizer")) if with_optimizer else None
     if saved_groups is not None:
         changes += group_changes(saved_groups, optimizer.param_groups, changes)
     if changes and not (
@@ -458,25 +496,36 @@ def load_checkpoint(
             "follow this run's flags, or --use-checkpoint-opt_param-scheduler to keep the "
             "checkpoint's"
         )
-    # RNG states are per TP rank and stage: they only carry over to the same TP and PP sizes.
-    with_rng = (
+    # RNG states (and the runtime's) are per TP rank and stage: they only carry over to the
+    # same TP and PP sizes.
+    same_layout = (
         saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
         and saved.get("pipeline_model_parallel_size", 1) == args.pipeline_model_parallel_size
     )
-    # this run's per-group values, which an override puts back over the checkpoint's
-    fresh = [dict(g) for g in optimizer.param_groups]
-    loading = checkpoint_optimizer(optimizer, model, is_loading=True)
-    state = _sharded_state(model, loading, scheduler, is_loading=True)
+    with_rng = same_layout and not finetune and not args.no_load_rng
+    if with_rng and not saved.get(RNG_SAVED_KEY, True):
+        with_rng = False
+        notes.append("RNG states not loaded (saved with --no-save-rng): they start from --seed")
+    if with_optimizer:
+        # this run's per-group values, which an override puts back over the checkpoint's
+        fresh = [dict(g) for g in optimizer.param_groups]
+        loading = checkpoint_optimizer(optimizer, model, is_loading=True)
+        state = _sharded_state(model, loading, scheduler, is_loading=True)
+    else:
+        state = {"model": model.module.sharded_state_dict()}
     if with_rng and saved.get(RNG_KEY) == RNG_PER_RANK:
         state["rng_states"] = _rng_entry(saved["data_parallel_size"])
     elif with_rng:  # the older layout: replica 0's, per stage and TP rank
         state["rng_states"] = _per_tp_rank("rng_state", _rng_state())
-    with_runtime = runtime is not None and with_rng and saved.get("het_tp_state", False)
+    with_runtime = (
+        runtime is not None and same_layout and not finetune and saved.get("het_tp_state", False)
+    )
     if with_runtime:
         state["het_tp_state"] = runtime_state(runtime)
     # compression residues are per rank: same TP, PP and DP sizes and the same compression
     with_residues = (
-        with_rng
+        same_layout
+        and not finetune
         and _compression(model) != "none"
         and saved.get("het_dp_compress") == _compression(model)
         and saved.get("data_parallel_size") == parallel_state.get_data_parallel_world_size()
@@ -485,15 +534,18 @@ def load_checkpoint(
         state["het_dp_residues"] = _residues(model)
     loaded = dist_checkpointing.load(state, path)
     model.module.load_state_dict(loaded["model"])
-    loading.load_state_dict(loaded["optimizer"])
-    restore_from(loading, optimizer)
-    # Whose group values hold from here, whatever the optimizer's layout carried over (the
-    # distributed optimizer's restore carries per-parameter state only).
-    if args.override_opt_param_scheduler:
-        set_group_values(optimizer, fresh)
-    elif saved_groups is not None and len(saved_groups) == len(optimizer.param_groups):
-        set_group_values(optimizer, saved_groups)
-    scheduler.load_state_dict(saved_scheduler)
+    if with_optimizer:
+        loading.load_state_dict(loaded["optimizer"])
+        restore_from(loading, optimizer)
+        # Whose group values hold from here, whatever the optimizer's layout carried over (the
+        # distributed optimizer's restore carries per-parameter state only).
+        if args.override_opt_param_scheduler:
+            set_group_values(optimizer, fresh)
+        elif saved_groups is not None and len(saved_groups) == len(optimizer.param_groups):
+            set_group_values(optimizer, saved_groups)
+        scheduler.load_state_dict(saved_scheduler)
+    else:
+        optimizer.reload_model_params()  # the masters were made from the initial weights
     warning = None
     if with_rng and not _set_rng_state(loaded["rng_states"]):
         saved_on = loaded["rng_states"].get("device", "another kind of")
@@ -505,4 +557,6 @@ def load_checkpoint(
         runtime.load_state_dict(loaded["het_tp_state"])
     if with_residues:
         model.reducer.load_state_dict(loaded["het_dp_residues"])
-    return Restored(loaded["iteration"], loaded["consumed_train_samples"], warning)
+    if finetune:
+        return Restored(0, 0, warning, tuple(notes))
+    return Restored(loaded["iteration"], loaded["consumed_train_samples"], warning, tuple(notes))

@@ -390,6 +390,8 @@ class Logger:
             print(message, flush=True)
 
     def run_start(self, model, tokenizer, iteration, loaded_from) -> None:
+        """`loaded_from`: which checkpoint the run loaded ("<folder> at iteration <n>"), if
+        any."""
         args = self.args
         if args.log_throughput:
             padded = padded_vocab_size(
@@ -422,7 +424,7 @@ class Logger:
                 f"over {samples} samples; training iterations: {args.train_iters}"
             )
         if loaded_from:
-            self.info(f"> loaded checkpoint from {loaded_from} at iteration {iteration}")
+            self.info(f"> loaded checkpoint from {loaded_from}")
         elif args.load:
             self.info(f"> no checkpoint under --load {args.load} yet: starting from iteration 0")
         if self.metrics is not None:

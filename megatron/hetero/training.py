@@ -408,27 +408,32 @@ def _claim_save_folder(folder):
 def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     tokenizer = tokenizer_from_args(args)
     # read once: the same on every rank
-    ours = bool(args.load and args.save and same_folder(args.load, args.save))  # locked
-    newest = checkpointing.agreed_iteration(args.load, ours=ours)
-    load_warning = checkpointing.verify_latest(args.load, newest)  # before any of it is read
-    saved = SavedPlan.from_dict(checkpointing.saved_plan(args.load, newest)) if runtime else None
+    source = _checkpoint_source(args)
+    load_warning = checkpointing.verify_latest(source.root, source.iteration)  # before reading
+    saved = None
+    if runtime is not None and not source.finetune:  # a finetune starts in this run's plan
+        saved = SavedPlan.from_dict(checkpointing.saved_plan(source.root, source.iteration))
     state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime, saved)
 
-    iteration, consumed, rng_warning = 0, 0, None
-    if newest is not None:  # else nothing to load yet (a first run of the auto-resume pattern)
+    iteration, consumed, rng_warning, notes, loaded = 0, 0, None, (), None
+    if source.iteration is not None:  # else nothing to load (yet: the auto-resume pattern)
         restored = checkpointing.load_checkpoint(
-            args.load,
+            source.root,
             state.model,
             state.optimizer,
             state.scheduler,
             args,
             runtime,
             vocab_size=tokenizer.vocab_size,
-            iteration=newest,
+            iteration=source.iteration,
+            finetune=source.finetune,
         )
         if restored is not None:
             iteration, consumed = restored.iteration, restored.consumed_train_samples
-            rng_warning = restored.warning
+            rng_warning, notes = restored.warning, restored.notes
+            loaded = f"{source.root} at iteration {source.iteration}"
+            if source.finetune:
+                loaded += f", the model only ({source.why}): starting from iteration 0"
 
     rank = dist.get_rank()
     metrics_file = args.metrics_file or _default_metrics_file(args)
@@ -436,7 +441,9 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
         metrics_file = os.path.abspath(metrics_file)
     metrics = MetricsWriter(metrics_file) if rank == 0 else None
     logger = Logger(args, metrics)
-    logger.run_start(state.model, tokenizer, iteration, args.load if iteration else None)
+    logger.run_start(state.model, tokenizer, iteration, loaded)
+    for note in notes:
+        logger.info(f"> {note}")
     for warning in (lock_warning, load_warning, rng_warning):
         if warning:
             logger.info(f"WARNING: {warning}")
@@ -452,6 +459,43 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
         if metrics is not None:
             metrics.close()
     return dataclasses.replace(result, metrics_file=metrics_file if rank == 0 else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """The checkpoint a run starts from: none (`iteration` None), --load's, or one to finetune
+    from."""
+
+    root: str | None
+    iteration: int | None
+    finetune: bool = False
+    why: str = ""  # the flag that made it a finetune
+
+
+def _checkpoint_source(args) -> _Source:
+    """As Megatron-LM: --load's checkpoint (--ckpt-step's iteration, else the tracker's
+    newest), loaded whole or, with --finetune, the model only; where --load holds none,
+    --pretrained-checkpoint's newest, to finetune from; else none, or an error with
+    --exit-on-missing-checkpoint. Collective: every rank gets rank 0's reading."""
+    ours = bool(args.load and args.save and same_folder(args.load, args.save))  # locked
+    newest = None
+    if args.load is not None:
+        newest = checkpointing.iteration_to_load(args.load, args.ckpt_step, ours=ours)
+    if newest is not None:
+        return _Source(args.load, newest, args.finetune, "--finetune")
+    if args.pretrained_checkpoint is not None:
+        pretrained = checkpointing.agreed_iteration(args.pretrained_checkpoint)
+        if pretrained is None:
+            raise checkpointing.CheckpointError(
+                f"--pretrained-checkpoint {args.pretrained_checkpoint} holds no checkpoint"
+                + (f" (nor does --load {args.load})" if args.load else "")
+            )
+        return _Source(args.pretrained_checkpoint, pretrained, True, "--pretrained-checkpoint")
+    if args.exit_on_missing_checkpoint:
+        raise checkpointing.CheckpointError(
+            f"--load {args.load} holds no checkpoint (--exit-on-missing-checkpoint)"
+        )
+    return _Source(args.load, None)
 
 
 class IterationClock:

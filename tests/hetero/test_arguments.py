@@ -506,6 +506,27 @@ def test_load_and_save_are_checked_at_start(tmp_path):
         _args(f"--save {blocker}/ckpt")
 
 
+def test_megatron_checkpoint_flags_are_checked_at_start(tmp_path):
+    for extra, message in [
+        ("--finetune", "--finetune loads a model: give --load (or --pretrained-checkpoint)"),
+        ("--ckpt-step 5", "--ckpt-step needs --load"),
+        (f"--load {tmp_path} --ckpt-step 0", "--ckpt-step must be positive, got 0"),
+        ("--exit-on-missing-checkpoint", "--exit-on-missing-checkpoint needs --load"),
+        (
+            f"--pretrained-checkpoint {tmp_path}/typo",
+            f"--pretrained-checkpoint {tmp_path}/typo: no such directory",
+        ),
+    ]:
+        with pytest.raises(ArgumentError) as err:
+            _args(extra)
+        assert message in str(err.value), extra
+    # a --load that does not exist yet, with a checkpoint to finetune from until it does
+    args = _args(f"--load {tmp_path}/mine --pretrained-checkpoint {tmp_path} --finetune")
+    assert args.finetune and args.pretrained_checkpoint == str(tmp_path)
+    for flag in ("no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng"):
+        assert getattr(_args(f"--{flag.replace('_', '-')}"), flag) is True
+
+
 def test_early_errors_exit_2_with_one_line(tmp_path):
     prefix = make_corpus(tmp_path)
     damage(prefix + ".bin", "truncate")

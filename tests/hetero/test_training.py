@@ -1,5 +1,5 @@
-"""End-to-end pretraining on real gloo process groups: TP/DP equivalence, exact resume,
-real-text training, Megatron-shaped logs and the JSONL metrics file."""
+"""End-to-end pretraining on real gloo process groups: TP/DP equivalence, exact resume (and
+--no-load-rng), real-text training, Megatron-shaped logs and the JSONL metrics file."""
 
 from __future__ import annotations
 
@@ -385,6 +385,11 @@ def test_each_data_parallel_replica_resumes_its_own_generators(tmp_path):
         assert resumed[rank]["losses"] == pytest.approx(
             {i: full[rank]["losses"][i] for i in (4, 5)}, rel=1e-6
         )
+    # --no-load-rng: the generators start from --seed (no dropout here: the losses carry on)
+    fresh = run_ranks(train_drawing_apart, 2, argv + ["--load", ckpt, "--no-load-rng"])
+    for rank in (0, 1):
+        assert all(fresh[rank]["rng"][i] != full[rank]["rng"][i] for i in (4, 5)), rank
+        assert fresh[rank]["losses"] == pytest.approx(resumed[rank]["losses"], rel=1e-6)
 
 
 def test_every_rank_loads_the_iteration_rank_0_read_from_the_tracker(tmp_path):
