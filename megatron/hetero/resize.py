@@ -194,8 +194,8 @@ class Resizer:
 
     def load_state_dict(self, state: dict) -> None:
         """Take saved priorities (only those of the same scorer; else start unmeasured) and
-        when the skipped units were frozen (a checkpoint from before 2026-12-07 has no record:
-        its skipped units count as frozen at the step it is loaded at)."""
+        when the skipped units were frozen (a checkpoint saved before that record existed has
+        none: the units this run skips count as frozen at the step it loaded)."""
         if state.get("frozen") is not None:
             self._frozen = FrozenSince.from_state_dict(state["frozen"])
         if state["scorer"] != self.scorer:

@@ -21,6 +21,7 @@ from tests.utils import (
     train_and_read_norms,
     train_with_repartitions,
     train_with_resizes,
+    using_group_step_adam,
 )
 
 SP = "--sequence-parallel"
@@ -146,14 +147,19 @@ def test_sequence_parallel_norms_are_marked_and_reduced_over_the_tp_group():
         assert torch.equal(value, norms[1][name][1]), name  # same update on both TP ranks
 
 
-def test_resize_then_restore_under_all_settings():
+@pytest.mark.parametrize("adam", ["torch", "fused"])
+def test_resize_then_restore_under_all_settings(adam):
     """Rank 1 skips half its units from the start (bit-identical weights and Adam state while
     skipped), rank 0 from step 3; both compute them again from step 4, their moments in the
     distributed optimizer's ranges rescaled for Adam's count (rank 0's, frozen after step 2,
-    before step 4; rank 1's, frozen before any update, after it)."""
+    before step 4; rank 1's, frozen before any update, after it). With torch's Adam (a count
+    per parameter) and with one counting per group as TE's and apex's FusedAdam do."""
     argv = _argv(SETTINGS["all"], iters=7) + ["--het-tp-resize", "0,0.5"]
     actions = {2: [("resize", (0.5, 0.5))], 3: [("resize", (0.0, 0.0))]}
-    ranks = run_ranks(train_with_resizes, 4, argv, actions, range(1, 6))
+    if adam == "torch":
+        ranks = run_ranks(train_with_resizes, 4, argv, actions, range(1, 6))
+    else:
+        ranks = run_ranks(using_group_step_adam, 4, train_with_resizes, argv, actions, range(1, 6))
     records = ranks[1]["records"]
     skipped = {k: set(b["units"][b["active"] :]) for k, b in records[1]["blocks"].items()}
     assert any(skipped.values())
