@@ -19,6 +19,7 @@ from tests.utils import (
     GroupStepAdam,
     close,
     het_numerics,
+    resume_misfit,
     resumed_misfits,
     run_ranks,
     train,
@@ -179,6 +180,27 @@ def test_resumed_units_read_their_moments_as_when_frozen(resized_run):
     assert {since for _, _, since, _, _ in events} >= {0, 4, 8}, events
     for key, unit, since, it, misfit in events:
         assert misfit < 1e-5, (key, unit, since, it, misfit)
+
+
+def test_a_first_update_the_optimizer_skips_waits_for_the_next():
+    """Rank 1's units, skipped from the start, resume at 2; the optimizer skips step 3 (as on an
+    fp16 overflow: its count stays), so their moments, still zero, are rescaled after step 4."""
+    actions = {2: [("resize", (0.0, 0.0)), ("skip next step", None)]}
+    argv = TRAIN + ["--het-tp-resize", "0,0.5", "--train-iters", "4"]
+    ranks = run_ranks(train_with_resizes, 2, argv, actions, {2, 3, 4})
+    records = ranks[1]["records"]
+    assert [records[it]["count"] for it in (2, 3, 4)] == [2, 2, 3]
+    keys = records[2]["state_keys"]
+    m, v = 1 + keys.index("exp_avg"), 1 + keys.index("exp_avg_sq")
+    resumed = 0
+    for key, units in _skipped(records[1]).items():
+        for unit in units:
+            at3, at4 = (records[it]["blocks"][key]["values"][unit] for it in (3, 4))
+            assert not at3[v].any()  # no update yet
+            misfit = resume_misfit((at3[m], at3[v]), (at4[m], at4[v]), 0, records[3]["count"])
+            assert misfit < 1e-5, (key, unit, misfit)
+            resumed += 1
+    assert resumed > 100
 
 
 def test_priority_order_survives_a_migration(resized_run):

@@ -892,7 +892,9 @@ def exchange_primitives(world_cases: list) -> dict:
 
 def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
     """pretrain with resizes and migrations at step boundaries: actions[iteration] is a list of
-    ("resize", shares) or ("migrate", "rebalance:attn=..;mlp=..").
+    ("resize", shares), ("migrate", "rebalance:attn=..;mlp=..") or ("skip next step", None):
+    the optimizer takes no step at the next iteration, as megatron-core's skips one on an fp16
+    overflow (its step count stays).
 
     After every step, records this rank's local unit order and active count per block and the
     priorities, and at the steps in `values_at` (default: every step) a copy of every local
@@ -909,6 +911,11 @@ def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
         for kind, arg in actions.get(iteration, []):
             if kind == "resize":
                 runtime.resize(arg, iteration, "test")
+            elif kind == "skip next step":
+                for sub in OptimizerView(state.optimizer).subs:
+                    sub.optimizer.step = lambda *a, _sub=sub, **k: _sub.optimizer.__dict__.pop(
+                        "step"
+                    )
             else:
                 counts = dict(part.split("=") for part in arg[len("rebalance:") :].split(";"))
                 plan = runtime.partition.plan.rebalanced(
