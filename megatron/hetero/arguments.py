@@ -204,6 +204,15 @@ def _add_regularization_args(parser):
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument(
+        "--weight-decay-incr-style",
+        default="constant",
+        choices=["constant", "linear", "cosine"],
+        help="How the weight decay goes from --start-weight-decay to --end-weight-decay over "
+        "the run (constant: --weight-decay throughout).",
+    )
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -343,10 +352,28 @@ def _add_learning_rate_args(parser):
     g.add_argument(
         "--lr-decay-style",
         default="linear",
-        choices=["constant", "linear", "cosine", "inverse-square-root"],
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
     )
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument(
+        "--lr-wsd-decay-style",
+        default="exponential",
+        choices=["exponential", "linear", "cosine", "minus_sqrt"],
+        help="WSD (warmup, stable, decay): the shape of the final decay to --min-lr.",
+    )
+    g.add_argument(
+        "--lr-wsd-decay-iters",
+        type=int,
+        default=None,
+        help="WSD: iterations of the final decay, which ends with --lr-decay-iters.",
+    )
+    g.add_argument(
+        "--lr-wsd-decay-samples",
+        type=int,
+        default=None,
+        help="WSD: samples of the final decay, which ends with --lr-decay-samples.",
+    )
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument(
@@ -755,6 +782,7 @@ def _validate_schedule(args) -> None:
         (args.train_iters is None) != (args.train_samples is None),
         "give exactly one of --train-iters and --train-samples",
     )
+    unit = "iters" if args.train_iters is not None else "samples"
     if args.train_iters is not None:
         _require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
         _refuse_other_unit(args, unit="iters", other="samples")
@@ -818,11 +846,59 @@ def _validate_schedule(args) -> None:
         warmup < args.lr_decay_steps,
         f"{warmup_flag} ({shown[0]}) must be smaller than {shown[1]}",
     )
+    _validate_schedule_shapes(args, unit)
     for flag in ("decoupled_lr", "decoupled_min_lr"):
         value = getattr(args, flag)
         _require(
             value is None or value >= 0.0,
             f"--{flag.replace('_', '-')} must be >= 0, got {value}",
+        )
+
+
+def _validate_schedule_shapes(args, unit: str) -> None:
+    """WSD's decay length and the weight-decay ramp, as Megatron-LM takes them (its asserts,
+    here errors naming the flags). Sets args.wsd_decay_steps (in samples, as the schedule)
+    and args.start_weight_decay / end_weight_decay."""
+    other = "samples" if unit == "iters" else "iters"
+    _require(
+        getattr(args, f"lr_wsd_decay_{other}") is None,
+        f"--lr-wsd-decay-{other} goes with --train-{other}; with --train-{unit} use "
+        f"--lr-wsd-decay-{unit}",
+    )
+    length = getattr(args, f"lr_wsd_decay_{unit}")
+    args.wsd_decay_steps = None
+    if args.lr_decay_style == "WSD":
+        _require(length is not None, f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}")
+        steps = length * args.global_batch_size if unit == "iters" else length
+        _require(
+            0 < steps <= args.lr_decay_steps,
+            f"--lr-wsd-decay-{unit} must be positive and at most the decay's length "
+            f"(--lr-decay-{unit}), got {length}",
+        )
+        args.wsd_decay_steps = steps
+    else:
+        _require(
+            length is None,
+            f"--lr-wsd-decay-{unit} applies to --lr-decay-style WSD (this run: "
+            f"{args.lr_decay_style})",
+        )
+    ramp = (args.start_weight_decay, args.end_weight_decay)
+    if args.weight_decay_incr_style == "constant":
+        _require(
+            ramp == (None, None),
+            "--start-weight-decay and --end-weight-decay go with --weight-decay-incr-style "
+            "linear or cosine (constant: --weight-decay)",
+        )
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    else:
+        _require(
+            None not in ramp,
+            f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
+            "--start-weight-decay and --end-weight-decay",
+        )
+        _require(
+            min(ramp) >= 0.0,
+            f"--start-weight-decay and --end-weight-decay must be >= 0, got {ramp[0]}, {ramp[1]}",
         )
 
 

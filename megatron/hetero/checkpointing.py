@@ -74,9 +74,9 @@ SCHEDULE_FLAGS = {
     "lr_warmup_steps": "--lr-warmup-iters/-samples/-fraction",
     "lr_decay_style": "--lr-decay-style",
     "lr_decay_steps": "--lr-decay-iters/-samples (or the run's length)",
-    "start_wd": "--weight-decay",
-    "end_wd": "--weight-decay",
-    "wd_incr_style": "--weight-decay",
+    "start_wd": "--weight-decay (or --start-weight-decay)",
+    "end_wd": "--weight-decay (or --end-weight-decay)",
+    "wd_incr_style": "--weight-decay-incr-style",
     "wd_incr_steps": "the run's length",
 }
 

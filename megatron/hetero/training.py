@@ -147,10 +147,12 @@ def scheduler_kwargs(args) -> dict:
         lr_warmup_steps=args.lr_warmup_steps,
         lr_decay_steps=args.lr_decay_steps,
         lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
         wd_incr_steps=args.train_samples_total,
-        wd_incr_style="constant",
+        wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=args.wsd_decay_steps,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
     )
 
 

@@ -97,6 +97,65 @@ def test_lr_schedule_matches_megatron_scheduler(style):
         assert lrs[30] == pytest.approx(1e-3 * (10 / 30) ** 0.5)
 
 
+def _rates(kw, steps, gbs):
+    """(lr, weight decay) of megatron-core's scheduler built from `kw`, before each step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class _Opt:
+        param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+    sched = OptimizerParamScheduler(_Opt(), **kw)
+    out = []
+    for _ in range(steps):
+        out.append((_Opt.param_groups[0]["lr"], _Opt.param_groups[0]["weight_decay"]))
+        sched.step(gbs)
+    return out
+
+
+@pytest.mark.parametrize("unit", ["iters", "samples"])
+def test_wsd_and_a_weight_decay_ramp_are_megatrons(unit):
+    """WSD: warm-up, the peak rate held, then the last --lr-wsd-decay-iters (or -samples) down
+    to --min-lr; the weight decay from --start- to --end-weight-decay over the run."""
+    length = "--train-iters 100" if unit == "iters" else "--train-samples 200"
+    wsd = "--lr-wsd-decay-iters 20" if unit == "iters" else "--lr-wsd-decay-samples 40"
+    args = build_parser().parse_args(
+        (
+            BASE.replace("--train-iters 100", length)
+            + f" --lr-decay-style WSD --lr-wsd-decay-style linear {wsd} --min-lr 1e-5"
+            " --weight-decay-incr-style linear --start-weight-decay 0.0 --end-weight-decay 0.1"
+        ).split()
+    )
+    validate_args(args, 1, cuda_available=False)
+    gbs = args.global_batch_size
+    kw = scheduler_kwargs(args)
+    assert kw["wsd_decay_steps"] == 20 * gbs and kw["lr_wsd_decay_style"] == "linear"
+    rates = _rates(kw, 101, gbs)
+    assert all(lr == pytest.approx(1e-3) for lr, _ in rates[1:81])  # stable
+    assert rates[90][0] == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5)  # half-way down
+    assert rates[100][0] == pytest.approx(1e-5)
+    assert [wd for _, wd in rates[::50]] == pytest.approx([0.0, 0.05, 0.1])
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ("--lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+        ("--lr-wsd-decay-iters 5", "--lr-wsd-decay-iters applies to --lr-decay-style WSD"),
+        ("--lr-decay-style WSD --lr-wsd-decay-iters 101", "at most the decay's length"),
+        ("--lr-decay-style WSD --lr-wsd-decay-samples 8", "--lr-wsd-decay-samples goes with"),
+        ("--start-weight-decay 0.1", "go with --weight-decay-incr-style linear or cosine"),
+        ("--weight-decay-incr-style cosine", "needs --start-weight-decay and --end-weight"),
+        (
+            "--weight-decay-incr-style linear --start-weight-decay -1 --end-weight-decay 0",
+            "must be >= 0",
+        ),
+    ],
+)
+def test_schedule_shape_errors_name_the_flags(extra, message):
+    with pytest.raises(ArgumentError, match=message):
+        _args(extra)
+
+
 def test_sample_based_schedules_are_megatrons():
     """--train-samples: iterations are samples / global batch, and the schedule counts the
     samples given; --lr-warmup-fraction takes that fraction of the decay."""
