@@ -1315,12 +1315,18 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             0 < args.exit_duration_in_mins < math.inf,
             f"--exit-duration-in-mins must be a positive number, got {args.exit_duration_in_mins}",
         )
+    _require(not args.finetune or args.load is not None, "--finetune loads a model: give --load")
     _require(
-        not args.finetune or args.load is not None or args.pretrained_checkpoint is not None,
-        "--finetune loads a model: give --load (or --pretrained-checkpoint)",
+        not (args.finetune and args.pretrained_checkpoint),
+        "--finetune with --pretrained-checkpoint would finetune from --load's own checkpoints "
+        "at every restart: drop --finetune (--pretrained-checkpoint finetunes while --load "
+        "holds none)",
     )
     if args.ckpt_step is not None:
-        _require(args.load is not None, "--ckpt-step needs --load")
+        _require(
+            args.load is not None or args.pretrained_checkpoint is not None,
+            "--ckpt-step needs --load (or --pretrained-checkpoint)",
+        )
         _require(args.ckpt_step > 0, f"--ckpt-step must be positive, got {args.ckpt_step}")
     _require(
         not args.exit_on_missing_checkpoint or args.load is not None,
@@ -1336,8 +1342,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         # Megatron's auto-resume pattern (--load and --save the same folder), whose first run
         # finds nothing yet.
         _require(
-            (args.save is not None and same_folder(args.save, args.load))
-            or args.pretrained_checkpoint is not None,
+            args.save is not None and same_folder(args.save, args.load),
             f"--load {args.load}: no such directory (to start from scratch, drop --load)",
         )
     # last: these create the folders, which nothing refused above should leave behind

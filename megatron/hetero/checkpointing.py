@@ -412,16 +412,17 @@ class Restored:
     notes: tuple[str, ...] = ()  # what the flags (or the checkpoint) left out, for the log
 
 
-def iteration_to_load(root: str | None, step: int | None = None, *, ours: bool = False):
-    """The iteration to load under `root`: `step` (--ckpt-step), which must be there, else the
-    tracker's (agreed_iteration; None: nothing saved yet). Collective."""
+def iteration_to_load(root: str, step: int | None, newest: int, flag: str = "--load") -> int:
+    """The iteration to load under `root` (`flag`'s folder), whose tracker names `newest`
+    (agreed_iteration): `step` (--ckpt-step), which must be there (collective), else
+    `newest`."""
     if step is None:
-        return agreed_iteration(root, ours=ours)
+        return newest
     folder = checkpoint_dir(root, step)
     found = [os.path.isdir(folder)] if dist.get_rank() == 0 else [None]
     dist.broadcast_object_list(found, src=0)
     if not found[0]:
-        raise CheckpointError(f"--ckpt-step {step}: --load {root} holds no {folder}")
+        raise CheckpointError(f"--ckpt-step {step}: {flag} {root} holds no {folder}")
     return step
 
 
@@ -470,12 +471,17 @@ def load_checkpoint(
             f"checkpoint {path} was saved with a different model: " + ", ".join(mismatched)
         )
     notes = []
-    with_optimizer = not finetune and not args.no_load_optim and saved.get(OPTIMIZER_KEY, True)
-    if not finetune and not with_optimizer:
-        why = "--no-load-optim" if args.no_load_optim else "saved with --no-save-optim"
+    with_optimizer = not finetune and not args.no_load_optim
+    if with_optimizer and not saved.get(OPTIMIZER_KEY, True):  # as Megatron-LM: refused
+        raise CheckpointError(
+            f"checkpoint {path} holds no optimizer state (saved with --no-save-optim): pass "
+            "--no-load-optim to start it over, or --finetune"
+        )
+    if args.no_load_optim and not finetune:
         notes.append(
-            f"optimizer state and learning-rate schedule not loaded ({why}): Adam's moments, "
-            "its step count and the schedule start over; fp32 masters from the loaded weights"
+            "optimizer state and learning-rate schedule not loaded (--no-load-optim): Adam's "
+            "moments, its step count and the schedule start over; fp32 masters from the "
+            "loaded weights"
         )
     saved_scheduler = common.get("opt_param_scheduler")
     if with_optimizer and common.get("scheduler_units") != SCHEDULER_UNITS and common["iteration"]:

@@ -476,23 +476,34 @@ class _Source:
 
 def _checkpoint_source(args) -> _Source:
     """As Megatron-LM: --load's checkpoint (--ckpt-step's iteration, else the tracker's
-    newest), loaded whole or, with --finetune, the model only; where --load holds none,
-    --pretrained-checkpoint's newest, to finetune from; else none, or an error with
-    --exit-on-missing-checkpoint. Collective: every rank gets rank 0's reading."""
+    newest), loaded whole or, with --finetune, the model only; where --load holds none (no
+    tracker), --pretrained-checkpoint's (--ckpt-step's, else its newest), to finetune from;
+    else none, or an error with --exit-on-missing-checkpoint. Collective: every rank gets rank
+    0's reading."""
     ours = bool(args.load and args.save and same_folder(args.load, args.save))  # locked
     newest = None
-    if args.load is not None:
-        newest = checkpointing.iteration_to_load(args.load, args.ckpt_step, ours=ours)
+    if args.load is not None:  # the tracker's (a save killed mid-way mended first)
+        newest = checkpointing.agreed_iteration(args.load, ours=ours)
     if newest is not None:
+        newest = checkpointing.iteration_to_load(args.load, args.ckpt_step, newest)
         return _Source(args.load, newest, args.finetune, "--finetune")
     if args.pretrained_checkpoint is not None:
-        pretrained = checkpointing.agreed_iteration(args.pretrained_checkpoint)
+        root = args.pretrained_checkpoint
+        pretrained = checkpointing.agreed_iteration(root)
+        if pretrained is not None:
+            pretrained = checkpointing.iteration_to_load(
+                root, args.ckpt_step, pretrained, "--pretrained-checkpoint"
+            )
         if pretrained is None:
             raise checkpointing.CheckpointError(
                 f"--pretrained-checkpoint {args.pretrained_checkpoint} holds no checkpoint"
                 + (f" (nor does --load {args.load})" if args.load else "")
             )
-        return _Source(args.pretrained_checkpoint, pretrained, True, "--pretrained-checkpoint")
+        return _Source(root, pretrained, True, "--pretrained-checkpoint")
+    if args.ckpt_step is not None:
+        raise checkpointing.CheckpointError(
+            f"--ckpt-step {args.ckpt_step}: --load {args.load} holds no checkpoint"
+        )
     if args.exit_on_missing_checkpoint:
         raise checkpointing.CheckpointError(
             f"--load {args.load} holds no checkpoint (--exit-on-missing-checkpoint)"

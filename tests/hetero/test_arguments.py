@@ -508,8 +508,12 @@ def test_load_and_save_are_checked_at_start(tmp_path):
 
 def test_megatron_checkpoint_flags_are_checked_at_start(tmp_path):
     for extra, message in [
-        ("--finetune", "--finetune loads a model: give --load (or --pretrained-checkpoint)"),
-        ("--ckpt-step 5", "--ckpt-step needs --load"),
+        ("--finetune", "--finetune loads a model: give --load"),
+        (
+            f"--load {tmp_path} --finetune --pretrained-checkpoint {tmp_path}",
+            "--finetune with --pretrained-checkpoint would finetune from --load's own",
+        ),
+        ("--ckpt-step 5", "--ckpt-step needs --load (or --pretrained-checkpoint)"),
         (f"--load {tmp_path} --ckpt-step 0", "--ckpt-step must be positive, got 0"),
         ("--exit-on-missing-checkpoint", "--exit-on-missing-checkpoint needs --load"),
         (
@@ -520,9 +524,12 @@ def test_megatron_checkpoint_flags_are_checked_at_start(tmp_path):
         with pytest.raises(ArgumentError) as err:
             _args(extra)
         assert message in str(err.value), extra
-    # a --load that does not exist yet, with a checkpoint to finetune from until it does
-    args = _args(f"--load {tmp_path}/mine --pretrained-checkpoint {tmp_path} --finetune")
-    assert args.finetune and args.pretrained_checkpoint == str(tmp_path)
+    # Megatron-LM's finetuning pattern: --load (= --save) does not exist yet
+    mine = f"{tmp_path}/mine"
+    args = _args(f"--load {mine} --save {mine} --pretrained-checkpoint {tmp_path} --ckpt-step 2")
+    assert args.pretrained_checkpoint == str(tmp_path) and args.ckpt_step == 2
+    with pytest.raises(ArgumentError, match="no such directory"):  # a typo stays one
+        _args(f"--load {tmp_path}/typo --pretrained-checkpoint {tmp_path}")
     for flag in ("no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng"):
         assert getattr(_args(f"--{flag.replace('_', '-')}"), flag) is True
 

@@ -6,6 +6,8 @@ start over, fp32 masters from the loaded weights, the plan and iteration carry o
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from megatron.core import dist_checkpointing
@@ -34,6 +36,13 @@ def pretrained(tmp_path_factory):
     argv = ARGV + _iters(4) + ["--save", str(folder), "--save-interval", "2"]
     ranks = run_ranks(train_with_resizes, 2, argv, {2: [("migrate", MIGRATED)]}, {4})
     return folder, ranks
+
+
+def _saved_keys(path: str) -> set:
+    """The sharded entries a checkpoint folder holds (its torch_dist metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 def _values(ranks, it: int) -> dict:
@@ -81,6 +90,9 @@ def test_finetune_loads_the_model_alone_into_this_runs_plan(pretrained):
         f"loaded checkpoint from {folder} at iteration 4, the model only (--finetune): "
         "starting from iteration 0" in ranks[0]["stdout"]
     )
+    # the data from its start, the schedule from its start (one step of 4 samples)
+    assert re.search(r"iteration\s+1/\s+2 \| consumed samples:\s+4 \|", ranks[0]["stdout"])
+    assert ranks[0]["records"][1]["scheduler_steps"] == 4
     assert _attention_units(ranks[0], 1) == [0, 1]  # this run's (even) plan
     _check_fresh_adam_step_from(ranks, 1, _values(saved, 4))
 
@@ -95,19 +107,30 @@ def test_no_load_optim_keeps_plan_and_iteration_and_a_checkpoint_without_optimiz
     ranks = run_ranks(train_with_resizes, 2, argv + _iters(6), {}, {5})
     assert sorted(ranks[0]["losses"]) == [5, 6]
     assert _attention_units(ranks[0], 5) == _attention_units(saved[0], 4)  # the checkpoint's plan
+    assert re.search(r"iteration\s+5/\s+6 \| consumed samples:\s+20 \|", ranks[0]["stdout"])
+    assert ranks[0]["records"][5]["scheduler_steps"] == 4  # the schedule started over
     assert (
         "optimizer state and learning-rate schedule not loaded (--no-load-optim)"
         in ranks[0]["stdout"]
     )
     _check_fresh_adam_step_from(ranks, 5, _values(saved, 4))
-    common = dist_checkpointing.load_common_state_dict(str(again / "iter_0000006"))
+    path = str(again / "iter_0000006")
+    common = dist_checkpointing.load_common_state_dict(path)
     assert common["args"][OPTIMIZER_KEY] is False and common["args"][RNG_SAVED_KEY] is False
-    assert "opt_param_scheduler" not in common and "rng_states" not in common
+    assert "opt_param_scheduler" not in common
 
-    # loaded without flags, it starts the optimizer and the generators over, and says so
-    resumed = run_ranks(train_with_resizes, 2, ARGV + _iters(7) + ["--load", str(again)], {}, {7})
+    def kinds(path):  # optimizer.* (moments, masters), rng_states/*, model weights, ...
+        return {key.split(".")[0].split("/")[0] for key in _saved_keys(path)}
+
+    assert {"optimizer", "rng_states"} <= kinds(str(folder / "iter_0000004"))
+    assert not {"optimizer", "rng_states"} & kinds(path), kinds(path)
+
+    # as Megatron-LM: loading it needs --no-load-optim, and the generators start over
+    plain = ARGV + _iters(7) + ["--load", str(again)]
+    with pytest.raises(AssertionError, match="holds no optimizer state .* --no-load-optim"):
+        run_ranks(train_with_resizes, 2, plain, {}, ())
+    resumed = run_ranks(train_with_resizes, 2, plain + ["--no-load-optim"], {}, {7})
     assert sorted(resumed[0]["losses"]) == [7]
-    assert "not loaded (saved with --no-save-optim)" in resumed[0]["stdout"]
     assert "RNG states not loaded (saved with --no-save-rng)" in resumed[0]["stdout"]
     assert resumed[0]["records"][7]["count"] == 1
 
@@ -126,9 +149,12 @@ def test_ckpt_step_pretrained_checkpoint_and_a_missing_checkpoint(pretrained, tm
     # Megatron-LM's finetuning pattern: --load and --save one folder, empty at first
     mine = str(tmp_path / "mine")
     argv = vanilla + ["--load", mine, "--save", mine, "--pretrained-checkpoint", str(folder)]
-    first = run_ranks(train, 1, argv + _iters(2))[0]
+    first = run_ranks(train, 1, argv + _iters(2) + ["--ckpt-step", "2"])[0]
     assert sorted(first["losses"]) == [1, 2]
-    assert "the model only (--pretrained-checkpoint): starting from iteration 0" in first["stdout"]
+    assert (
+        f"from {folder} at iteration 2, the model only (--pretrained-checkpoint): starting "
+        "from iteration 0" in first["stdout"]
+    )
     second = run_ranks(train, 1, argv + _iters(3))[0]  # from its own checkpoint now
     assert sorted(second["losses"]) == [3]
     assert f"loaded checkpoint from {mine} at iteration 2" in second["stdout"]

@@ -948,6 +948,7 @@ def train_with_resizes(argv: list[str], actions: dict, values_at=None) -> dict:
             "blocks": record,
             "state_keys": keys,
             "count": step_count(optimizer),  # the optimizer's steps: Adam's bias correction
+            "scheduler_steps": state.scheduler.num_steps,  # samples the schedule has counted
             "shares": resizer.shares,
             "observed": None
             if evidence is None
