@@ -595,6 +595,18 @@ def _add_logging_args(parser):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="The L2 norm of the weights in the iteration line (params norm), as Megatron-LM: "
+        "the optimizer's fp32 copy, each element counted once.",
+    )
+    g.add_argument(
+        "--log-num-zeros-in-grad",
+        action="store_true",
+        help="How many gradient elements are zero, in the iteration line (num zeros), as "
+        "Megatron-LM (megatron-core's count, each element once).",
+    )
+    g.add_argument(
         "--log-throughput",
         action="store_true",
         help="Model TFLOP/s per GPU (or CPU rank) in the iteration line, Megatron-LM's formula.",

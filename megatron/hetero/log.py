@@ -462,6 +462,8 @@ class Logger:
                 skipped=bool(skipped),
                 elapsed_ms=elapsed * 1000.0,
                 tokens_per_s=tokens_per_s,
+                **({"num_zeros": step.num_zeros} if step.num_zeros is not None else {}),
+                **({"params_norm": step.params_norm} if step.params_norm is not None else {}),
             )
         if self.writer is not None:
             self.writer.add_scalar("lm loss", loss, iteration)
@@ -469,6 +471,10 @@ class Logger:
             self.writer.add_scalar("grad-norm", grad_norm, iteration)
             self.writer.add_scalar("loss-scale", step.loss_scale, iteration)
             self.writer.add_scalar("iteration-time", elapsed, iteration)
+            if step.num_zeros is not None:
+                self.writer.add_scalar("num-zeros", step.num_zeros, iteration)
+            if step.params_norm is not None:
+                self.writer.add_scalar("params-norm", step.params_norm, iteration)
         self._skipped += int(skipped)
         self._nan += int(not math.isfinite(loss))
         self._window.append((loss, grad_norm, elapsed, global_batch_size))
@@ -489,6 +495,10 @@ class Logger:
             shown = f"{per_device:.1f}" if per_device >= 1 else f"{per_device:.4f}"  # CPU ranks
             throughput = f" throughput per GPU (TFLOP/s/GPU): {shown} |"
         norm = f" grad norm: {grad_norm:.3f} |" if step.grad_norm is not None else ""
+        if step.num_zeros is not None:  # Megatron-LM's fields, in its order
+            norm += f" num zeros: {step.num_zeros} |"
+        if step.params_norm is not None:
+            norm += f" params norm: {step.params_norm:.3f} |"
         line = (
             f" [{_stamp()}] iteration {iteration:8d}/{args.train_iters:8d} |"
             f" consumed samples: {consumed:12d} |"

@@ -35,6 +35,7 @@ from .data import build_datasets, build_loader, get_batch, tokenizer_from_args
 from .ddp import HetDDP, gathered_params
 from .log import Logger
 from .model import build_gpt_model, transformer_config
+from .param_norm import params_l2_norm
 from .partition import comm_device
 from .profiling import StepProfiler
 from .runtime import HetTPRuntime, SavedPlan, TrainState
@@ -50,6 +51,8 @@ class StepResult:
     grad_norm: float | None  # None where gradients are not clipped
     skipped: bool  # the update was not applied (fp16 overflow)
     loss_scale: float  # 1.0 unless fp16's scaler is on
+    num_zeros: float | None = None  # zero gradient elements (--log-num-zeros-in-grad)
+    params_norm: float | None = None  # after the step (--log-params-norm)
 
 
 @dataclasses.dataclass
@@ -134,6 +137,7 @@ def optimizer_config(args) -> OptimizerConfig:
         decoupled_min_lr=args.decoupled_min_lr,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
 
 
@@ -310,7 +314,7 @@ def train_step(
     _empty_cache(args, 1)
     if runtime is not None:
         runtime.before_optimizer_step()
-    update_successful, grad_norm, _ = optimizer.step()
+    update_successful, grad_norm, num_zeros = optimizer.step()
     if runtime is not None:
         runtime.after_optimizer_step()
     _empty_cache(args, 2)
@@ -321,6 +325,8 @@ def train_step(
         grad_norm=grad_norm,
         skipped=not update_successful,
         loss_scale=float(optimizer.get_loss_scale()),  # read after the step: fp16 updates it
+        num_zeros=float(num_zeros) if num_zeros is not None else None,
+        params_norm=params_l2_norm(optimizer) if args.log_params_norm else None,
     )
 
 

@@ -1,7 +1,7 @@
 """Megatron-LM flags honoured on real gloo ranks: sample-based schedules (equal to the
 iteration-based ones, and resumed exactly), per-token loss, causal masks left to the attention,
-manual garbage collection, throughput logging, zero-centred norms, the torch profiler; and what
-the rest map to."""
+manual garbage collection, throughput logging, the params norm and zero-gradient count,
+zero-centred norms, the torch profiler; and what the rest map to."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import re
 import pytest
 import torch
 
+from hettp.metrics import read_metrics
 from megatron.hetero.arguments import build_parser, validate_args
 from megatron.hetero.data import dataset_config, tokenizer_from_args
 from megatron.hetero.flops import flops_per_sample
 from megatron.hetero.training import optimizer_config
-from tests.utils import MHA, run_ranks, train
+from tests.utils import GQA, MHA, run_ranks, train
 
 TP2 = " --tensor-model-parallel-size 2 --global-batch-size 8 --eval-iters 0 --log-interval 1"
 
@@ -147,3 +148,35 @@ def test_throughput_counts_megatrons_model_flops():
     q, kv = 64, 2 * 16 * 2  # 4 heads x 16 channels; K and V of 2 groups
     per_token = layers * (h * 96 * 3 + h * (q + kv) + q * s + q * h) + h * vocab
     assert flops_per_sample(args, vocab) == pytest.approx(6 * s * per_token)
+
+
+def test_params_norm_and_zero_gradients_count_each_element_once(tmp_path):
+    """--log-params-norm and --log-num-zeros-in-grad with head units, a query group split over
+    the TP ranks (its K/V on both) and the distributed optimizer over 2 replicas: vanilla
+    TP=1's figures on the same model (the K/V counted once, each replica's range of the
+    masters summed), in Megatron-LM's fields of the iteration line."""
+    argv = GQA.replace("--train-iters 1", "--train-iters 3").split() + [
+        "--global-batch-size",
+        "8",
+        "--log-interval",
+        "1",
+        "--log-params-norm",
+        "--log-num-zeros-in-grad",
+        "--untie-embeddings-and-output-weights",  # input rows of unseen tokens: zero gradients
+    ]
+    vanilla = run_ranks(train, 1, argv + ["--metrics-file", str(tmp_path / "tp1.jsonl")])[0]
+    het = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--het-tp"]
+    het += ["--het-tp-attn-granularity", "1", "--het-tp-plan", "attn=3,5"]
+    split = run_ranks(train, 4, argv + het + ["--metrics-file", str(tmp_path / "het.jsonl")])[0]
+    want = list(read_metrics(str(tmp_path / "tp1.jsonl"), "train"))
+    got = list(read_metrics(str(tmp_path / "het.jsonl"), "train"))
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want] == [1, 2, 3]
+    for a, b in zip(got, want):
+        assert a["params_norm"] == pytest.approx(b["params_norm"], rel=1e-6), a["iteration"]
+        assert a["num_zeros"] == b["num_zeros"] > 0, a["iteration"]
+    line = re.search(
+        r"iteration\s+3/.* \| num zeros: (\S+) \| params norm: (\S+) \|", split["stdout"]
+    )
+    assert line and float(line.group(1)) == got[-1]["num_zeros"]
+    assert float(line.group(2)) == pytest.approx(got[-1]["params_norm"], abs=5e-4)
+    assert "params norm" in vanilla["stdout"]
