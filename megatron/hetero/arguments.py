@@ -870,7 +870,8 @@ def _validate_schedule(args) -> None:
 def _validate_schedule_shapes(args, unit: str) -> None:
     """WSD's decay length and the weight-decay ramp, as Megatron-LM takes them (its asserts,
     here errors naming the flags). Sets args.wsd_decay_steps (in samples, as the schedule)
-    and args.start_weight_decay / end_weight_decay."""
+    and args.start_wd / end_wd (the flags themselves stay as given: validation may run again
+    on the same args)."""
     other = "samples" if unit == "iters" else "iters"
     _require(
         getattr(args, f"lr_wsd_decay_{other}") is None,
@@ -901,7 +902,7 @@ def _validate_schedule_shapes(args, unit: str) -> None:
             "--start-weight-decay and --end-weight-decay go with --weight-decay-incr-style "
             "linear or cosine (constant: --weight-decay)",
         )
-        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+        args.start_wd = args.end_wd = args.weight_decay
     else:
         _require(
             None not in ramp,
@@ -912,6 +913,7 @@ def _validate_schedule_shapes(args, unit: str) -> None:
             min(ramp) >= 0.0,
             f"--start-weight-decay and --end-weight-decay must be >= 0, got {ramp[0]}, {ramp[1]}",
         )
+        args.start_wd, args.end_wd = ramp
 
 
 def _validate_device_features(args, cuda_available: bool) -> None:
