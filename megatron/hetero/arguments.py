@@ -595,10 +595,39 @@ def _add_logging_args(parser):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
+        "--tensorboard-log-interval",
+        type=int,
+        default=1,
+        help="Iterations between the training scalars written to TensorBoard.",
+    )
+    g.add_argument(
+        "--tensorboard-queue-size",
+        type=int,
+        default=1000,
+        help="Events TensorBoard's writer holds before one of them forces a flush to disk.",
+    )
+    g.add_argument(
+        "--no-log-loss-scale-to-tensorboard",
+        action="store_false",
+        dest="log_loss_scale_to_tensorboard",
+        help="Leave the loss scale out of TensorBoard.",
+    )
+    g.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="Also the validation (and test) perplexity in TensorBoard.",
+    )
+    g.add_argument(
+        "--log-world-size-to-tensorboard",
+        action="store_true",
+        help="Also the world size in TensorBoard, every logged iteration.",
+    )
+    g.add_argument(
         "--log-params-norm",
         action="store_true",
         help="The L2 norm of the weights in the iteration line (params norm), as Megatron-LM: "
-        "the optimizer's fp32 copy, each element counted once.",
+        "the optimizer's fp32 copy (also under --fp16, where Megatron-LM reads the fp16 "
+        "weights), each element counted once.",
     )
     g.add_argument(
         "--log-num-zeros-in-grad",
@@ -912,6 +941,11 @@ def _validate_schedule_shapes(args, unit: str) -> None:
         _require(
             min(ramp) >= 0.0,
             f"--start-weight-decay and --end-weight-decay must be >= 0, got {ramp[0]}, {ramp[1]}",
+        )
+        _require(
+            ramp[1] >= ramp[0],
+            f"--end-weight-decay ({ramp[1]}) must be at least --start-weight-decay ({ramp[0]}): "
+            "the weight decay ramps up",
         )
         args.start_wd, args.end_wd = ramp
 
@@ -1280,6 +1314,9 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
         _check_split_sizes(args, blend_weights, lengths)
 
+    for flag in ("tensorboard_log_interval", "tensorboard_queue_size"):
+        value = getattr(args, flag)
+        _require(value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError(
             "--tensorboard-dir needs the tensorboard package "

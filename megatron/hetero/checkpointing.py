@@ -78,6 +78,8 @@ SCHEDULE_FLAGS = {
     "end_wd": "--weight-decay (or --end-weight-decay)",
     "wd_incr_style": "--weight-decay-incr-style",
     "wd_incr_steps": "the run's length",
+    "wsd_decay_steps": "--lr-wsd-decay-iters/-samples",
+    "lr_wsd_decay_style": "--lr-wsd-decay-style",
 }
 
 # The flags behind the optimizer's parameter-group values (portable_optimizer.FLAG_GROUP_KEYS): a
@@ -123,6 +125,8 @@ def schedule_changes(saved: dict, current: dict) -> list[str]:
     )
     moot = {"lr_decay_steps"} if constant_lr else set()
     moot |= {"wd_incr_steps", "wd_incr_style"} if constant_wd else set()
+    if "WSD" not in (saved["lr_decay_style"], current["lr_decay_style"]):
+        moot |= set(WSD_KEYS)  # (checkpoints from before WSD hold neither)
     changes = {}
     for key, flag in SCHEDULE_FLAGS.items():
         if saved.get(key) == current[key] or flag in changes or key in moot:
@@ -267,8 +271,27 @@ def _sharded_state(model, optimizer, scheduler, *, is_loading: bool) -> dict:
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
-        "opt_param_scheduler": scheduler.state_dict(),
+        "opt_param_scheduler": scheduler_state(scheduler),
     }
+
+
+# WSD's two settings, which megatron-core's scheduler keeps but leaves out of its state_dict
+WSD_KEYS = ("wsd_decay_steps", "lr_wsd_decay_style")
+
+
+def scheduler_state(scheduler) -> dict:
+    """The scheduler's state as a checkpoint keeps it: megatron-core's, and WSD's settings."""
+    return {**scheduler.state_dict(), **{key: getattr(scheduler, key) for key in WSD_KEYS}}
+
+
+def restore_scheduler(scheduler, saved: dict, override: bool) -> None:
+    """megatron-core's load (the checkpoint's values unless `override`), WSD's settings
+    alike: a checkpoint's WSD decay with this run's other schedule would fail mid-run."""
+    if not override:  # first: the load steps the scheduler to its count
+        for key in WSD_KEYS:
+            if key in saved:
+                setattr(scheduler, key, saved[key])
+    scheduler.load_state_dict(saved)
 
 
 def save_checkpoint(
@@ -396,7 +419,13 @@ def scheduler_state_in_samples(state: dict, global_batch_size: int) -> dict:
     the global batch (without this, a resumed run would decay the learning rate that many
     times too fast)."""
     converted = dict(state)
-    for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"):
+    for key in (
+        "num_steps",
+        "lr_warmup_steps",
+        "lr_decay_steps",
+        "wd_incr_steps",
+        "wsd_decay_steps",
+    ):
         if converted.get(key) is not None:
             converted[key] = converted[key] * global_batch_size
     return converted
@@ -487,7 +516,9 @@ def load_checkpoint(
     if with_optimizer and common.get("scheduler_units") != SCHEDULER_UNITS and common["iteration"]:
         batch = common["consumed_train_samples"] // common["iteration"]
         saved_scheduler = scheduler_state_in_samples(saved_scheduler, batch)
-    changes = schedule_changes(saved_scheduler, scheduler.state_dict()) if with_optimizer else []
+    changes = (
+        schedule_changes(saved_scheduler, scheduler_state(scheduler)) if with_optimizer else []
+    )
     saved_groups = saved_param_groups(common.get("optimizer")) if with_optimizer else None
     if saved_groups is not None:
         changes += group_changes(saved_groups, optimizer.param_groups, changes)
@@ -549,7 +580,7 @@ def load_checkpoint(
             set_group_values(optimizer, fresh)
         elif saved_groups is not None and len(saved_groups) == len(optimizer.param_groups):
             set_group_values(optimizer, saved_groups)
-        scheduler.load_state_dict(saved_scheduler)
+        restore_scheduler(scheduler, saved_scheduler, args.override_opt_param_scheduler)
     else:
         optimizer.reload_model_params()  # the masters were made from the initial weights
     warning = None

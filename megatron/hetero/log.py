@@ -376,7 +376,9 @@ class Logger:
         if self.is_printer and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+            self.writer = SummaryWriter(
+                log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size
+            )
         self._window = []  # (loss, grad_norm, elapsed, batch) since the last interval's line
         self._first = True  # the job's first iteration is printed too (start-up cost shown)
         self._evaluated: set[tuple[str, int]] = set()  # (split, iteration) recorded
@@ -465,11 +467,14 @@ class Logger:
                 **({"num_zeros": step.num_zeros} if step.num_zeros is not None else {}),
                 **({"params_norm": step.params_norm} if step.params_norm is not None else {}),
             )
-        if self.writer is not None:
+        if self.writer is not None and iteration % args.tensorboard_log_interval == 0:
             self.writer.add_scalar("lm loss", loss, iteration)
             self.writer.add_scalar("learning-rate", lr, iteration)
             self.writer.add_scalar("grad-norm", grad_norm, iteration)
-            self.writer.add_scalar("loss-scale", step.loss_scale, iteration)
+            if args.log_loss_scale_to_tensorboard:
+                self.writer.add_scalar("loss-scale", step.loss_scale, iteration)
+            if args.log_world_size_to_tensorboard:
+                self.writer.add_scalar("world-size", args.world_size, iteration)
             self.writer.add_scalar("iteration-time", elapsed, iteration)
             if step.num_zeros is not None:
                 self.writer.add_scalar("num-zeros", step.num_zeros, iteration)
@@ -536,6 +541,8 @@ class Logger:
             self.metrics.write("eval", iteration=iteration, lm_loss=loss, ppl=ppl, split=split)
         if self.writer is not None:
             self.writer.add_scalar(f"lm loss {split}", loss, iteration)
+            if self.args.log_validation_ppl_to_tensorboard:
+                self.writer.add_scalar(f"lm loss {split} ppl", ppl, iteration)
 
     def saved(self, iteration, path) -> None:
         self.info(f"  successfully saved checkpoint from iteration {iteration:7d} to {path}")

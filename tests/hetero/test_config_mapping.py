@@ -129,11 +129,14 @@ def test_wsd_and_a_weight_decay_ramp_are_megatrons(unit):
     gbs = args.global_batch_size
     kw = scheduler_kwargs(args)
     assert kw["wsd_decay_steps"] == 20 * gbs and kw["lr_wsd_decay_style"] == "linear"
+    assert kw["wd_incr_style"] == "linear" and (kw["start_wd"], kw["end_wd"]) == (0.0, 0.1)
     rates = _rates(kw, 101, gbs)
     assert all(lr == pytest.approx(1e-3) for lr, _ in rates[1:81])  # stable
-    assert rates[90][0] == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5)  # half-way down
+    # linear both ways (a cosine would read 0.854 and 0.146 of the way at the quarters)
+    assert rates[85][0] == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.75)
+    assert rates[90][0] == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5)
     assert rates[100][0] == pytest.approx(1e-5)
-    assert [wd for _, wd in rates[::50]] == pytest.approx([0.0, 0.05, 0.1])
+    assert [wd for _, wd in rates[::25]] == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1])
 
 
 @pytest.mark.parametrize(
@@ -148,6 +151,10 @@ def test_wsd_and_a_weight_decay_ramp_are_megatrons(unit):
         (
             "--weight-decay-incr-style linear --start-weight-decay -1 --end-weight-decay 0",
             "must be >= 0",
+        ),
+        (
+            "--weight-decay-incr-style linear --start-weight-decay 0.1 --end-weight-decay 0",
+            r"--end-weight-decay \(0.0\) must be at least --start-weight-decay \(0.1\)",
         ),
     ],
 )

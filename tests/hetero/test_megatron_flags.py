@@ -153,8 +153,9 @@ def test_throughput_counts_megatrons_model_flops():
 def test_params_norm_and_zero_gradients_count_each_element_once(tmp_path):
     """--log-params-norm and --log-num-zeros-in-grad with head units, a query group split over
     the TP ranks (its K/V on both) and the distributed optimizer over 2 replicas: vanilla
-    TP=1's figures on the same model (the K/V counted once, each replica's range of the
-    masters summed), in Megatron-LM's fields of the iteration line."""
+    TP=1's figures on the same fp32 model (the K/V and the position embedding counted once,
+    each replica's range of the masters summed), in Megatron-LM's fields of the iteration
+    line."""
     argv = GQA.replace("--train-iters 1", "--train-iters 3").split() + [
         "--global-batch-size",
         "8",
@@ -163,6 +164,11 @@ def test_params_norm_and_zero_gradients_count_each_element_once(tmp_path):
         "--log-params-norm",
         "--log-num-zeros-in-grad",
         "--untie-embeddings-and-output-weights",  # input rows of unseen tokens: zero gradients
+        # position rows past --seq-length get none either, in a tensor every TP rank holds
+        "--position-embedding-type",
+        "learned_absolute",
+        "--max-position-embeddings",
+        "64",
     ]
     vanilla = run_ranks(train, 1, argv + ["--metrics-file", str(tmp_path / "tp1.jsonl")])[0]
     het = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--het-tp"]

@@ -183,6 +183,13 @@ def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
         str(tmp_path / "m.jsonl"),
         "--tensorboard-dir",
         str(tmp_path / "tb"),
+        "--tensorboard-log-interval",
+        "5",
+        "--tensorboard-queue-size",
+        "3",
+        "--log-validation-ppl-to-tensorboard",
+        "--log-world-size-to-tensorboard",
+        "--no-log-loss-scale-to-tensorboard",
     ]
     result = run_ranks(train, 2, argv)[0]
     losses = _losses(result)
@@ -206,9 +213,14 @@ def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    logged = [e.value for e in events.Scalars("lm loss")]
-    assert logged == pytest.approx(losses, rel=1e-6)
-    assert [e.step for e in events.Scalars("lm loss validation")] == [20, 40]
+    logged = {e.step: e.value for e in events.Scalars("lm loss")}  # every 5th iteration
+    assert logged == pytest.approx({i: losses[i - 1] for i in range(5, 41, 5)}, rel=1e-6)
+    validation = events.Scalars("lm loss validation")
+    assert [e.step for e in validation] == [20, 40]
+    ppl = [e.value for e in events.Scalars("lm loss validation ppl")]
+    assert ppl == pytest.approx([math.exp(e.value) for e in validation], rel=1e-5)
+    assert {e.value for e in events.Scalars("world-size")} == {2}
+    assert "loss-scale" not in events.Tags()["scalars"]
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
@@ -303,6 +315,35 @@ def test_a_changed_schedule_on_resume_is_refused_unless_a_flag_says_whose(tmp_pa
     assert lr_at_4("--override-opt_param-scheduler") == pytest.approx(2e-3)
     assert lr_at_4("--use-checkpoint-opt_param-scheduler") == pytest.approx(1e-3)
     assert lr_at_4(argv=base + ["--load", str(ckpt)]) == pytest.approx(1e-3)  # longer, same rate
+
+
+def test_a_wsd_schedule_resumes_with_its_decay_or_a_change_is_named(tmp_path):
+    """megatron-core's scheduler state leaves WSD's decay out: the checkpoint keeps it, a
+    resumed run with another --lr-wsd-decay-iters is refused naming it, and one told to keep
+    the checkpoint's schedule (here with a cosine schedule of its own) decays as the straight
+    run did."""
+    ckpt = tmp_path / "ckpt"
+    base = MODEL + ["--lr-decay-style", "WSD", "--lr-decay-iters", "8", "--min-lr", "1e-4"]
+    wsd = ["--lr-wsd-decay-iters", "4"]
+
+    def lrs(argv, name):
+        metrics = tmp_path / f"{name}.jsonl"
+        run_ranks(train, 1, argv + ["--train-iters", "8", "--metrics-file", str(metrics)])
+        return {r["iteration"]: r["lr"] for r in read_metrics(str(metrics), "train")}
+
+    straight = lrs(base + wsd, "straight")
+    run_ranks(train, 1, base + wsd + ["--train-iters", "3", "--save", str(ckpt)])
+    with pytest.raises(AssertionError, match=r"--lr-wsd-decay-iters/-samples 32 \(this run: 16\)"):
+        run_ranks(
+            train,
+            1,
+            base + ["--lr-wsd-decay-iters", "2", "--train-iters", "8", "--load", str(ckpt)],
+        )
+    cosine = [a if a != "WSD" else "cosine" for a in base]
+    kept = lrs(cosine + ["--load", str(ckpt), "--use-checkpoint-opt_param-scheduler"], "kept")
+    assert sorted(kept) == [4, 5, 6, 7, 8]
+    assert kept == pytest.approx({i: straight[i] for i in kept}, rel=1e-9)
+    assert len({round(lr, 12) for lr in kept.values()}) > 2  # decaying, not stable
 
 
 def test_a_distributed_optimizer_saves_the_rates_it_trained_at(tmp_path):
