@@ -39,6 +39,7 @@ from .unit_state import (
     OptimizerView,
     carry_group_steps,
     carry_into,
+    detach_shard_views,
     held_params,
     permute,
     permuted,
@@ -623,6 +624,7 @@ def _build(state, replaced, extra, old, step, fault):
     old_ddp = state.model
     fields = {p: (p.data, p.grad, dict(vars(p))) for p in old_ddp.module.parameters()}
     built, failures, aborted = {}, [], False
+    detach_shard_views(state.optimizer)  # or, set aside, it keeps the accumulators alive
 
     def let_go():
         if built:
@@ -671,6 +673,7 @@ def _new_optimizer(model, old_opt, replaced, extra, old):
     # asserts on them unless told (this trainer always creates them).
     gloo = getattr(parallel_state, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
     optimizer = get_megatron_optimizer(old_opt.config, [model], use_gloo_process_groups=gloo)
+    detach_shard_views(optimizer)
     if len(optimizer.param_groups) == len(old_opt.param_groups):  # built from the flags: a
         set_group_values(optimizer, old_opt.param_groups)  # resumed run's rates may differ
     carried = {}  # new model parameter -> (fp32 master or None, optimizer state)
@@ -802,7 +805,8 @@ def _rehook(wrapper) -> None:
     backward, for the rest of the run. Autograd holds an accumulator weakly; once `wrapper`
     lets go of its own (a set-aside wrapper holds none), each is dropped with its hooks, and
     its parameter gets a new one with `wrapper`'s hook. One held elsewhere too (a mark in its
-    metadata outlives the drop) is kept as it is, `wrapper`'s hook on it."""
+    metadata outlives the drop) is kept as it is, `wrapper`'s hook on it: the distributed
+    optimizer's views of fp32 weights held them until unit_state.detach_shard_views."""
     params, marks = [], []
     for accumulator in wrapper.grad_accs:
         mark = _Mark()

@@ -168,6 +168,40 @@ class OptimizerView:
         raise KeyError("scatter: the parameter is not held by a distributed optimizer")
 
 
+def detach_shard_views(optimizer) -> None:
+    """megatron-core's distributed optimizer updates an fp32 parameter in place through a view
+    of its range (`param.view(-1)[start:end]`). Once the optimizer has stepped (it sets the
+    view's .grad), such a view keeps autograd's link to the parameter, and with it the
+    parameter's gradient accumulator, alive: set aside, the optimizer lives on in reference
+    cycles until a collection, and through it the accumulator, with the hook of every DDP
+    wrapper that hooked it (partition._rehook). Each view becomes a detached view of the same
+    memory, with its attributes (tensor-parallel marks), in the optimizer's groups and state.
+    Idempotent."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(sub, DistributedOptimizer):
+            continue
+        plain = {}  # id(attached view) -> its detached twin
+        for group in sub.shard_fp32_groups:
+            for i, shard in enumerate(group):
+                if shard._base is None or not shard.requires_grad:
+                    continue  # not a view that autograd links to its parameter
+                twin = shard.detach()
+                twin.__dict__.update(shard.__dict__)  # (its last .grad: zeroed before use)
+                plain[id(shard)] = twin
+                group[i] = twin
+        if not plain:
+            continue
+        states = sub.optimizer.state
+        for group in sub.optimizer.param_groups:
+            params = group["params"]
+            for i, param in enumerate(params):
+                twin = plain.get(id(param))
+                if twin is not None:
+                    if param in states:
+                        states[twin] = states.pop(param)
+                    params[i] = twin
+
+
 def whole_state(view) -> dict:
     """{model parameter: (whole fp32 master or None, optimizer state)} of a gathered view."""
     if not view.gathered:
