@@ -670,7 +670,7 @@ def _add_checkpointing_args(parser):
         "--no-save-optim",
         action="store_true",
         help="Do not save the optimizer state (moments, fp32 masters) nor the learning-rate "
-        "schedule; a load of such a checkpoint starts them over.",
+        "schedule; loading such a checkpoint takes --no-load-optim (or --finetune).",
     )
     g.add_argument("--no-save-rng", action="store_true", help="Do not save the RNG states.")
     g.add_argument(
