@@ -162,9 +162,37 @@ def _add_network_args(parser):
     )
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument(
+        "--rotary-interleaved",
+        action="store_true",
+        help="Rotate interleaved pairs of channels (GPT-J style) rather than halves.",
+    )
+    g.add_argument(
+        "--rotary-seq-len-interpolation-factor",
+        type=int,
+        default=None,
+        help="Divide rotary positions by this factor (position interpolation).",
+    )
+    g.add_argument(
+        "--use-rope-scaling",
+        action="store_true",
+        help="Llama 3.x's scaling of the rotary frequencies (by --rope-scaling-factor).",
+    )
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument(
+        "--squared-relu",
+        action="store_true",
+        help="relu(x)^2 as the MLP's activation instead of GELU (not with --swiglu).",
+    )
+    g.add_argument(
+        "--add-qkv-bias",
+        action="store_true",
+        help="A bias on the query, key and value projections alone (with "
+        "--disable-bias-linear; Qwen2-style); implied by biases on every linear.",
+    )
     g.add_argument(
         "--qk-layernorm",
         action="store_true",
@@ -1136,6 +1164,29 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     )
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    _require(
+        not (args.squared_relu and args.swiglu),
+        "--squared-relu and --swiglu are two activations: give one",
+    )
+    if args.add_bias_linear:  # as Megatron-LM: biases on every linear, the QKV one included
+        args.add_qkv_bias = True
+    if args.position_embedding_type != "rope":
+        for flag, given in (
+            ("--rotary-interleaved", args.rotary_interleaved),
+            ("--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor),
+            ("--use-rope-scaling", args.use_rope_scaling),
+        ):
+            _require(
+                not given,
+                f"{flag} applies to --position-embedding-type rope (this run: "
+                f"{args.position_embedding_type})",
+            )
+    if args.rotary_seq_len_interpolation_factor is not None:
+        _require(
+            args.rotary_seq_len_interpolation_factor > 0,
+            "--rotary-seq-len-interpolation-factor must be positive, got "
+            f"{args.rotary_seq_len_interpolation_factor}",
+        )
     if args.position_embedding_type == "learned_absolute":
         _require(
             args.seq_length <= args.max_position_embeddings,

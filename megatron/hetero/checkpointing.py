@@ -44,9 +44,11 @@ SHAPE_ARGS = (
     "max_position_embeddings",
     "normalization",
     "apply_layernorm_1p",
+    "add_qkv_bias",
+    "qk_layernorm",
 )
 # Shape flags added after checkpoints existed: what an older checkpoint was saved with.
-SHAPE_DEFAULTS = {"apply_layernorm_1p": False}
+SHAPE_DEFAULTS = {"apply_layernorm_1p": False, "qk_layernorm": False}
 # The tokenizer's vocabulary before padding. The padded embedding may differ between TP sizes
 # (megatron-core re-pads it at load), so its shape cannot catch a changed tokenizer; this can.
 # Checkpoints from before it was saved are not checked.
@@ -484,6 +486,8 @@ def load_checkpoint(
     path = checkpoint_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
     saved = common["args"]
+    if "add_qkv_bias" not in saved:  # saved before the flag: biases on all linears or none
+        saved = {**saved, "add_qkv_bias": saved.get("add_bias_linear", True)}
     mismatched = [
         f"--{name.replace('_', '-')} {saved.get(name, SHAPE_DEFAULTS.get(name))} "
         f"(this run: {getattr(args, name)})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -33,8 +34,10 @@ def transformer_config(args) -> TransformerConfig:
         qk_layernorm=args.qk_layernorm,
         qk_l2_norm=args.qk_l2_norm,
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        activation_func=_activation(args),
+        rotary_interleaved=args.rotary_interleaved,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -63,6 +66,12 @@ def transformer_config(args) -> TransformerConfig:
     )
 
 
+def _activation(args):
+    if args.swiglu:
+        return F.silu
+    return squared_relu if args.squared_relu else F.gelu
+
+
 def build_gpt_model(args, config: TransformerConfig, vocab_size: int, layer_spec=None) -> GPTModel:
     """GPTModel on the current device; `layer_spec` defaults to megatron-core's local spec
     (with norms that handle sequence parallelism, spec.TorchNorm).
@@ -88,6 +97,9 @@ def build_gpt_model(args, config: TransformerConfig, vocab_size: int, layer_spec
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -67,6 +67,47 @@ def test_optimizer_flags_reach_optimizer_config():
     assert sgd.optimizer == "sgd" and sgd.sgd_momentum == 0.5
 
 
+def test_qwen_and_llama3_model_flags_reach_the_config_and_the_model(monkeypatch):
+    from megatron.core.activations import squared_relu
+
+    import megatron.hetero.model as model
+
+    args = _args(
+        "--disable-bias-linear --add-qkv-bias --squared-relu --position-embedding-type rope "
+        "--rotary-interleaved --rotary-seq-len-interpolation-factor 4 --use-rope-scaling "
+        "--rope-scaling-factor 16"
+    )
+    c = transformer_config(args)
+    assert c.add_qkv_bias and not c.add_bias_linear and c.activation_func is squared_relu
+    assert c.rotary_interleaved
+    assert transformer_config(_args()).add_qkv_bias  # biases on every linear: the QKV's too
+    built = {}
+    monkeypatch.setattr(model, "GPTModel", lambda **kw: built.update(kw))
+    monkeypatch.setattr(model, "get_num_layers_to_build", lambda config: config.num_layers)
+    monkeypatch.setattr(model.parallel_state, "is_pipeline_first_stage", lambda: True)
+    monkeypatch.setattr(model.parallel_state, "is_pipeline_last_stage", lambda: True)
+    model.build_gpt_model(args, c, 255)
+    assert built["rope_scaling"] and built["rope_scaling_factor"] == 16.0
+    assert built["seq_len_interpolation_factor"] == 4
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ("--squared-relu --swiglu", "--squared-relu and --swiglu are two activations"),
+        ("--use-rope-scaling", "--use-rope-scaling applies to --position-embedding-type rope"),
+        ("--rotary-interleaved", "--rotary-interleaved applies to --position-embedding-type"),
+        (
+            "--position-embedding-type rope --rotary-seq-len-interpolation-factor 0",
+            "--rotary-seq-len-interpolation-factor must be positive, got 0",
+        ),
+    ],
+)
+def test_model_flag_errors_name_the_flags(extra, message):
+    with pytest.raises(ArgumentError, match=message):
+        _args(extra)
+
+
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse-square-root"])
 def test_lr_schedule_matches_megatron_scheduler(style):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -56,6 +56,13 @@ NUMERICS = {
         "--het-tp-attn-granularity 1",
         [None, "attn=3,5", "attn=8,0"],
     ),
+    # Qwen2's QKV-only bias: the K/V replicas two ranks hold carry their bias rows
+    "tp2-qkv-bias": (
+        GQA2 + " --add-qkv-bias",
+        2,
+        "--het-tp-attn-granularity 1",
+        [None, "attn=3,5"],
+    ),
     "tp4-sp-qk-layernorm": (
         GQA4 + " --sequence-parallel --qk-layernorm",
         4,

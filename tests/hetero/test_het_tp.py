@@ -21,6 +21,10 @@ from tests.utils import (
     using_group_step_adam,
 )
 
+QWEN_LIKE = (
+    MHA + " --disable-bias-linear --add-qkv-bias --squared-relu --position-embedding-type rope"
+    " --rotary-interleaved --rotary-seq-len-interpolation-factor 2 --use-rope-scaling"
+)
 CASES = {
     "tp2-mha": (MHA, 2, 2, [None, "attn=3,1;mlp=200,56", "attn=4,0;mlp=0,256"]),
     "tp4-gqa-swiglu": (
@@ -39,6 +43,9 @@ CASES = {
     ),
     # --qk-l2-norm: megatron-core's weightless L2Norm in the norms' place
     "tp2-gqa-qk-l2-norm": (GQA + " --qk-l2-norm", 2, 2, [None, "attn=1,3;mlp=14,50"]),
+    # Qwen2's QKV-only bias, squared ReLU, interleaved and interpolated rotary with Llama 3's
+    # frequency scaling
+    "tp2-mha-qkv-bias-squared-relu-rope": (QWEN_LIKE, 2, 2, [None, "attn=3,1;mlp=200,56"]),
     # sequence parallelism: the sequence split stays even while the GEMM split is the plan's
     "tp4-gqa-swiglu-sp": (
         GQA + " --sequence-parallel",
@@ -52,7 +59,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def references():
     """Dense single-process references: vanilla megatron-core at TP=1, same seed, same weights."""
-    models = (MHA, GQA, GQA + " --qk-layernorm", GQA + " --qk-l2-norm")
+    models = {case[0].replace(" --sequence-parallel", "") for case in CASES.values()}
     return {model: run_ranks(het_numerics, 1, model.split(), [None])[0][0] for model in models}
 
 
@@ -70,9 +77,11 @@ def test_forward_and_gradients_match_dense_reference(references, case):
             close(result[key], want, f"{case} plan {plan} {key}")
 
 
-def test_query_key_norms_change_the_dense_reference(references):
-    """With --qk-layernorm or --qk-l2-norm the reference is not plain GQA's: the het-TP runs
-    above, which match it, run the norms too."""
+def test_model_flags_change_the_dense_reference(references):
+    """With --qk-layernorm or --qk-l2-norm the reference is not plain GQA's, nor the QKV-bias,
+    squared-ReLU, scaled-rope model's plain MHA's: the het-TP runs above, which match them, run
+    those features too."""
+    assert not torch.allclose(references[QWEN_LIKE]["losses"], references[MHA]["losses"])
     plain = references[GQA]["losses"]
     for flag in (" --qk-layernorm", " --qk-l2-norm"):
         assert not torch.allclose(references[GQA + flag]["losses"], plain), flag
