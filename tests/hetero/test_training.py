@@ -247,6 +247,10 @@ def test_loading_into_a_different_model_names_the_flags(tmp_path):
         run_ranks(train, 1, wider + ["--train-iters", "4", "--load", str(ckpt)])
     assert "CheckpointError" in str(err.value)
     assert "--hidden-size 64 (this run: 128)" in str(err.value)
+    # flags that add tensors count too (a load would drop or miss them)
+    with pytest.raises(AssertionError) as err:
+        run_ranks(train, 1, MODEL + ["--train-iters", "4", "--load", str(ckpt), "--qk-layernorm"])
+    assert "--qk-layernorm False (this run: True)" in str(err.value)
 
 
 def test_loading_with_a_different_tokenizer_names_it(tmp_path):
