@@ -586,6 +586,14 @@ def _add_data_args(parser):
         help="Indexed dataset prefixes (.bin/.idx), optionally weighted: "
         "'w1 prefix1 w2 prefix2 ...'.",
     )
+    for split in ("train", "valid", "test"):
+        g.add_argument(
+            f"--{split}-data-path",
+            nargs="*",
+            default=None,
+            help=f"The {split} split's own datasets (instead of --data-path and --split), "
+            "as --data-path takes them.",
+        )
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", default=None)
     add_tokenizer_args(g)
@@ -806,6 +814,37 @@ def _refuse_other_unit(args, unit: str, other: str) -> None:
             f"--lr-{kind}-{other} goes with --train-{other}; with --train-{unit} use "
             f"--lr-{kind}-{unit}",
         )
+
+
+def split_data_paths(args) -> dict:
+    """{flag: its datasets} of the --train-/--valid-/--test-data-path given."""
+    return {
+        f"--{split}-data-path": getattr(args, f"{split}_data_path")
+        for split in ("train", "valid", "test")
+        if getattr(args, f"{split}_data_path")
+    }
+
+
+def _checked_prefixes(paths, flag: str) -> dict:
+    """{prefix: its sequences' lengths} of a --data-path style list, each checked to be an
+    intact indexed dataset."""
+    from .dataset_files import DatasetFileError, check_indexed_dataset, sequence_lengths
+
+    lengths = {}
+    prefixes, _ = parse_data_path(paths, flag)
+    for prefix in prefixes:
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        _require(
+            not missing,
+            f"{flag} {prefix}: no {' or '.join(prefix + e for e in missing)} "
+            "(build one with scripts/preprocess_data.py)",
+        )
+        try:
+            check_indexed_dataset(prefix)
+            lengths[prefix] = sequence_lengths(prefix)
+        except DatasetFileError as err:
+            raise ArgumentError(f"{flag} {prefix}: {err}") from None
+    return lengths
 
 
 def _check_split_sizes(args, blend_weights, lengths: dict) -> None:
@@ -1254,8 +1293,18 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         args.use_cpu_initialization = not cuda_available
 
     # Data.
+    per_split = split_data_paths(args)
     _require(
-        args.mock_data != bool(args.data_path), "give exactly one of --mock-data and --data-path"
+        not (args.data_path and per_split),
+        "--data-path and --train-/--valid-/--test-data-path are exclusive: give one or the other",
+    )
+    _require(
+        not per_split or args.train_data_path,
+        "--valid-data-path/--test-data-path need --train-data-path",
+    )
+    _require(
+        args.mock_data != bool(args.data_path or per_split),
+        "give exactly one of --mock-data and --data-path (or --train-data-path)",
     )
     if args.tokenizer_type is None:
         _require(
@@ -1268,8 +1317,9 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         # GPT-2 corpus read with 256 byte ids trains on zeroed embeddings, silently at TP > 1)
         _require(
             args.mock_data,
-            "--data-path needs --tokenizer-type: the tokenizer its corpus was preprocessed with "
-            "(scripts/preprocess_data.py's default is ByteLevelTokenizer)",
+            f"{'--data-path' if args.data_path else '--train-data-path'} needs --tokenizer-type: "
+            "the tokenizer its corpus was preprocessed with (scripts/preprocess_data.py's "
+            "default is ByteLevelTokenizer)",
         )
         args.tokenizer_type = "NullTokenizer"
     if args.tokenizer_type == "GPT2BPETokenizer":
@@ -1339,23 +1389,17 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             tokenizer_from_args(args)
         except TokenizerFileError as err:
             raise ArgumentError(str(err)) from None
-    if args.data_path:
-        from .dataset_files import DatasetFileError, check_indexed_dataset, sequence_lengths
-
-        lengths = {}
-        prefixes, blend_weights = parse_data_path(args.data_path)
-        for prefix in prefixes:
-            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+    for flag, paths in per_split.items():
+        # each dataset is built whole for its split: it needs one sample
+        for prefix, lengths in _checked_prefixes(paths, flag).items():
             _require(
-                not missing,
-                f"--data-path {prefix}: no {' or '.join(prefix + e for e in missing)} "
-                "(build one with scripts/preprocess_data.py)",
+                int(lengths.sum()) >= args.seq_length + 1,
+                f"{flag} {prefix}: {int(lengths.sum())} tokens, less than one sample "
+                f"(--seq-length + 1 = {args.seq_length + 1})",
             )
-            try:
-                check_indexed_dataset(prefix)
-                lengths[prefix] = sequence_lengths(prefix)
-            except DatasetFileError as err:
-                raise ArgumentError(f"--data-path {prefix}: {err}") from None
+    if args.data_path:
+        lengths = _checked_prefixes(args.data_path, "--data-path")
+        _, blend_weights = parse_data_path(args.data_path)
         split = [s for s in args.split.replace(" ", "").replace("/", ",").split(",") if s]
         _require(
             len(split) <= 3
@@ -1452,7 +1496,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         _check_writable(args.save, "--save")
     if args.metrics_file is not None and int(os.environ.get("RANK", "0")) == 0:  # its writer
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
-    if args.data_path and int(os.environ.get("RANK", "0")) == 0:  # megatron-core's writer
+    if (args.data_path or per_split) and int(os.environ.get("RANK", "0")) == 0:  # its writer
         _check_dataset_cache(args)
     return het_tp
 
@@ -1465,7 +1509,12 @@ def _check_dataset_cache(args) -> None:
     if args.data_cache_path is not None:
         folders = [(args.data_cache_path, "")]
     else:
-        prefixes, _ = parse_data_path(args.data_path)
+        prefixes = [
+            prefix
+            for paths in [args.data_path or [], *split_data_paths(args).values()]
+            if paths
+            for prefix in parse_data_path(paths)[0]
+        ]
         folders = [
             (os.path.join(p, "cache", "GPTDataset_indices"), f" (the default under {p})")
             for p in prefixes
@@ -1570,22 +1619,22 @@ def _is_number(text):
     return True
 
 
-def parse_data_path(data_path):
+def parse_data_path(data_path, flag: str = "--data-path"):
     """Megatron's blend syntax: either 'prefix ...' or 'weight prefix weight prefix ...'."""
     if len(data_path) == 1 or not _is_number(data_path[0]):
         _require(
             not any(_is_number(p) for p in data_path),
-            f"--data-path {' '.join(data_path)}: mixes weights and prefixes",
+            f"{flag} {' '.join(data_path)}: mixes weights and prefixes",
         )
         return list(data_path), None
     _require(
         len(data_path) % 2 == 0 and all(_is_number(w) for w in data_path[0::2]),
-        f"--data-path {' '.join(data_path)}: expected 'weight prefix' pairs",
+        f"{flag} {' '.join(data_path)}: expected 'weight prefix' pairs",
     )
     weights = [float(w) for w in data_path[0::2]]
     _require(
         all(w >= 0 for w in weights) and sum(weights) > 0,
-        f"--data-path weights must be non-negative and not all zero, got {weights}",
+        f"{flag} weights must be non-negative and not all zero, got {weights}",
     )
     return list(data_path[1::2]), weights
 

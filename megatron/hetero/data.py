@@ -113,14 +113,25 @@ class PretrainingSampler:
 
 
 def dataset_config(args, tokenizer) -> GPTDatasetConfig:
-    blend = None
+    """megatron-core's config: --data-path's blend cut by --split, or each split's own
+    (--train-/--valid-/--test-data-path; a split without one is not built)."""
+    blend = blend_per_split = None
     if args.data_path:
-        prefixes, weights = parse_data_path(args.data_path)
-        blend = (prefixes, weights)
+        blend = parse_data_path(args.data_path)
+    elif args.train_data_path:
+        blend_per_split = [
+            parse_data_path(paths, f"--{split}-data-path") if paths else None
+            for split, paths in (
+                ("train", args.train_data_path),
+                ("valid", args.valid_data_path),
+                ("test", args.test_data_path),
+            )
+        ]
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=blend,
+        blend_per_split=blend_per_split,
         split=args.split if blend else None,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,

@@ -234,3 +234,52 @@ def test_the_dataset_index_cache_must_be_writable_at_start(tmp_path):
     built.mkdir()
     (built / "index.npy").write_text("")
     check(f"--data-cache-path {built}/")
+
+
+def test_each_split_from_its_own_datasets(tmp_path):
+    """--train-data-path and --valid-data-path (Megatron-LM's per-split datasets): training
+    reads the train datasets as --data-path with all of --split on train would, evaluation
+    reads the valid ones."""
+    from tests.utils import run_ranks, train
+
+    prefixes = {}
+    for name, documents in (("a", 6), ("b", 11)):  # two corpora (make_corpus numbers its texts)
+        (tmp_path / name).mkdir()
+        prefixes[name] = make_corpus(tmp_path / name, documents=documents)
+    argv = (
+        BASE.replace("--mock-data --vocab-size 255", "--tokenizer-type ByteLevelTokenizer")
+        .replace("--train-iters 10", "--train-iters 4")
+        .replace("--eval-iters 0", "--eval-iters 1 --eval-interval 2")
+        + f" --global-batch-size 4 --hidden-dropout 0 --attention-dropout 0"
+        f" --data-cache-path {tmp_path / 'cache'}"
+    ).split()
+    a, b = prefixes["a"], prefixes["b"]
+    own = run_ranks(train, 1, argv + ["--train-data-path", a, "--valid-data-path", b])[0]
+    whole = run_ranks(train, 1, argv + ["--data-path", a, "--split", "100,0,0"])[0]
+    same = run_ranks(train, 1, argv + ["--train-data-path", a, "--valid-data-path", a])[0]
+    assert own["losses"] == whole["losses"] == same["losses"]
+    assert sorted(own["eval_losses"]) == [2, 4] and not whole["eval_losses"]
+    assert own["eval_losses"][2] != same["eval_losses"][2]  # another corpus evaluated
+
+
+def test_per_split_dataset_flags_are_checked_by_name(tmp_path):
+    from megatron.hetero.arguments import ArgumentError
+
+    prefix = make_corpus(tmp_path)
+    (tmp_path / "one").mkdir()
+    short = make_corpus(tmp_path / "one", documents=1)  # 56 tokens
+    long = "--seq-length 128 --max-position-embeddings 128"
+    for extra, message in [
+        (f"--train-data-path {prefix}", "--data-path and --train-/--valid-/--test-data-path"),
+        (f"--data-path --valid-data-path {prefix}", "need --train-data-path"),
+        (f"--data-path --train-data-path {tmp_path}/x", f"--train-data-path {tmp_path}/x: no"),
+        (
+            f"{long} --data-path --train-data-path {prefix} --test-data-path {short}",
+            f"--test-data-path {short}: 56 tokens, less than one sample (--seq-length + 1 = 129)",
+        ),
+        (f"--data-path --train-data-path 1 {prefix} {prefix}", "--train-data-path 1 "),
+    ]:
+        with pytest.raises(ArgumentError) as err:
+            _validate_on(prefix, extra)
+        assert message in str(err.value), (extra, str(err.value))
+    _validate_on(prefix, f"--data-path --train-data-path {prefix} --valid-data-path {prefix}")
