@@ -178,7 +178,12 @@ def _add_network_args(parser):
         action="store_true",
         help="Llama 3.x's scaling of the rotary frequencies (by --rope-scaling-factor).",
     )
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument(
+        "--rope-scaling-factor",
+        type=float,
+        default=None,
+        help="With --use-rope-scaling: the factor (default 8, Llama 3.1's).",
+    )
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
@@ -1220,6 +1225,10 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
                 f"{flag} applies to --position-embedding-type rope (this run: "
                 f"{args.position_embedding_type})",
             )
+    _require(
+        args.rope_scaling_factor is None or args.use_rope_scaling,
+        "--rope-scaling-factor applies with --use-rope-scaling",
+    )
     if args.rotary_seq_len_interpolation_factor is not None:
         _require(
             args.rotary_seq_len_interpolation_factor > 0,
@@ -1409,9 +1418,14 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
         _check_split_sizes(args, blend_weights, lengths)
 
-    for flag in ("tensorboard_log_interval", "tensorboard_queue_size"):
-        value = getattr(args, flag)
-        _require(value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
+    _require(
+        args.tensorboard_log_interval > 0,
+        f"--tensorboard-log-interval must be positive, got {args.tensorboard_log_interval}",
+    )
+    _require(
+        args.tensorboard_queue_size >= 0,  # 0: unbounded, as Python's queues take it
+        f"--tensorboard-queue-size must be >= 0, got {args.tensorboard_queue_size}",
+    )
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError(
             "--tensorboard-dir needs the tensorboard package "

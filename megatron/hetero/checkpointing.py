@@ -47,8 +47,10 @@ SHAPE_ARGS = (
     "add_qkv_bias",
     "qk_layernorm",
 )
-# Shape flags added after checkpoints existed: what an older checkpoint was saved with.
-SHAPE_DEFAULTS = {"apply_layernorm_1p": False, "qk_layernorm": False}
+# Shape flags added after checkpoints existed: what an older checkpoint was saved with (one
+# not listed, e.g. qk_layernorm, saved for a while before it was recorded, is not checked on
+# checkpoints without it).
+SHAPE_DEFAULTS = {"apply_layernorm_1p": False}
 # The tokenizer's vocabulary before padding. The padded embedding may differ between TP sizes
 # (megatron-core re-pads it at load), so its shape cannot catch a changed tokenizer; this can.
 # Checkpoints from before it was saved are not checked.
@@ -492,7 +494,8 @@ def load_checkpoint(
         f"--{name.replace('_', '-')} {saved.get(name, SHAPE_DEFAULTS.get(name))} "
         f"(this run: {getattr(args, name)})"
         for name in SHAPE_ARGS
-        if saved.get(name, SHAPE_DEFAULTS.get(name)) != getattr(args, name)
+        if (name in saved or name in SHAPE_DEFAULTS)
+        and saved.get(name, SHAPE_DEFAULTS.get(name)) != getattr(args, name)
     ]
     if None not in (saved.get(VOCAB_KEY), vocab_size) and saved[VOCAB_KEY] != vocab_size:
         mismatched.append(

@@ -98,7 +98,7 @@ def build_gpt_model(args, config: TransformerConfig, vocab_size: int, layer_spec
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
+        rope_scaling_factor=args.rope_scaling_factor or 8.0,  # megatron-core's default
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
     if torch.cuda.is_available():

@@ -184,7 +184,7 @@ def test_gpu_defaults_and_precision():
         ("--data-path some/prefix", 1, "give exactly one of --mock-data and --data-path"),
         ("--train-iters 0", 1, "--train-iters must be positive, got 0"),
         ("--tensorboard-log-interval 0", 1, "--tensorboard-log-interval must be positive, got 0"),
-        ("--tensorboard-queue-size -1", 1, "--tensorboard-queue-size must be positive, got -1"),
+        ("--tensorboard-queue-size -1", 1, "--tensorboard-queue-size must be >= 0, got -1"),
         ("--het-dp-compress int8", 1, "--het-dp-compress int8 compresses the data-parallel"),
         (
             "--het-dp-compress bf16 --use-distributed-optimizer",

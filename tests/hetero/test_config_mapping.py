@@ -101,6 +101,10 @@ def test_qwen_and_llama3_model_flags_reach_the_config_and_the_model(monkeypatch)
             "--position-embedding-type rope --rotary-seq-len-interpolation-factor 0",
             "--rotary-seq-len-interpolation-factor must be positive, got 0",
         ),
+        (
+            "--position-embedding-type rope --rope-scaling-factor 4",
+            "--rope-scaling-factor applies with --use-rope-scaling",
+        ),
     ],
 )
 def test_model_flag_errors_name_the_flags(extra, message):

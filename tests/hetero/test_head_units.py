@@ -124,9 +124,10 @@ def test_resized_heads_equal_the_reference_with_those_heads_zeroed():
 
 TRAINING = {
     # TP=2 x DP=2 under the distributed optimizer: replicas' gradients are made whole over DP
-    # before their TP sum; with --qk-layernorm (the key norm runs on the K/V replicas)
+    # before their TP sum; with --qk-layernorm (the key norm runs on the K/V replicas) and
+    # Qwen2's QKV-only bias (a moved head and a group's K/V carry their bias rows)
     "tp2-dp2-distopt": (
-        GQA2 + " --qk-layernorm",
+        GQA2 + " --qk-layernorm --add-qkv-bias",
         4,
         "--tensor-model-parallel-size 2 --use-distributed-optimizer",
         "--het-tp-attn-granularity 1",
@@ -138,8 +139,8 @@ TRAINING = {
         # group 0's K/V to rank 1; at 6: heads 3-6 go to rank 0, which holds group 0 already,
         # so only head 4 brings group 1's
         (
-            2 * (8 * 64 + 64 * 8 + 16 * 64) * 4 * 3,
-            2 * (4 * (8 * 64 + 64 * 8) + 16 * 64) * 4 * 3,
+            2 * (8 * 64 + 8 + 64 * 8 + 16 * 64 + 16) * 4 * 3,
+            2 * (4 * (8 * 64 + 8 + 64 * 8) + 16 * 64 + 16) * 4 * 3,
         ),
     ),
     "tp4-sp": (
