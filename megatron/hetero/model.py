@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -64,6 +63,12 @@ def transformer_config(args) -> TransformerConfig:
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cuda_graph_scope=[],  # the default ("full") only triggers a deprecation warning
     )
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's squared ReLU without its torch.compile: a migration changes a rank's MLP
+    width, and each new width would compile again inside the step the control loop times."""
+    return torch.pow(F.relu(x), 2)
 
 
 def _activation(args):

@@ -68,8 +68,6 @@ def test_optimizer_flags_reach_optimizer_config():
 
 
 def test_qwen_and_llama3_model_flags_reach_the_config_and_the_model(monkeypatch):
-    from megatron.core.activations import squared_relu
-
     import megatron.hetero.model as model
 
     args = _args(
@@ -78,7 +76,9 @@ def test_qwen_and_llama3_model_flags_reach_the_config_and_the_model(monkeypatch)
         "--rope-scaling-factor 16"
     )
     c = transformer_config(args)
-    assert c.add_qkv_bias and not c.add_bias_linear and c.activation_func is squared_relu
+    assert c.add_qkv_bias and not c.add_bias_linear and c.activation_func is model.squared_relu
+    x = torch.tensor([-1.0, 0.5, 2.0])
+    assert torch.equal(model.squared_relu(x), torch.tensor([0.0, 0.25, 4.0]))
     assert c.rotary_interleaved
     assert transformer_config(_args()).add_qkv_bias  # biases on every linear: the QKV's too
     built = {}
