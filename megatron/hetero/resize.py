@@ -306,14 +306,13 @@ class Resizer:
         _first_updates)."""
         optimizer = OptimizerView(state.optimizer)
         count = step_count(optimizer)
-        betas = adam_betas(optimizer)
         later, first = {}, {}
         for key, ids in resuming.items():
             for unit, frozen_at in ids.items():
                 # a count past the optimizer's: it restarted (loaded without its state), and
                 # the unit's moments with it
                 (later if 0 < frozen_at <= count else first).setdefault(key, {})[unit] = frozen_at
-        if later and betas:
+        if later:
             self._scale(
                 optimizer,
                 blocks,
@@ -334,20 +333,15 @@ class Resizer:
         if count == waiting["count"]:
             self._frozen.resuming = _merged(self._frozen.resuming, waiting["units"])
             return
-        betas = adam_betas(optimizer)
-        if betas:
-            blocks = het_blocks(state.model)
-            self._scale(
-                optimizer,
-                blocks,
-                waiting["units"],
-                lambda beta, _: first_moment_factor(beta, count),
-            )
+        blocks = het_blocks(state.model)
+        self._scale(
+            optimizer, blocks, waiting["units"], lambda beta, _: first_moment_factor(beta, count)
+        )
 
     def _scale(self, optimizer, blocks, units, factor) -> None:
         """Multiply the Adam moments of `units` (key -> {id: count frozen at}) by
         factor(beta, count frozen at), on the ranks that hold them (K/V replicas on each
-        holder, alike)."""
+        holder, alike); nothing for an optimizer without betas."""
         betas = adam_betas(optimizer)
         keys = [k for k in state_keys(optimizer, blocks) if k in betas]
         with torch.no_grad():
