@@ -47,10 +47,14 @@ SHAPE_ARGS = (
     "add_qkv_bias",
     "qk_layernorm",
 )
-# Shape flags added after checkpoints existed: what an older checkpoint was saved with (one
-# not listed, e.g. qk_layernorm, saved for a while before it was recorded, is not checked on
-# checkpoints without it).
-SHAPE_DEFAULTS = {"apply_layernorm_1p": False}
+# Shape flags added after checkpoints existed: what an older checkpoint was saved with, from
+# its other saved args (one not listed, e.g. qk_layernorm, saved for a while before it was
+# recorded, is not checked on checkpoints without it).
+SHAPE_DEFAULTS = {
+    "apply_layernorm_1p": lambda saved: False,
+    # biases on every linear or none: the QKV's went with them
+    "add_qkv_bias": lambda saved: saved.get("add_bias_linear", True),
+}
 # The tokenizer's vocabulary before padding. The padded embedding may differ between TP sizes
 # (megatron-core re-pads it at load), so its shape cannot catch a changed tokenizer; this can.
 # Checkpoints from before it was saved are not checked.
@@ -270,8 +274,11 @@ def runtime_entries(runtime) -> dict:
 
 
 def _sharded_state(model, optimizer, scheduler, *, is_loading: bool) -> dict:
-    """`optimizer`: the one checkpoint_optimizer gives (the plain optimizer's layout)."""
+    """`optimizer`: the one checkpoint_optimizer gives (the plain optimizer's layout), or None
+    for the model alone (--no-save-optim, or a load without the optimizer)."""
     model_sd = model.module.sharded_state_dict()
+    if optimizer is None:
+        return {"model": model_sd}
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -315,11 +322,8 @@ def save_checkpoint(
     detector) the checkpoint keeps, so a resumed run starts where this one stands. `staging`:
     this job's name for the folder being written (SaveLock.staging), the same on every rank.
     `vocab_size`: the tokenizer's, unpadded, which a load checks."""
-    if args.no_save_optim:
-        state = {"model": model.module.sharded_state_dict()}
-    else:
-        saved = checkpoint_optimizer(optimizer, model, is_loading=False)
-        state = _sharded_state(model, saved, scheduler, is_loading=False)
+    saved = None if args.no_save_optim else checkpoint_optimizer(optimizer, model, is_loading=False)
+    state = _sharded_state(model, saved, scheduler, is_loading=False)
     if not args.no_save_rng:
         state["rng_states"] = _rng_entry()
     if runtime is not None:
@@ -477,9 +481,10 @@ def load_checkpoint(
     `runtime` gets its saved per-TP-rank state when the checkpoint has one of the same TP
     size. `vocab_size`: this run's tokenizer's, checked against the saved one. As Megatron-LM:
     `finetune` (default --finetune) loads the model alone and starts at iteration 0;
-    --no-load-optim leaves out the optimizer state and the learning-rate schedule (also where
-    the checkpoint was saved with --no-save-optim), --no-load-rng the generators; the fp32
-    masters of an optimizer not loaded are taken from the loaded weights."""
+    --no-load-optim leaves out the optimizer state and the learning-rate schedule (which a
+    checkpoint saved with --no-save-optim needs), --no-load-rng the generators (as does a
+    checkpoint saved without them); the fp32 masters of an optimizer not loaded are taken from
+    the loaded weights."""
     finetune = args.finetune if finetune is None else finetune
     if iteration is None:
         iteration = agreed_iteration(root)
@@ -488,14 +493,15 @@ def load_checkpoint(
     path = checkpoint_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
     saved = common["args"]
-    if "add_qkv_bias" not in saved:  # saved before the flag: biases on all linears or none
-        saved = {**saved, "add_qkv_bias": saved.get("add_bias_linear", True)}
-    mismatched = [
-        f"--{name.replace('_', '-')} {saved.get(name, SHAPE_DEFAULTS.get(name))} "
-        f"(this run: {getattr(args, name)})"
+    shapes = {  # what the checkpoint's model was built with, where it can tell
+        name: saved[name] if name in saved else SHAPE_DEFAULTS[name](saved)
         for name in SHAPE_ARGS
-        if (name in saved or name in SHAPE_DEFAULTS)
-        and saved.get(name, SHAPE_DEFAULTS.get(name)) != getattr(args, name)
+        if name in saved or name in SHAPE_DEFAULTS
+    }
+    mismatched = [
+        f"--{name.replace('_', '-')} {value} (this run: {getattr(args, name)})"
+        for name, value in shapes.items()
+        if value != getattr(args, name)
     ]
     if None not in (saved.get(VOCAB_KEY), vocab_size) and saved[VOCAB_KEY] != vocab_size:
         mismatched.append(
@@ -550,13 +556,10 @@ def load_checkpoint(
     if with_rng and not saved.get(RNG_SAVED_KEY, True):
         with_rng = False
         notes.append("RNG states not loaded (saved with --no-save-rng): they start from --seed")
-    if with_optimizer:
-        # this run's per-group values, which an override puts back over the checkpoint's
-        fresh = [dict(g) for g in optimizer.param_groups]
-        loading = checkpoint_optimizer(optimizer, model, is_loading=True)
-        state = _sharded_state(model, loading, scheduler, is_loading=True)
-    else:
-        state = {"model": model.module.sharded_state_dict()}
+    # this run's per-group values, which an override puts back over the checkpoint's
+    fresh = [dict(g) for g in optimizer.param_groups]
+    loading = checkpoint_optimizer(optimizer, model, is_loading=True) if with_optimizer else None
+    state = _sharded_state(model, loading, scheduler, is_loading=True)
     if with_rng and saved.get(RNG_KEY) == RNG_PER_RANK:
         state["rng_states"] = _rng_entry(saved["data_parallel_size"])
     elif with_rng:  # the older layout: replica 0's, per stage and TP rank
