@@ -1149,10 +1149,12 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         "log_interval",
         "eval_interval",
         "make_vocab_size_divisible_by",
+        "tensorboard_log_interval",
     ):
         value = getattr(args, flag)
         _require(value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
-    for flag in ("eval_iters", "lr_warmup_iters", "num_workers"):
+    # --tensorboard-queue-size 0: unbounded, as Python's queues take it
+    for flag in ("eval_iters", "lr_warmup_iters", "num_workers", "tensorboard_queue_size"):
         value = getattr(args, flag)
         _require(value >= 0, f"--{flag.replace('_', '-')} must be >= 0, got {value}")
     for flag in ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2"):
@@ -1418,14 +1420,6 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
         _check_split_sizes(args, blend_weights, lengths)
 
-    _require(
-        args.tensorboard_log_interval > 0,
-        f"--tensorboard-log-interval must be positive, got {args.tensorboard_log_interval}",
-    )
-    _require(
-        args.tensorboard_queue_size >= 0,  # 0: unbounded, as Python's queues take it
-        f"--tensorboard-queue-size must be >= 0, got {args.tensorboard_queue_size}",
-    )
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError(
             "--tensorboard-dir needs the tensorboard package "
