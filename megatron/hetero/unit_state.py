@@ -301,23 +301,13 @@ def step_count(view) -> int:
     """How many steps the optimizer has taken (0 before its first): torch's Adam counts per
     parameter, Transformer Engine's and apex's fused Adams per group; all count together."""
     for sub in view.subs:
-        count = _count(sub.optimizer)
+        count = next(
+            (g["step"] for g in sub.optimizer.param_groups if g["params"] and "step" in g),
+            _step(sub),  # None before the first step (or where this DP rank holds nothing)
+        )
         if count is not None:
-            return count
+            return int(count.item() if isinstance(count, torch.Tensor) else count)
     return 0
-
-
-def _count(optimizer) -> int | None:
-    """A torch optimizer's step count, or None before its first step (or where this DP rank
-    holds none of its parameters)."""
-    for group in optimizer.param_groups:
-        if group["params"] and "step" in group:
-            return int(group["step"])
-    for state in optimizer.state.values():
-        if "step" in state:
-            step = state["step"]
-            return int(step.item() if isinstance(step, torch.Tensor) else step)
-    return None
 
 
 def adam_betas(view) -> dict[str, float]:
