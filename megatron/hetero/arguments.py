@@ -8,7 +8,9 @@ process prints `pretrain_gpt.py: error: <flag>: <why>` and exits with status 2, 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
+import itertools
 import math
 import os
 import tempfile
@@ -20,6 +22,8 @@ import torch
 
 from hettp.config import ConfigError, HetTPConfig, ModelShape
 from megatron.hetero.batch_schedule import BatchSchedule, Rampup
+from megatron.hetero.megatron_lm_flags import FLAGS as MEGATRON_LM_FLAGS
+from megatron.hetero.megatron_lm_flags import VERSION as MEGATRON_LM_VERSION
 from megatron.hetero.stopping import EXIT_SIGNALS
 
 TOKENIZER_TYPES = (
@@ -160,6 +164,18 @@ def _add_network_args(parser):
         default="learned_absolute",
         choices=["learned_absolute", "rope", "none"],
     )
+    g.add_argument(
+        "--no-position-embedding",
+        action="store_false",
+        dest="add_position_embedding",
+        help="Megatron-LM's older spelling: only with --position-embedding-type rope, which "
+        "adds no position embedding (use --position-embedding-type).",
+    )
+    g.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_true",
+        help="Megatron-LM's older spelling of --position-embedding-type rope.",
+    )
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument(
@@ -213,6 +229,18 @@ def _add_network_args(parser):
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument(
+        "--apply-query-key-layer-scaling",
+        action="store_true",
+        help="Scale attention scores down by the layer number before the fp32 softmax and back "
+        "inside it (headroom for --fp16).",
+    )
+    g.add_argument(
+        "--attention-softmax-in-fp32",
+        action="store_true",
+        help="Accepted for Megatron-LM's scripts: the attention softmax always runs in fp32 "
+        "here (the unfused softmax stands in for the fused kernel, which computes in fp32).",
+    )
     g.add_argument(
         "--apply-layernorm-1p",
         action="store_true",
@@ -462,6 +490,13 @@ NEVER_FUSED = (
 
 def _add_distributed_args(parser):
     g = parser.add_argument_group("distributed")
+    g.add_argument(
+        "--local-rank",
+        type=int,
+        default=None,
+        help="This process's GPU on its node (torch.distributed.launch passes it); default "
+        "the LOCAL_RANK variable torchrun sets, else 0.",
+    )
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument(
@@ -534,6 +569,30 @@ def _add_mixed_precision_args(parser):
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2**32)
+    g.add_argument(
+        "--min-loss-scale",
+        type=float,
+        default=1.0,
+        help="Dynamic loss scaling (--fp16): the scale is never lowered below this.",
+    )
+    g.add_argument(
+        "--loss-scale-window",
+        type=float,
+        default=1000,
+        help="Dynamic loss scaling: steps without an overflow before the scale doubles.",
+    )
+    g.add_argument(
+        "--hysteresis",
+        type=int,
+        default=2,
+        help="Dynamic loss scaling: overflows tolerated before the scale is halved.",
+    )
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="Accumulate and reduce gradients in fp32 (with --bf16 the default, unless "
+        "--grad-reduce-in-bf16; with --fp16 they are fp16 without this flag).",
+    )
     g.add_argument(
         "--fp8-amax-history-len",
         type=int,
@@ -623,6 +682,24 @@ def _add_data_args(parser):
         "(tests, emulation) workers take cores from the compute; pass 2 on GPUs.",
     )
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument(
+        "--reset-position-ids",
+        action="store_true",
+        help="Restart position ids after each end-of-document token in a sample.",
+    )
+    g.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="Keep attention within each document of a sample (a mask per sample: not with "
+        "--no-create-attention-mask-in-dataloader).",
+    )
+    g.add_argument(
+        "--dataloader-type",
+        default=None,
+        choices=["single", "cyclic", "external"],
+        help="single (the default): the dataset's samples in order, each once; this trainer "
+        "has no other (megatron-core's GPT dataset shuffles its samples already).",
+    )
 
 
 def _add_validation_args(parser):
@@ -759,7 +836,9 @@ def _add_checkpointing_args(parser):
 def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
     """Parse and validate; on a bad flag print a one-line error and exit with status 2."""
     parser = build_parser(extra_args_provider)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.exit(2, f"{parser.prog}: error: {unknown_flags_message(parser, unknown)}\n")
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -767,6 +846,41 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
     except ArgumentError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     return args
+
+
+def unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """What argparse left over, named apart: Megatron-LM flags this trainer does not support
+    (a launch script's; README "Flags"), and flags no Megatron-LM has (a typo, with the
+    nearest of ours). Values of either are shown after their flag, as argparse shows them."""
+    ours = [name for action in parser._actions for name in action.option_strings]
+    megatron, other = [], []
+    for i, token in enumerate(unknown):
+        if not token.startswith("--"):
+            continue
+        name = token.split("=", 1)[0]
+        values = list(itertools.takewhile(lambda t: not t.startswith("--"), unknown[i + 1 :]))
+        shown = " ".join([token, *values])
+        if name in MEGATRON_LM_FLAGS:
+            megatron.append(shown)
+        else:
+            near = difflib.get_close_matches(name, ours, n=1)
+            other.append(f"{shown} (did you mean {near[0]}?)" if near else shown)
+    parts = []
+    if megatron:
+        parts.append(
+            f"Megatron-LM flags ({MEGATRON_LM_VERSION}) this trainer does not support: "
+            f"{', '.join(megatron)} (README.md: Flags)"
+        )
+    if other or not parts:  # a stray value with no flag before it, too
+        parts.append(f"unrecognized arguments: {', '.join(other) or ' '.join(unknown)}")
+    return "; ".join(parts)
+
+
+def local_rank(args) -> int:
+    """This process's GPU on its node: --local-rank, else torchrun's LOCAL_RANK, else 0."""
+    if args.local_rank is not None:
+        return args.local_rank
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def _require(cond, msg):
@@ -1061,6 +1175,24 @@ def _validate_device_features(args, cuda_available: bool) -> None:
         "--grad-reduce-in-bf16 needs --bf16",
     )
     _require(
+        not (args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32),
+        "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 ask for two gradient "
+        "dtypes: give one",
+    )
+    _require(
+        args.min_loss_scale > 0, f"--min-loss-scale must be positive, got {args.min_loss_scale}"
+    )
+    _require(
+        args.loss_scale_window > 0,
+        f"--loss-scale-window must be positive, got {args.loss_scale_window}",
+    )
+    _require(args.hysteresis >= 1, f"--hysteresis must be >= 1, got {args.hysteresis}")
+    env_local = os.environ.get("LOCAL_RANK")
+    _require(
+        args.local_rank is None or env_local is None or args.local_rank == int(env_local),
+        f"--local-rank {args.local_rank} disagrees with LOCAL_RANK={env_local} in the environment",
+    )
+    _require(
         args.manual_gc_interval >= 0,
         f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}",
     )
@@ -1216,6 +1348,13 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     )
     if args.add_bias_linear:  # as Megatron-LM: biases on every linear, the QKV one included
         args.add_qkv_bias = True
+    if args.use_rotary_position_embeddings:  # Megatron-LM's older spelling
+        args.position_embedding_type = "rope"
+    _require(
+        args.add_position_embedding or args.position_embedding_type in ("rope", "none"),
+        "--no-position-embedding is Megatron-LM's older spelling for rope models: give "
+        f"--position-embedding-type (this run: {args.position_embedding_type})",
+    )
     if args.position_embedding_type != "rope":
         for flag, given in (
             ("--rotary-interleaved", args.rotary_interleaved),
@@ -1304,6 +1443,16 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         args.use_cpu_initialization = not cuda_available
 
     # Data.
+    _require(
+        args.dataloader_type in (None, "single"),
+        f"--dataloader-type {args.dataloader_type}: this trainer reads the samples in order "
+        "(single); megatron-core's GPT dataset shuffles them already",
+    )
+    _require(
+        not args.reset_attention_mask or args.create_attention_mask_in_dataloader,
+        "--reset-attention-mask needs the dataloader's masks: drop "
+        "--no-create-attention-mask-in-dataloader",
+    )
     per_split = split_data_paths(args)
     _require(
         not (args.data_path and per_split),

@@ -59,6 +59,10 @@ def transformer_config(args) -> TransformerConfig:
         apply_rope_fusion=False,
         persist_layer_norm=False,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        # Always: the unfused softmax stands in for the fused kernel, which computes in fp32
+        # (--attention-softmax-in-fp32 is accepted, and changes nothing).
+        attention_softmax_in_fp32=True,
         calculate_per_token_loss=args.calculate_per_token_loss,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cuda_graph_scope=[],  # the default ("full") only triggers a deprecation warning

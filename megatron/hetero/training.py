@@ -29,7 +29,7 @@ from megatron.core.transformer.module import Float16Module
 from hettp.metrics import MetricsWriter
 
 from . import checkpointing, child_processes, cpu_compat
-from .arguments import SEED_STRIDE, same_folder
+from .arguments import SEED_STRIDE, local_rank, same_folder
 from .batch_schedule import BatchSchedule, StepBatch
 from .data import build_datasets, build_loader, get_batch, tokenizer_from_args
 from .ddp import HetDDP, gathered_params
@@ -73,7 +73,7 @@ def initialize(args) -> None:
     if not dist.is_initialized():
         _default_single_process_env()
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_rank(args))
         dist.init_process_group(
             args.distributed_backend, timeout=timedelta(minutes=args.distributed_timeout_minutes)
         )
@@ -133,6 +133,9 @@ def optimizer_config(args) -> OptimizerConfig:
         params_dtype=args.params_dtype,
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         decoupled_lr=args.decoupled_lr,
         decoupled_min_lr=args.decoupled_min_lr,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -201,7 +204,10 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
 
 def ddp_config(args) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=(args.bf16 or args.fp16) and not args.grad_reduce_in_bf16,
+        # Megatron-LM's: bf16 gradients are reduced in fp32 unless asked otherwise, fp16 ones
+        # only when asked
+        grad_reduce_in_fp32=(args.bf16 and not args.grad_reduce_in_bf16)
+        or args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,

@@ -484,6 +484,31 @@ def test_bad_flags_exit_2_without_traceback(argv, world, message):
     assert proc.stderr.strip().splitlines()[-1].startswith("pretrain_gpt.py: error:")
 
 
+def test_unsupported_megatron_lm_flags_are_named_apart_from_typos(capsys):
+    """A Megatron-LM flag this trainer lacks is refused as one (with its values), a typo as
+    unrecognized with the nearest flag; neither is ignored."""
+    from megatron.hetero.arguments import parse_args
+
+    for extra, message in [
+        (
+            " --num-experts 8 --moe-router-topk=2 --no-such-flag 3",
+            "error: Megatron-LM flags (core_v0.16.1) this trainer does not support: "
+            "--num-experts 8, --moe-router-topk=2 (README.md: Flags); "
+            "unrecognized arguments: --no-such-flag 3\n",
+        ),
+        (
+            " --lr-decay-stlye cosine",
+            "error: unrecognized arguments: --lr-decay-stlye cosine "
+            "(did you mean --lr-decay-style?)\n",
+        ),
+        (" stray", "error: unrecognized arguments: stray\n"),
+    ]:
+        with pytest.raises(SystemExit) as done:
+            parse_args((BASE + extra).split(), world_size=1)
+        assert done.value.code == 2
+        assert capsys.readouterr().err.endswith(message), extra
+
+
 def test_missing_required_flag_is_named():
     proc = _run_cli(["--num-layers", "2"])
     assert proc.returncode == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -260,3 +262,105 @@ def test_tensorboard_dir_needs_tensorboard(monkeypatch, tmp_path):
     )
     with pytest.raises(ArgumentError, match="--tensorboard-dir needs the tensorboard package"):
         _args(f"--tensorboard-dir {tmp_path}")
+
+
+def test_megatron_lm_older_and_precision_flags_take_megatron_lm_meaning(monkeypatch):
+    """Flags Megatron-LM's scripts carry: the older spellings of rope, query-key layer scaling,
+    the dynamic loss scaler's settings, the gradient reduction dtype and the local rank."""
+    from megatron.hetero.arguments import local_rank
+    from megatron.hetero.training import ddp_config
+
+    assert _args("--use-rotary-position-embeddings").position_embedding_type == "rope"
+    args = _args("--position-embedding-type rope --no-position-embedding")
+    assert args.position_embedding_type == "rope" and not args.add_position_embedding
+    c = transformer_config(_args("--apply-query-key-layer-scaling --attention-softmax-in-fp32"))
+    assert c.apply_query_key_layer_scaling and c.attention_softmax_in_fp32
+    assert transformer_config(_args()).attention_softmax_in_fp32  # always, as the fused kernel
+    o = optimizer_config(
+        _args(
+            "--fp16 --min-loss-scale 4 --loss-scale-window 50 --hysteresis 3",
+            cuda=True,
+        )
+    )
+    assert (o.min_loss_scale, o.loss_scale_window, o.hysteresis) == (4, 50, 3)
+    d = optimizer_config(_args("--fp16", cuda=True))
+    assert (d.min_loss_scale, d.loss_scale_window, d.hysteresis) == (1.0, 1000, 2)
+    # Megatron-LM's gradient dtypes: bf16 reduces in fp32 unless asked, fp16 only when asked
+    for extra, fp32 in [
+        ("--bf16", True),
+        ("--bf16 --grad-reduce-in-bf16", False),
+        ("--fp16", False),
+        ("--fp16 --accumulate-allreduce-grads-in-fp32", True),
+        ("", False),
+    ]:
+        assert ddp_config(_args(extra, cuda=True)).grad_reduce_in_fp32 == fp32, extra
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert local_rank(_args()) == 0 and local_rank(_args("--local-rank 3")) == 3
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert local_rank(_args()) == 2 and local_rank(_args("--local-rank 2")) == 2
+    with pytest.raises(ArgumentError, match="--local-rank 1 disagrees with LOCAL_RANK=2"):
+        _args("--local-rank 1")
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            "--no-position-embedding",
+            "--no-position-embedding is Megatron-LM's older spelling for rope models: give "
+            "--position-embedding-type (this run: learned_absolute)",
+        ),
+        (
+            "--bf16 --grad-reduce-in-bf16 --accumulate-allreduce-grads-in-fp32",
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 ask for two",
+        ),
+        ("--min-loss-scale 0", "--min-loss-scale must be positive, got 0.0"),
+        ("--loss-scale-window -1", "--loss-scale-window must be positive, got -1.0"),
+        ("--hysteresis 0", "--hysteresis must be >= 1, got 0"),
+        ("--dataloader-type cyclic", "--dataloader-type cyclic: this trainer reads the samples"),
+        (
+            "--reset-attention-mask --no-create-attention-mask-in-dataloader",
+            "--reset-attention-mask needs the dataloader's masks",
+        ),
+    ],
+)
+def test_megatron_lm_flags_with_values_it_cannot_honour_are_refused(extra, message):
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        _args(extra, cuda="grad-reduce" in extra)
+
+
+def test_documents_reset_positions_and_attention(tmp_path):
+    """--reset-position-ids and --reset-attention-mask reach megatron-core's GPT dataset: in a
+    sample that spans documents, each document starts at position 0 and attends to itself."""
+    from megatron.hetero.data import build_datasets
+
+    prefix = make_corpus(tmp_path, documents=10)  # 56 tokens a document, EOD last
+    argv = (
+        BASE.replace("--mock-data --vocab-size 255", "--tokenizer-type ByteLevelTokenizer")
+        + f" --data-path {prefix} --split 100,0,0 --data-cache-path {tmp_path / 'cache'}"
+    )
+    samples = {}
+    for extra in ("", " --reset-position-ids --reset-attention-mask"):
+        args = build_parser().parse_args((argv + extra).split())
+        validate_args(args, 1, cuda_available=False)
+        train, _, _ = build_datasets(args, build_tokenizer(args.tokenizer_type, None))
+        samples[extra] = [train[i] for i in range(len(train))]
+    eod = build_tokenizer("ByteLevelTokenizer", None).eod
+    spanning = 0
+    for plain, reset in zip(*samples.values()):
+        assert torch.equal(torch.as_tensor(plain["tokens"]), torch.as_tensor(reset["tokens"]))
+        assert torch.equal(torch.as_tensor(plain["position_ids"]), torch.arange(32))
+        tokens = torch.as_tensor(reset["tokens"])
+        ends = (tokens[:-1] == eod).nonzero().flatten().tolist()
+        spanning += bool(ends)
+        starts = [0] + [e + 1 for e in ends]
+        document = torch.zeros(32, dtype=torch.long)
+        for s in starts[1:]:
+            document[s:] += 1
+        position = torch.arange(32) - torch.tensor(starts)[document]
+        assert torch.equal(torch.as_tensor(reset["position_ids"]), position)
+        # True where attention is masked out: later tokens, and other documents
+        masked = torch.as_tensor(reset["attention_mask"]).reshape(32, 32)
+        allowed = (document[:, None] == document[None, :]) & torch.ones(32, 32).tril().bool()
+        assert torch.equal(masked, ~allowed)
+    assert spanning >= 50  # of the 209 samples, those an EOD splits

@@ -8,6 +8,7 @@ import argparse
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -276,3 +277,21 @@ def test_upstream_s_qk_norms_reach_the_het_layer_spec():
         attention = upstream.layer_spec(runtime, "theirs").submodules.self_attention.submodules
         for norm in (attention.q_layernorm, attention.k_layernorm):
             assert want(norm), (flags, norm)
+
+
+@needs_upstream
+def test_the_megatron_lm_flag_list_is_the_checkout_s():
+    """pretrain_gpt.py tells an unsupported Megatron-LM flag from a typo by
+    megatron/hetero/megatron_lm_flags.py: it must be the checkout's own parser's list."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "megatron_lm_flags.py"),
+            os.environ["HETTP_MEGATRON_LM"],
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"),
+    )
+    assert out.returncode == 0 and "up to date" in out.stdout, out.stdout + out.stderr
