@@ -140,15 +140,17 @@ def _check_refused_flags(args) -> None:
 
 def _add_network_args(parser):
     g = parser.add_argument_group("network size")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-layers", type=int, default=None)  # required unless --use-checkpoint-args
+    g.add_argument("--hidden-size", type=int, default=None)  # required unless --use-checkpoint-args
     g.add_argument(
         "--ffn-hidden-size",
         type=int,
         default=None,
         help="Default: 4 x hidden size (or 8/3 x, rounded to 64, with --swiglu).",
     )
-    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument(
+        "--num-attention-heads", type=int, default=None
+    )  # required unless --use-checkpoint-args
     g.add_argument(
         "--kv-channels",
         type=int,
@@ -157,7 +159,7 @@ def _add_network_args(parser):
     )
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1)
-    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--seq-length", type=int, default=None)  # required unless --use-checkpoint-args
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument(
         "--position-embedding-type",
@@ -813,6 +815,13 @@ def _add_checkpointing_args(parser):
         "yet; once a run has saved into --load, its next job resumes from there.",
     )
     g.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="Take the model's flags from the checkpoint this run starts from (--load's, else "
+        "--pretrained-checkpoint's): the sizes where the command line gives none, the rest "
+        "over it. The tokenizer stays this run's (its vocabulary is checked at load).",
+    )
+    g.add_argument(
         "--ckpt-step",
         type=int,
         default=None,
@@ -839,6 +848,12 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.exit(2, f"{parser.prog}: error: {unknown_flags_message(parser, unknown)}\n")
+    try:
+        if args.use_checkpoint_args:
+            _take_checkpoint_args(args)
+        _check_model_flags_given(args)
+    except ArgumentError as err:
+        parser.error(str(err))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -874,6 +889,57 @@ def unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) -
     if other or not parts:  # a stray value with no flag before it, too
         parts.append(f"unrecognized arguments: {', '.join(other) or ' '.join(unknown)}")
     return "; ".join(parts)
+
+
+MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+def _check_model_flags_given(args) -> None:
+    """The model's sizes are required, as argparse words it, unless --use-checkpoint-args
+    took them from a checkpoint."""
+    missing = [f"--{name.replace('_', '-')}" for name in MODEL_FLAGS if getattr(args, name) is None]
+    if missing:
+        hint = " (--use-checkpoint-args: no checkpoint to take them from yet)"
+        raise ArgumentError(
+            "the following arguments are required: "
+            + ", ".join(missing)
+            + (hint if args.use_checkpoint_args else "")
+        )
+
+
+def _take_checkpoint_args(args) -> None:
+    """--use-checkpoint-args, as Megatron-LM's: the model flags recorded in the checkpoint
+    training will start from replace the command line's (the sizes only where it gives none);
+    one line on rank 0 names what changed. Without a checkpoint yet (the auto-resume pattern's
+    first run) the command line's stand."""
+    from megatron.hetero import checkpointing
+
+    _require(
+        args.load or args.pretrained_checkpoint,
+        "--use-checkpoint-args needs --load (or --pretrained-checkpoint)",
+    )
+    try:
+        found = checkpointing.saved_model_args(args)
+    except checkpointing.CheckpointError as err:
+        raise ArgumentError(f"--use-checkpoint-args: {err}") from None
+    if found is None:
+        return
+    path, saved = found
+    changed = []
+    for name, value in saved.items():
+        if name in checkpointing.COMMAND_LINE_FIRST and getattr(args, name) is not None:
+            continue
+        if name == "add_qkv_bias" and saved.get("add_bias_linear"):
+            continue  # implied by biases on every linear (validate_args derives it)
+        if getattr(args, name) != value:
+            changed.append(f"--{name.replace('_', '-')} {value}")
+            setattr(args, name, value)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"model flags from checkpoint {path} (--use-checkpoint-args): "
+            + (", ".join(changed) or "as given"),
+            flush=True,
+        )
 
 
 def local_rank(args) -> int:
@@ -1269,6 +1335,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         cuda_available = torch.cuda.is_available()
     args.world_size = world_size
     _check_refused_flags(args)
+    _check_model_flags_given(args)
 
     for flag in (
         "num_layers",

@@ -47,6 +47,39 @@ SHAPE_ARGS = (
     "add_qkv_bias",
     "qk_layernorm",
 )
+# The model's flags a checkpoint records for --use-checkpoint-args (Megatron-LM's list, where
+# this trainer has the flag, and its own model flags); the shape flags are among them. Values
+# after validation: derived ones (--ffn-hidden-size, --kv-channels) as the run used them.
+MODEL_ARGS = (
+    *SHAPE_ARGS,
+    "seq_length",
+    "group_query_attention",
+    "add_position_embedding",
+    "use_rotary_position_embeddings",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "rotary_seq_len_interpolation_factor",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "squared_relu",
+    "qk_l2_norm",
+    "norm_epsilon",
+    "apply_query_key_layer_scaling",
+    "attention_dropout",
+    "hidden_dropout",
+)
+# Of MODEL_ARGS, those the command line keeps over a checkpoint's where it gives them (as
+# Megatron-LM's --use-checkpoint-args: the sizes); the others are the checkpoint's.
+COMMAND_LINE_FIRST = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "seq_length",
+    "num_attention_heads",
+    "kv_channels",
+    "max_position_embeddings",
+)
 # Shape flags added after checkpoints existed: what an older checkpoint was saved with, from
 # its other saved args (one not listed, e.g. qk_layernorm, saved for a while before it was
 # recorded, is not checked on checkpoints without it).
@@ -145,6 +178,26 @@ def schedule_changes(saved: dict, current: dict) -> list[str]:
 
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def saved_model_args(args) -> tuple[str, dict] | None:
+    """For --use-checkpoint-args, before any process group: the checkpoint training will start
+    from, as _checkpoint_source picks it (--load's, else --pretrained-checkpoint's; --ckpt-step's
+    iteration, else the newest), read on this rank, and the model flags it recorded. None where
+    neither folder holds a checkpoint yet."""
+    for root in (args.load, args.pretrained_checkpoint):
+        newest = latest_iteration(root) if root else None
+        if newest is None:
+            continue
+        path = checkpoint_dir(root, args.ckpt_step if args.ckpt_step is not None else newest)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"--ckpt-step {args.ckpt_step}: {root} holds no {path}")
+        try:
+            saved = dist_checkpointing.load_common_state_dict(path)["args"]
+        except Exception as err:  # noqa: BLE001 - a damaged checkpoint: named, not a traceback
+            raise CheckpointError(f"{path}: its recorded flags cannot be read ({err})") from None
+        return path, {name: saved[name] for name in MODEL_ARGS if name in saved}
+    return None
 
 
 def latest_iteration(root: str) -> int | None:
@@ -331,7 +384,7 @@ def save_checkpoint(
     state["iteration"] = iteration
     state["consumed_train_samples"] = consumed_train_samples
     state["scheduler_units"] = SCHEDULER_UNITS
-    state["args"] = {name: getattr(args, name) for name in SHAPE_ARGS}
+    state["args"] = {name: getattr(args, name) for name in MODEL_ARGS}
     state["args"]["tensor_model_parallel_size"] = args.tensor_model_parallel_size
     state["args"]["pipeline_model_parallel_size"] = args.pipeline_model_parallel_size
     state["args"]["het_tp_state"] = runtime is not None

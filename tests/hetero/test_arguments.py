@@ -509,6 +509,33 @@ def test_unsupported_megatron_lm_flags_are_named_apart_from_typos(capsys):
         assert capsys.readouterr().err.endswith(message), extra
 
 
+def test_use_checkpoint_args_needs_a_checkpoint_folder_and_sizes_until_one_is_saved(
+    tmp_path, capsys
+):
+    from megatron.hetero.arguments import parse_args
+
+    unsized = BASE.replace("--num-layers 2 --hidden-size 64", "") + " --use-checkpoint-args"
+    for extra, message in [
+        ("", "error: --use-checkpoint-args needs --load (or --pretrained-checkpoint)\n"),
+        (  # the auto-resume pattern's first run: nothing saved yet, so the sizes are needed
+            f" --load {tmp_path} --save {tmp_path}",
+            "error: the following arguments are required: --num-layers, --hidden-size "
+            "(--use-checkpoint-args: no checkpoint to take them from yet)\n",
+        ),
+    ]:
+        with pytest.raises(SystemExit) as done:
+            parse_args((unsized + extra).split(), world_size=1)
+        assert done.value.code == 2
+        assert capsys.readouterr().err.endswith(message), extra
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    (tmp_path / "iter_0000004").mkdir()  # no common state: a damaged checkpoint
+    with pytest.raises(SystemExit):
+        parse_args((unsized + f" --load {tmp_path}").split(), world_size=1)
+    assert f"error: --use-checkpoint-args: {tmp_path}/iter_0000004: its recorded flags cannot" in (
+        capsys.readouterr().err
+    )
+
+
 def test_missing_required_flag_is_named():
     proc = _run_cli(["--num-layers", "2"])
     assert proc.returncode == 2

@@ -140,9 +140,27 @@ def test_ckpt_step_pretrained_checkpoint_and_a_missing_checkpoint(pretrained, tm
     folder, _ = pretrained
     vanilla = [a for a in ARGV if a not in ("--het-tp-resize", "0,0")]
     vanilla[vanilla.index("--tensor-model-parallel-size") + 1] = "1"
-    older = run_ranks(train, 1, vanilla + _iters(3) + ["--load", str(folder), "--ckpt-step", "2"])
+    # --use-checkpoint-args: the model's sizes and flags from the checkpoint (--swiglu given
+    # here yields to its plain GELU MLP)
+    sized = " ".join(vanilla)
+    for flag in (
+        "--num-layers 2",
+        "--hidden-size 64",
+        "--seq-length 32",
+        "--num-attention-heads 4",
+    ):
+        assert flag in sized
+        sized = sized.replace(flag, "")
+    argv = sized.split() + ["--swiglu", "--use-checkpoint-args"]
+    older = run_ranks(train, 1, argv + _iters(3) + ["--load", str(folder), "--ckpt-step", "2"])
     assert sorted(older[0]["losses"]) == [3]
     assert f"loaded checkpoint from {folder} at iteration 2" in older[0]["stdout"]
+    assert (
+        f"model flags from checkpoint {folder}/iter_0000002 (--use-checkpoint-args): "
+        "--num-layers 2, --hidden-size 64, --ffn-hidden-size 256, --num-attention-heads 4, "
+        "--num-query-groups 4, --kv-channels 16, --swiglu False, --max-position-embeddings 32, "
+        "--seq-length 32\n" in older[0]["stdout"]
+    )
     with pytest.raises(AssertionError, match="--ckpt-step 3: --load .* holds no"):
         run_ranks(train, 1, vanilla + _iters(4) + ["--load", str(folder), "--ckpt-step", "3"])
 

@@ -12,10 +12,10 @@ def _pretrain(argv: list[str], hook=None):
     from megatron.hetero.arguments import parse_args
     from megatron.hetero.training import pretrain, shutdown
 
-    args = parse_args(argv)
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
+            args = parse_args(argv)  # it prints, with --use-checkpoint-args
             result = pretrain(args, on_step_end=hook)
     finally:
         shutdown()
