@@ -715,6 +715,19 @@ def _add_logging_args(parser):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
+        "--wandb-project",
+        default="",
+        help="Log the scalars TensorBoard gets to this Weights & Biases project too (rank 0; "
+        "needs the wandb package and --wandb-exp-name).",
+    )
+    g.add_argument("--wandb-exp-name", default="", help="The Weights & Biases run's name.")
+    g.add_argument(
+        "--wandb-save-dir",
+        default="",
+        help="Where wandb keeps its local files (default: <--save>/wandb).",
+    )
+    g.add_argument("--wandb-entity", default="", help="The Weights & Biases team or user.")
+    g.add_argument(
         "--tensorboard-log-interval",
         type=int,
         default=1,
@@ -1640,6 +1653,16 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         raise ArgumentError(
             "--tensorboard-dir needs the tensorboard package "
             "(pip install tensorboard, or the project's [tensorboard] extra)"
+        )
+    if args.wandb_project:
+        _require(args.wandb_exp_name, "--wandb-project needs --wandb-exp-name (the run's name)")
+        _require(
+            args.wandb_save_dir or args.save,
+            "--wandb-project needs --wandb-save-dir (or --save, whose wandb/ it then uses)",
+        )
+        _require(
+            importlib.util.find_spec("wandb") is not None,
+            "--wandb-project needs the wandb package (pip install wandb)",
         )
 
     het_tp = het_tp_config(args, cuda_available)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from datetime import datetime
@@ -363,6 +364,60 @@ class EventLog:
             )
 
 
+class WandbWriter:
+    """Weights & Biases behind TensorBoard's add_scalar (Megatron-LM's flags, scalar names and
+    steps): one run per job, its config the run's flags."""
+
+    def __init__(self, args):
+        import wandb
+
+        folder = args.wandb_save_dir or os.path.join(args.save, "wandb")
+        os.makedirs(folder, exist_ok=True)
+        self.wandb = wandb
+        wandb.init(
+            dir=folder,
+            name=args.wandb_exp_name,
+            project=args.wandb_project,
+            config={k: _jsonable(v) for k, v in sorted(vars(args).items())},
+            **({"entity": args.wandb_entity} if args.wandb_entity else {}),
+        )
+
+    def add_scalar(self, tag, value, step) -> None:
+        self.wandb.log({tag: value}, step=step)
+
+    def close(self) -> None:
+        self.wandb.finish()
+
+
+class Scalars:
+    """The scalar writers a run has (TensorBoard's --tensorboard-dir, --wandb-project): each
+    gets every scalar."""
+
+    def __init__(self, writers):
+        self.writers = writers
+
+    @classmethod
+    def open(cls, args) -> Scalars | None:
+        writers = []
+        if args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writers.append(
+                SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+            )
+        if args.wandb_project:
+            writers.append(WandbWriter(args))
+        return cls(writers) if writers else None
+
+    def add_scalar(self, tag, value, step) -> None:
+        for writer in self.writers:
+            writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
 class Logger:
     """The training log: Megatron-LM's run, iteration, evaluation and checkpoint lines; het-TP's
     records go through its `events`."""
@@ -373,12 +428,8 @@ class Logger:
         self.events = EventLog(metrics)
         self.is_printer = dist.get_rank() == 0
         self.writer = None
-        if self.is_printer and args.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(
-                log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size
-            )
+        if self.is_printer:
+            self.writer = Scalars.open(args)
         self._window = []  # (loss, grad_norm, elapsed, batch) since the last interval's line
         self._first = True  # the job's first iteration is printed too (start-up cost shown)
         self._evaluated: set[tuple[str, int]] = set()  # (split, iteration) recorded

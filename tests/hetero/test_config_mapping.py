@@ -264,6 +264,26 @@ def test_tensorboard_dir_needs_tensorboard(monkeypatch, tmp_path):
         _args(f"--tensorboard-dir {tmp_path}")
 
 
+def test_wandb_flags_are_checked_at_start(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    for extra, message in [
+        ("--wandb-project p", "--wandb-project needs --wandb-exp-name (the run's name)"),
+        ("--wandb-project p --wandb-exp-name e", "--wandb-project needs --wandb-save-dir (or"),
+        (
+            f"--wandb-project p --wandb-exp-name e --save {tmp_path}",
+            "--wandb-project needs the wandb package (pip install wandb)",
+        ),
+    ]:
+        with pytest.raises(ArgumentError, match=re.escape(message)):
+            _args(extra)
+    _args("--wandb-exp-name e")  # nothing to log to without a project: as Megatron-LM, ignored
+
+
 def test_megatron_lm_older_and_precision_flags_take_megatron_lm_meaning(monkeypatch):
     """Flags Megatron-LM's scripts carry: the older spellings of rope, query-key layer scaling,
     the dynamic loss scaler's settings, the gradient reduction dtype and the local rank."""

@@ -18,6 +18,7 @@ from tests.utils import (
     train,
     train_drawing_apart,
     train_reading_the_tracker_apart,
+    train_with_a_recording_wandb,
     train_with_failing_save,
 )
 
@@ -190,8 +191,14 @@ def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
         "--log-validation-ppl-to-tensorboard",
         "--log-world-size-to-tensorboard",
         "--no-log-loss-scale-to-tensorboard",
+        "--wandb-project",
+        "hettp-tests",
+        "--wandb-exp-name",
+        "real-text",
+        "--wandb-save-dir",
+        str(tmp_path / "wandb"),
     ]
-    result = run_ranks(train, 2, argv)[0]
+    result, other = run_ranks(train_with_a_recording_wandb, 2, argv)
     losses = _losses(result)
     uniform = math.log(256)
     assert losses[0] == pytest.approx(uniform, rel=0.05)  # untrained: about uniform over bytes
@@ -221,6 +228,22 @@ def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
     assert ppl == pytest.approx([math.exp(e.value) for e in validation], rel=1e-5)
     assert {e.value for e in events.Scalars("world-size")} == {2}
     assert "loss-scale" not in events.Tags()["scalars"]
+    # Weights & Biases (rank 0's): one run with the flags as its config, then every scalar
+    # TensorBoard got, at the same steps
+    calls = result["wandb"]
+    assert calls[0][0] == "init" and calls[-1] == ("finish",) and not other["wandb"]
+    init = calls[0][1]
+    assert (init["project"], init["name"], init["dir"]) == (
+        "hettp-tests",
+        "real-text",
+        str(tmp_path / "wandb"),
+    )
+    assert init["config"]["train_iters"] == 40 and "entity" not in init
+    assert os.path.isdir(tmp_path / "wandb")
+    for tag in events.Tags()["scalars"]:
+        logged = [(c[2], c[1][tag]) for c in calls if c[0] == "log" and tag in c[1]]
+        want = [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars(tag)]
+        assert logged == want, tag
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path):

@@ -35,6 +35,27 @@ def train(argv: list[str]) -> dict:
     }
 
 
+def train_with_a_recording_wandb(argv: list[str]) -> dict:
+    """`train`, with a stand-in `wandb` module (its init, log and finish, as the package's
+    documented API takes them) that records its calls into the result's "wandb"."""
+    import importlib.machinery
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kwargs: calls.append(("init", kwargs))
+    fake.log = lambda data, step=None: calls.append(("log", data, step))
+    fake.finish = lambda: calls.append(("finish",))
+    sys.modules["wandb"] = fake
+    try:
+        result = train(argv)
+    finally:
+        del sys.modules["wandb"]
+    return {**result, "wandb": calls}
+
+
 def train_and_count_whole_masters(argv: list[str]) -> dict:
     """pretrain; after every step, how many model parameters carry an fp32 master copy
     (`main_param`) other than the distributed optimizer's range of them."""
