@@ -715,6 +715,33 @@ def _add_logging_args(parser):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
+        "--timing-log-level",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="megatron-core's timers, printed (and with --log-timers-to-tensorboard written) "
+        "at each --log-interval: 0 none, 1 the step's phases (forward-backward, gradient sync, "
+        "optimizer, each behind a barrier unless --no-barrier-with-level-1-timing), 2 also "
+        "per micro-batch (forward/backward compute, batch generator).",
+    )
+    g.add_argument(
+        "--timing-log-option",
+        default="minmax",
+        choices=["max", "minmax", "all"],
+        help="Which ranks' times the timers print: the max, the min and max, or every rank's.",
+    )
+    g.add_argument(
+        "--log-timers-to-tensorboard",
+        action="store_true",
+        help="Write the timers' max over ranks (seconds a step) as <name>-time scalars.",
+    )
+    g.add_argument(
+        "--no-barrier-with-level-1-timing",
+        action="store_false",
+        dest="barrier_with_L1_time",
+        help="Time level-1 phases without a barrier first (they then include waits).",
+    )
+    g.add_argument(
         "--wandb-project",
         default="",
         help="Log the scalars TensorBoard gets to this Weights & Biases project too (rank 0; "

@@ -364,6 +364,36 @@ class EventLog:
             )
 
 
+# Megatron-LM's timers (those megatron-core's schedule, gradient sync and optimizer start, and
+# the training loop's own), in its order; pipeline send/receive timers included
+TIMERS_TO_LOG = (
+    "forward-backward",
+    "forward-compute",
+    "backward-compute",
+    "batch-generator",
+    "forward-recv",
+    "forward-send",
+    "backward-recv",
+    "backward-send",
+    "forward-send-forward-recv",
+    "forward-send-backward-recv",
+    "backward-send-forward-recv",
+    "backward-send-backward-recv",
+    "forward-backward-send-forward-backward-recv",
+    "layernorm-grads-all-reduce",
+    "embedding-grads-all-reduce",
+    "all-grads-sync",
+    "params-all-gather",
+    "optimizer-copy-to-main-grad",
+    "optimizer-unscale-and-check-inf",
+    "optimizer-clip-main-grad",
+    "optimizer-count-zeros",
+    "optimizer-inner-step",
+    "optimizer-copy-main-to-model-params",
+    "optimizer",
+)
+
+
 class WandbWriter:
     """Weights & Biases behind TensorBoard's add_scalar (Megatron-LM's flags, scalar names and
     steps): one run per job, its config the run's flags."""
@@ -422,8 +452,9 @@ class Logger:
     """The training log: Megatron-LM's run, iteration, evaluation and checkpoint lines; het-TP's
     records go through its `events`."""
 
-    def __init__(self, args, metrics=None):
+    def __init__(self, args, metrics=None, timers=None):
         self.args = args
+        self.timers = timers  # megatron-core's Timers (--timing-log-level), shared by the configs
         self.metrics = metrics  # MetricsWriter on rank 0, None elsewhere
         self.events = EventLog(metrics)
         self.is_printer = dist.get_rank() == 0
@@ -571,7 +602,27 @@ class Logger:
         )
         self.info(line)
         if interval:  # as Megatron-LM, the first line's steps count in the next line's means
+            self._log_timers(iteration, n)
             self._window, self._skipped, self._nan = [], 0, 0
+
+    def _log_timers(self, iteration: int, steps: int) -> None:
+        """megatron-core's timers over the interval's `steps`, as Megatron-LM prints them (and
+        writes their max over ranks). Collective: every rank reaches every interval."""
+        if self.timers is None or not self.args.timing_log_level:
+            return
+        if self.args.log_timers_to_tensorboard:
+            # megatron-core's writer takes a SummaryWriter or the wandb module itself; each
+            # write gathers over every rank, so every rank writes as often (to None but rank 0)
+            writers = self.writer.writers if self.writer is not None else []
+            for i in range(bool(self.args.tensorboard_dir) + bool(self.args.wandb_project)):
+                writer = writers[i] if writers else None
+                writer = writer.wandb if isinstance(writer, WandbWriter) else writer
+                self.timers.write(TIMERS_TO_LOG, writer, iteration, steps, reset=False)
+        # gathered on every rank, printed by rank 0 with the iteration lines (megatron-core's
+        # Timers.log goes to its logger, which a run does not print)
+        text = self.timers.get_all_timers_string(TIMERS_TO_LOG, normalizer=steps)
+        if text is not None:
+            self.info(text)
 
     def evaluation(self, iteration, loss, split: str | None = None) -> None:
         """Megatron-LM's lines: "at iteration N" in the loop, "at iteration N on validation

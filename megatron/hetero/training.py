@@ -24,6 +24,7 @@ from megatron.core.distributed import DistributedDataParallelConfig, finalize_mo
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.timers import Timers
 from megatron.core.transformer.module import Float16Module
 
 from hettp.metrics import MetricsWriter
@@ -117,8 +118,10 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def optimizer_config(args) -> OptimizerConfig:
+def optimizer_config(args, timers: Timers | None = None) -> OptimizerConfig:
     return OptimizerConfig(
+        timers=timers,
+        barrier_with_L1_time=args.barrier_with_L1_time,
         optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,
@@ -170,6 +173,10 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
     them to its starting plan, or `saved_plan`'s) before the optimizer exists.
     """
     config = transformer_config(args)
+    # --timing-log-level: megatron-core's schedule, gradient sync and optimizer time their
+    # phases through the configs' timers (a rebuilt optimizer keeps its config's)
+    config.timers = Timers(args.timing_log_level, args.timing_log_option)
+    config.barrier_with_L1_time = args.barrier_with_L1_time
     if runtime is not None:
         runtime.configure(config, saved_plan)  # a checkpoint's split of layers over stages
     module = build_gpt_model(
@@ -185,7 +192,7 @@ def setup_model_and_optimizer(args, vocab_size, runtime=None, saved_plan=None) -
         model = DDP(config, ddp_config(args), module)
     else:
         model = HetDDP(config, ddp_config(args), module, compress=compress)
-    optimizer = get_megatron_optimizer(optimizer_config(args), [model])
+    optimizer = get_megatron_optimizer(optimizer_config(args, config.timers), [model])
     # At --load, checkpointing.load_checkpoint refuses a changed schedule unless a flag says
     # whose to follow; megatron-core then takes that one.
     scheduler = OptimizerParamScheduler(
@@ -241,7 +248,12 @@ def loss_func(loss_mask, output_tensor, weight: float = 1.0):
 
 def forward_step(data_iterator, model, loss_weight: float = 1.0):
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    timers = getattr(model, "config", None) and model.config.timers
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, device)
+    if timers is not None:
+        timers("batch-generator").stop()
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask, weight=loss_weight)
 
@@ -320,7 +332,12 @@ def train_step(
     _empty_cache(args, 1)
     if runtime is not None:
         runtime.before_optimizer_step()
+    timers = state.config.timers
+    if timers is not None:
+        timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros = optimizer.step()
+    if timers is not None:
+        timers("optimizer").stop()
     if runtime is not None:
         runtime.after_optimizer_step()
     _empty_cache(args, 2)
@@ -454,7 +471,7 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     if rank == 0:
         metrics_file = os.path.abspath(metrics_file)
     metrics = MetricsWriter(metrics_file) if rank == 0 else None
-    logger = Logger(args, metrics)
+    logger = Logger(args, metrics, state.config.timers)
     logger.run_start(state.model, tokenizer, iteration, loaded)
     for note in notes:
         logger.info(f"> {note}")

@@ -197,6 +197,9 @@ def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
         "real-text",
         "--wandb-save-dir",
         str(tmp_path / "wandb"),
+        "--timing-log-level",
+        "2",
+        "--log-timers-to-tensorboard",
     ]
     result, other = run_ranks(train_with_a_recording_wandb, 2, argv)
     losses = _losses(result)
@@ -228,6 +231,18 @@ def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
     assert ppl == pytest.approx([math.exp(e.value) for e in validation], rel=1e-5)
     assert {e.value for e in events.Scalars("world-size")} == {2}
     assert "loss-scale" not in events.Tags()["scalars"]
+    # megatron-core's timers at each --log-interval: printed (min, max over ranks, ms a step)
+    # and their max written (seconds a step)
+    blocks = re.findall(
+        r"\(min, max\) time across ranks \(ms\):\n((?:    .*\n)+)", result["stdout"]
+    )
+    assert len(blocks) == 4, result["stdout"]
+    for name in ("forward-backward", "forward-compute", "backward-compute", "batch-generator"):
+        assert all(re.search(rf"    {name} \.+: \([\d.]+, [\d.]+\)", b) for b in blocks), name
+    for name in ("all-grads-sync", "optimizer-inner-step", "optimizer"):
+        assert all(f"    {name} ." in b for b in blocks), name
+    step = {e.step: e.value for e in events.Scalars("forward-backward-time")}
+    assert sorted(step) == [10, 20, 30, 40] and all(0 < v < 60 for v in step.values())
     # Weights & Biases (rank 0's): one run with the flags as its config, then every scalar
     # TensorBoard got, at the same steps
     calls = result["wandb"]

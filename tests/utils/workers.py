@@ -48,11 +48,14 @@ def train_with_a_recording_wandb(argv: list[str]) -> dict:
     fake.init = lambda **kwargs: calls.append(("init", kwargs))
     fake.log = lambda data, step=None: calls.append(("log", data, step))
     fake.finish = lambda: calls.append(("finish",))
-    sys.modules["wandb"] = fake
+    import megatron.core.timers as timers
+
+    sys.modules["wandb"], timers.wandb = fake, fake  # megatron-core's timers import it at start
     try:
         result = train(argv)
     finally:
         del sys.modules["wandb"]
+        timers.wandb = None
     return {**result, "wandb": calls}
 
 
