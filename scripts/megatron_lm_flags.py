@@ -5,8 +5,9 @@
 
 The list lets pretrain_gpt.py tell a Megatron-LM flag it does not support from a typo. It is
 read from upstream's `add_megatron_arguments` (the parser pretrain_gpt.py builds), imported
-under hettp's CPU shims (megatron/hetero/upstream_cpu.py). `--check` writes nothing and exits 1
-where the committed list differs (tests/hetero/test_megatron_lm_flags.py runs it in CI).
+under hettp's CPU shims (megatron/hetero/upstream_cpu.py), so on a machine without CUDA.
+`--check` writes nothing and exits 1 where the committed list differs
+(tests/hetero/test_upstream.py runs it in CI).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "megatron", "hetero", "megatron_lm_flags.py")
-HEADER = '''"""Every flag of Megatron-LM's own parser at {version} (its pretrain_gpt.py's),
-written by scripts/megatron_lm_flags.py. pretrain_gpt.py refuses one it does not support by
-name, as a Megatron-LM flag, where a typo is refused as unrecognized."""
+HEADER = '''"""The flags of Megatron-LM's own parser at {version} (add_megatron_arguments; not
+the kitchen and modelopt flags it adds only where those packages import), written by
+scripts/megatron_lm_flags.py. pretrain_gpt.py refuses one it does not support by name, as a
+Megatron-LM flag, where a typo is refused as unrecognized."""
 
 VERSION = "{version}"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
-import itertools
 import math
 import os
 import tempfile
@@ -170,8 +169,8 @@ def _add_network_args(parser):
         "--no-position-embedding",
         action="store_false",
         dest="add_position_embedding",
-        help="Megatron-LM's older spelling: only with --position-embedding-type rope, which "
-        "adds no position embedding (use --position-embedding-type).",
+        help="Megatron-LM's older spelling: only with --position-embedding-type rope (or "
+        "none), which add no position embedding (use --position-embedding-type).",
     )
     g.add_argument(
         "--use-rotary-position-embeddings",
@@ -284,7 +283,7 @@ def _add_regularization_args(parser):
 
 def _add_training_args(parser):
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, default=None)  # required
     g.add_argument(
         "--global-batch-size",
         type=int,
@@ -410,7 +409,7 @@ def _add_training_args(parser):
 
 def _add_learning_rate_args(parser):
     g = parser.add_argument_group("learning rate")
-    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--lr", type=float, default=None)  # required
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument(
         "--lr-decay-style",
@@ -855,6 +854,13 @@ def _add_checkpointing_args(parser):
         "yet; once a run has saved into --load, its next job resumes from there.",
     )
     g.add_argument(
+        "--disable-use-tokenizer-model-from-checkpoint-args",
+        action="store_false",
+        dest="use_tokenizer_model_from_checkpoint_args",
+        help="Accepted for Megatron-LM's scripts: --use-checkpoint-args never takes the "
+        "tokenizer here.",
+    )
+    g.add_argument(
         "--use-checkpoint-args",
         action="store_true",
         help="Take the model's flags from the checkpoint this run starts from (--load's, else "
@@ -889,11 +895,10 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
     if unknown:
         parser.exit(2, f"{parser.prog}: error: {unknown_flags_message(parser, unknown)}\n")
     try:
-        if args.use_checkpoint_args:
-            _take_checkpoint_args(args)
-        _check_model_flags_given(args)
+        why = _take_checkpoint_args(args) if args.use_checkpoint_args else ""
+        _check_required_flags(args, why)
     except ArgumentError as err:
-        parser.error(str(err))
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -905,53 +910,63 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
 
 def unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     """What argparse left over, named apart: Megatron-LM flags this trainer does not support
-    (a launch script's; README "Flags"), and flags no Megatron-LM has (a typo, with the
-    nearest of ours). Values of either are shown after their flag, as argparse shows them."""
+    (a launch script's; README "Flags"), and the rest (a typo gets the nearest of our flags).
+    Values are shown after their flag, as argparse shows them; a value with no flag before it
+    is unrecognized."""
     ours = [name for action in parser._actions for name in action.option_strings]
     megatron, other = [], []
-    for i, token in enumerate(unknown):
-        if not token.startswith("--"):
-            continue
-        name = token.split("=", 1)[0]
-        values = list(itertools.takewhile(lambda t: not t.startswith("--"), unknown[i + 1 :]))
-        shown = " ".join([token, *values])
-        if name in MEGATRON_LM_FLAGS:
-            megatron.append(shown)
+    words: list[str] | None = None  # the flag being read and its values
+    for token in unknown:
+        if token.startswith("-") and not _is_number(token):
+            words = [token]
+            name = token.split("=", 1)[0]
+            if name in MEGATRON_LM_FLAGS:
+                megatron.append(words)
+            else:
+                near = difflib.get_close_matches(name, ours, n=1) if name != "--" else []
+                other.append(words)
+                if near:
+                    words.append(f"(did you mean {near[0]}?)")
+        elif words is not None:
+            words.insert(len(words) - words[-1].startswith("(did you mean"), token)
         else:
-            near = difflib.get_close_matches(name, ours, n=1)
-            other.append(f"{shown} (did you mean {near[0]}?)" if near else shown)
+            other.append([token])
     parts = []
     if megatron:
         parts.append(
             f"Megatron-LM flags ({MEGATRON_LM_VERSION}) this trainer does not support: "
-            f"{', '.join(megatron)} (README.md: Flags)"
+            f"{', '.join(map(' '.join, megatron))} (README.md: Flags)"
         )
-    if other or not parts:  # a stray value with no flag before it, too
-        parts.append(f"unrecognized arguments: {', '.join(other) or ' '.join(unknown)}")
+    if other:
+        parts.append(f"unrecognized arguments: {', '.join(map(' '.join, other))}")
     return "; ".join(parts)
 
 
+# The model's sizes, which --use-checkpoint-args may take from a checkpoint, and the other
+# flags every run needs
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+REQUIRED_FLAGS = (*MODEL_FLAGS, "micro_batch_size", "lr")
 
 
-def _check_model_flags_given(args) -> None:
-    """The model's sizes are required, as argparse words it, unless --use-checkpoint-args
-    took them from a checkpoint."""
-    missing = [f"--{name.replace('_', '-')}" for name in MODEL_FLAGS if getattr(args, name) is None]
+def _check_required_flags(args, why_missing: str = "") -> None:
+    """Every required flag given (or taken from a checkpoint), named together as argparse
+    words it; `why_missing`: why --use-checkpoint-args left a size out."""
+    missing = [f"--{n.replace('_', '-')}" for n in REQUIRED_FLAGS if getattr(args, n) is None]
     if missing:
-        hint = " (--use-checkpoint-args: no checkpoint to take them from yet)"
+        sizes = any(getattr(args, n) is None for n in MODEL_FLAGS)
         raise ArgumentError(
             "the following arguments are required: "
             + ", ".join(missing)
-            + (hint if args.use_checkpoint_args else "")
+            + (f" (--use-checkpoint-args: {why_missing})" if why_missing and sizes else "")
         )
 
 
-def _take_checkpoint_args(args) -> None:
+def _take_checkpoint_args(args) -> str:
     """--use-checkpoint-args, as Megatron-LM's: the model flags recorded in the checkpoint
     training will start from replace the command line's (the sizes only where it gives none);
-    one line on rank 0 names what changed. Without a checkpoint yet (the auto-resume pattern's
-    first run) the command line's stand."""
+    one line on rank 0 names what changed and what the checkpoint did not record. Without a
+    checkpoint yet (the auto-resume pattern's first run) the command line's stand. Returns why
+    a size may still be missing."""
     from megatron.hetero import checkpointing
 
     _require(
@@ -963,8 +978,8 @@ def _take_checkpoint_args(args) -> None:
     except checkpointing.CheckpointError as err:
         raise ArgumentError(f"--use-checkpoint-args: {err}") from None
     if found is None:
-        return
-    path, saved = found
+        return "no checkpoint to take them from yet"
+    saved = found.values
     changed = []
     for name, value in saved.items():
         if name in checkpointing.COMMAND_LINE_FIRST and getattr(args, name) is not None:
@@ -974,12 +989,18 @@ def _take_checkpoint_args(args) -> None:
         if getattr(args, name) != value:
             changed.append(f"--{name.replace('_', '-')} {value}")
             setattr(args, name, value)
+    older = ""
+    if found.missing:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in found.missing)
+        older = f"; not recorded in it (an older checkpoint), as given: {flags}"
     if int(os.environ.get("RANK", "0")) == 0:
         print(
-            f"model flags from checkpoint {path} (--use-checkpoint-args): "
-            + (", ".join(changed) or "as given"),
+            f"model flags from checkpoint {found.path} (--use-checkpoint-args): "
+            + (", ".join(changed) or "as given")
+            + older,
             flush=True,
         )
+    return f"{found.path} predates recording them" if found.missing else ""
 
 
 def local_rank(args) -> int:
@@ -1375,7 +1396,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         cuda_available = torch.cuda.is_available()
     args.world_size = world_size
     _check_refused_flags(args)
-    _check_model_flags_given(args)
+    _check_required_flags(args)
 
     for flag in (
         "num_layers",

@@ -180,23 +180,49 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def saved_model_args(args) -> tuple[str, dict] | None:
-    """For --use-checkpoint-args, before any process group: the checkpoint training will start
-    from, as _checkpoint_source picks it (--load's, else --pretrained-checkpoint's; --ckpt-step's
-    iteration, else the newest), read on this rank, and the model flags it recorded. None where
-    neither folder holds a checkpoint yet."""
+@dataclasses.dataclass(frozen=True)
+class SavedModelArgs:
+    """The model flags a checkpoint recorded (--use-checkpoint-args)."""
+
+    path: str  # the checkpoint folder they were read from
+    values: dict  # flag attribute -> value, as the run that saved it validated it
+    missing: tuple[str, ...]  # of MODEL_ARGS, what it predates (older checkpoints)
+
+
+def saved_model_args(args) -> SavedModelArgs | None:
+    """For --use-checkpoint-args, before any process group, on this rank: the model flags of
+    the checkpoint training will start from, as _checkpoint_source picks it (--load's, else
+    --pretrained-checkpoint's; --ckpt-step's iteration, else the tracker's newest, or the older
+    copy a killed save over it left aside), its common.pt checked against the manifest first.
+    None where neither folder holds a checkpoint yet. Training loads rank 0's reading, and
+    refuses a model that differs from the one built from these (load_checkpoint)."""
     for root in (args.load, args.pretrained_checkpoint):
         newest = latest_iteration(root) if root else None
         if newest is None:
             continue
-        path = checkpoint_dir(root, args.ckpt_step if args.ckpt_step is not None else newest)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"--ckpt-step {args.ckpt_step}: {root} holds no {path}")
+        if args.ckpt_step is not None:
+            path = checkpoint_dir(root, args.ckpt_step)
+            if not os.path.isdir(path):
+                raise CheckpointError(f"--ckpt-step {args.ckpt_step}: {root} holds no {path}")
+        else:
+            path = checkpoint_dir(root, newest)
+            if not os.path.isdir(path) and os.path.isdir(path + ".replaced"):
+                path += ".replaced"  # what restore_replaced puts back before the load
+            if not os.path.isdir(path):
+                raise CheckpointError(f"{path} is missing (named by the checkpoint's tracker)")
         try:
+            ckpt_integrity.verify_file(path, "common.pt")
             saved = dist_checkpointing.load_common_state_dict(path)["args"]
+        except ckpt_integrity.UnsafeCheckpointError as err:
+            raise CheckpointError(str(err)) from None
         except Exception as err:  # noqa: BLE001 - a damaged checkpoint: named, not a traceback
             raise CheckpointError(f"{path}: its recorded flags cannot be read ({err})") from None
-        return path, {name: saved[name] for name in MODEL_ARGS if name in saved}
+        values = {name: saved[name] for name in MODEL_ARGS if name in saved}
+        for name, default in SHAPE_DEFAULTS.items():  # shape flags older ones did not record
+            if name not in values:
+                values[name] = default(saved)
+        missing = tuple(name for name in MODEL_ARGS if name not in values)
+        return SavedModelArgs(path.removesuffix(".replaced"), values, missing)
     return None
 
 

@@ -216,6 +216,26 @@ def write_manifest(folder: str) -> None:
             json.dump({"version": 1, "files": digests}, f, indent=0, sort_keys=True)
 
 
+def verify_file(folder: str, name: str) -> None:
+    """On this rank alone: raise UnsafeCheckpointError where `name` differs from the folder's
+    manifest (before a single file is read ahead of `verify`; a folder without a manifest, or
+    a file it does not list, is left to `verify`)."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            want = json.load(f)["files"].get(name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    if want is None:
+        return
+    path = os.path.join(folder, name)
+    try:
+        have = _digest(path)
+    except OSError as err:
+        raise UnsafeCheckpointError(f"{path} is damaged: {err.strerror or err}") from None
+    if have != {k: want.get(k) for k in have}:
+        raise UnsafeCheckpointError(f"{path} is damaged: it differs from the manifest")
+
+
 def verify(folder: str) -> str | None:
     """Every rank: raise UnsafeCheckpointError naming the first damaged, missing, unlisted or
     unsafe file; returns a warning for a checkpoint without a manifest, else None."""

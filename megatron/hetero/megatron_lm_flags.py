@@ -1,6 +1,7 @@
-"""Every flag of Megatron-LM's own parser at core_v0.16.1 (its pretrain_gpt.py's),
-written by scripts/megatron_lm_flags.py. pretrain_gpt.py refuses one it does not support by
-name, as a Megatron-LM flag, where a typo is refused as unrecognized."""
+"""The flags of Megatron-LM's own parser at core_v0.16.1 (add_megatron_arguments; not
+the kitchen and modelopt flags it adds only where those packages import), written by
+scripts/megatron_lm_flags.py. pretrain_gpt.py refuses one it does not support by name, as a
+Megatron-LM flag, where a typo is refused as unrecognized."""
 
 VERSION = "core_v0.16.1"
 

@@ -183,3 +183,65 @@ def test_ckpt_step_pretrained_checkpoint_and_a_missing_checkpoint(pretrained, tm
         run_ranks(
             train, 1, vanilla + _iters(2) + ["--load", str(empty), "--exit-on-missing-checkpoint"]
         )
+
+
+def test_use_checkpoint_args_reads_the_checkpoint_the_load_will(pretrained, tmp_path, capsys):
+    """--use-checkpoint-args reads what the load will: the older copy a save killed mid-way
+    left aside, common.pt only after its manifest entry checks; an older checkpoint's
+    unrecorded flags are named, and a size it lacks must be given."""
+    import shutil
+
+    from megatron.hetero.arguments import parse_args
+    from megatron.hetero.checkpointing import MODEL_ARGS, SHAPE_ARGS
+
+    folder, _ = pretrained
+    root = tmp_path / "copy"
+    shutil.copytree(folder, root)
+    unsized = " ".join(ARGV)
+    for flag in (
+        "--num-layers 2",
+        "--hidden-size 64",
+        "--seq-length 32",
+        "--num-attention-heads 4",
+    ):
+        unsized = unsized.replace(flag, "")
+    argv = unsized.split() + ["--use-checkpoint-args", "--load", str(root)]
+
+    def parsed(extra=()):
+        try:
+            args = parse_args(argv + list(extra), world_size=2)
+        except SystemExit as done:
+            assert done.code == 2
+            return capsys.readouterr().err
+        return args, capsys.readouterr().out
+
+    (root / "iter_0000004").rename(root / "iter_0000004.replaced")
+    args, out = parsed()
+    assert args.hidden_size == 64 and f"checkpoint {root}/iter_0000004 (--use" in out
+    (root / "iter_0000004.replaced").rename(root / "iter_0000004")
+
+    common = root / "iter_0000004" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"] = {
+        k: v for k, v in state["args"].items() if k not in MODEL_ARGS[len(SHAPE_ARGS) :]
+    }
+    torch.save(state, common)
+    assert parsed() == (
+        f"pretrain_gpt.py: error: --use-checkpoint-args: {common} is damaged: it differs from the "
+        "manifest\n"
+    )
+    (root / "iter_0000004" / "manifest.json").unlink()  # as saved before manifests
+    assert parsed().endswith(
+        "error: the following arguments are required: --seq-length (--use-checkpoint-args: "
+        f"{root}/iter_0000004 predates recording them)\n"
+    )
+    args, out = parsed(["--seq-length", "32"])
+    assert args.num_layers == 2 and args.seq_length == 32
+    assert out.endswith(
+        "; not recorded in it (an older checkpoint), as given: --seq-length, "
+        "--group-query-attention, --add-position-embedding, --use-rotary-position-embeddings, "
+        "--rotary-base, --rotary-percent, --rotary-interleaved, "
+        "--rotary-seq-len-interpolation-factor, --use-rope-scaling, --rope-scaling-factor, "
+        "--squared-relu, --qk-l2-norm, --norm-epsilon, --apply-query-key-layer-scaling, "
+        "--attention-dropout, --hidden-dropout\n"
+    )
