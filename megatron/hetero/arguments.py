@@ -231,6 +231,12 @@ def _add_network_args(parser):
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument(
+        "--embedding-init-method-std",
+        type=float,
+        default=None,
+        help="The embeddings' initial standard deviation (default --init-method-std).",
+    )
+    g.add_argument(
         "--apply-query-key-layer-scaling",
         action="store_true",
         help="Scale attention scores down by the layer number before the fp32 softmax and back "
@@ -386,6 +392,7 @@ def _add_training_args(parser):
     g.add_argument("--manual-gc-interval", type=int, default=0)
     g.add_argument(
         "--no-manual-gc-eval",
+        "--disable-manual-gc-eval",
         action="store_false",
         dest="manual_gc_eval",
         help="With --manual-gc: do not collect before and after evaluation.",
@@ -767,6 +774,7 @@ def _add_logging_args(parser):
     )
     g.add_argument(
         "--no-log-loss-scale-to-tensorboard",
+        "--disable-log-loss-scale-to-tensorboard",
         action="store_false",
         dest="log_loss_scale_to_tensorboard",
         help="Leave the loss scale out of TensorBoard.",
@@ -855,6 +863,7 @@ def _add_checkpointing_args(parser):
     )
     g.add_argument(
         "--disable-use-tokenizer-model-from-checkpoint-args",
+        "--no-use-tokenizer-model-from-checkpoint-args",
         action="store_false",
         dest="use_tokenizer_model_from_checkpoint_args",
         help="Accepted for Megatron-LM's scripts: --use-checkpoint-args never takes the "

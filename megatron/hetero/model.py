@@ -38,6 +38,7 @@ def transformer_config(args) -> TransformerConfig:
         activation_func=_activation(args),
         rotary_interleaved=args.rotary_interleaved,
         init_method_std=args.init_method_std,
+        embedding_init_method_std=args.embedding_init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,

@@ -293,8 +293,21 @@ def test_megatron_lm_older_and_precision_flags_take_megatron_lm_meaning(monkeypa
     assert _args("--use-rotary-position-embeddings").position_embedding_type == "rope"
     args = _args("--position-embedding-type rope --no-position-embedding")
     assert args.position_embedding_type == "rope" and not args.add_position_embedding
-    c = transformer_config(_args("--apply-query-key-layer-scaling --attention-softmax-in-fp32"))
-    assert c.apply_query_key_layer_scaling
+    c = transformer_config(
+        _args(
+            "--apply-query-key-layer-scaling --attention-softmax-in-fp32 "
+            "--embedding-init-method-std 0.5"
+        )
+    )
+    assert c.apply_query_key_layer_scaling and c.embedding_init_method_std == 0.5
+    assert transformer_config(_args()).embedding_init_method_std == 0.02  # --init-method-std's
+    # the spellings Megatron-LM's parser generates for its on-by-default flags
+    args = _args(
+        "--manual-gc --disable-manual-gc-eval --disable-log-loss-scale-to-tensorboard "
+        "--no-use-tokenizer-model-from-checkpoint-args"
+    )
+    assert not (args.manual_gc_eval or args.log_loss_scale_to_tensorboard)
+    assert not args.use_tokenizer_model_from_checkpoint_args
     o = optimizer_config(
         _args(
             "--fp16 --min-loss-scale 4 --loss-scale-window 50 --hysteresis 3",

@@ -238,15 +238,15 @@ def test_a_batch_ramp_after_a_rebatch_splits_by_the_paces_and_logs_it(tmp_path):
         + ["--metrics-file", metrics],
     )
     decisions = _decisions(metrics)
-    assert [(d["iteration"], d["action"]) for d in decisions][:3] == [
-        (5, "rebatch"),
-        (6, "ramp"),
-        (10, "ramp"),
-    ], decisions
+    assert (decisions[0]["iteration"], decisions[0]["action"]) == (5, "rebatch"), decisions
+    # the ramps come where the batch grows; a rebatch on the paces read after one may come
+    # between them (a CI run under load rebatched at 7)
+    ramps = [d for d in decisions if d["action"] == "ramp"]
+    assert [d["iteration"] for d in ramps][:2] == [6, 10], decisions
     for last, d in zip(decisions, decisions[1:]):
         assert d["microbatches_before"] == last["microbatches"], decisions
-    assert [sum(d["microbatches"]) for d in decisions[:3]] == [4, 6, 8]
-    for d in decisions[1:3]:
+    assert [sum(d["microbatches"]) for d in [decisions[0], *ramps[:2]]] == [4, 6, 8]
+    for d in ramps[:2]:
         slow_share = d["microbatches"][1] / sum(d["microbatches"])
         assert slow_share < 0.5 and d["details"]["paced"], d
     assert (
