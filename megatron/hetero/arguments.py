@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
+import json
 import math
 import os
 import tempfile
@@ -666,6 +667,17 @@ def _add_data_args(parser):
             help=f"The {split} split's own datasets (instead of --data-path and --split), "
             "as --data-path takes them.",
         )
+    g.add_argument(
+        "--data-args-path",
+        default=None,
+        help="A file holding --data-path's list (for blends too long for a command line).",
+    )
+    g.add_argument(
+        "--per-split-data-args-path",
+        default=None,
+        help='A JSON file {"train": [...], "valid": [...], "test": [...]} holding each '
+        "split's --<split>-data-path list (a string is split at whitespace; null: none).",
+    )
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", default=None)
     add_tokenizer_args(g)
@@ -1071,13 +1083,76 @@ def _refuse_other_unit(args, unit: str, other: str) -> None:
         )
 
 
-def split_data_paths(args) -> dict:
-    """{flag: its datasets} of the --train-/--valid-/--test-data-path given."""
-    return {
-        f"--{split}-data-path": getattr(args, f"{split}_data_path")
-        for split in ("train", "valid", "test")
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class DataPaths:
+    """The corpus as the flags give it: one blend cut by --split (--data-path, or the file
+    --data-args-path names), or each split's own (--train-/--valid-/--test-data-path, or the
+    JSON file --per-split-data-args-path names). Lists as --data-path takes them."""
+
+    blend: list[str] | None
+    blend_flag: str  # what names the blend in messages
+    splits: dict  # split -> (what names it, its list), the splits given
+
+    @property
+    def given(self) -> bool:
+        return bool(self.blend or self.splits)
+
+
+def data_paths(args) -> DataPaths:
+    """DataPaths of `args`, the files read (Megatron-LM's --data-args-path: the list split at
+    whitespace; --per-split-data-args-path: {"train": ..., "valid": ..., "test": ...}, each
+    a list or a string split at whitespace, or null). Raises ArgumentError naming the flag."""
+    blend, blend_flag = args.data_path or None, "--data-path"
+    splits = {
+        split: (f"--{split}-data-path", getattr(args, f"{split}_data_path"))
+        for split in SPLITS
         if getattr(args, f"{split}_data_path")
     }
+    if args.data_args_path is not None:
+        _require(not args.data_path, "--data-path and --data-args-path are exclusive: give one")
+        blend_flag = f"--data-args-path {args.data_args_path}:"
+        blend = _read_file(args.data_args_path, "--data-args-path").split()
+        _require(blend, f"{blend_flag} no datasets in it")
+    if args.per_split_data_args_path is not None:
+        path = args.per_split_data_args_path
+        _require(
+            not splits,
+            "--per-split-data-args-path and --train-/--valid-/--test-data-path are exclusive: "
+            "give one",
+        )
+        try:
+            saved = json.loads(_read_file(path, "--per-split-data-args-path"))
+        except ValueError as err:
+            raise ArgumentError(f"--per-split-data-args-path {path}: not JSON ({err})") from None
+        _require(
+            isinstance(saved, dict) and set(saved) <= set(SPLITS),
+            f"--per-split-data-args-path {path}: expected an object with train, valid and test "
+            "entries",
+        )
+        for split in SPLITS:
+            value = saved.get(split)
+            if isinstance(value, str):
+                value = value.split()
+            _require(
+                value is None
+                or (isinstance(value, list) and all(isinstance(v, str) for v in value)),
+                f"--per-split-data-args-path {path}: its {split} entry must be a list of strings, "
+                "a string or null",
+            )
+            if value:
+                splits[split] = (f"--per-split-data-args-path {path} ({split}):", value)
+    return DataPaths(blend, blend_flag, splits)
+
+
+def _read_file(path: str, flag: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as err:
+        raise ArgumentError(f"{flag} {path}: {err.strerror or err}") from None
 
 
 def _checked_prefixes(paths, flag: str) -> dict:
@@ -1590,17 +1665,25 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         "--reset-attention-mask needs the dataloader's masks: drop "
         "--no-create-attention-mask-in-dataloader",
     )
-    per_split = split_data_paths(args)
+    corpus = data_paths(args)
     _require(
-        not (args.data_path and per_split),
-        "--data-path and --train-/--valid-/--test-data-path are exclusive: give one or the other",
+        not (corpus.blend and corpus.splits),
+        f"{'--data-path' if args.data_path else '--data-args-path'} and "
+        + (
+            "--train-/--valid-/--test-data-path"
+            if args.per_split_data_args_path is None
+            else "--per-split-data-args-path"
+        )
+        + " are exclusive: give one or the other",
     )
     _require(
-        not per_split or args.train_data_path,
-        "--valid-data-path/--test-data-path need --train-data-path",
+        not corpus.splits or "train" in corpus.splits,
+        "--valid-data-path/--test-data-path need --train-data-path"
+        if args.per_split_data_args_path is None
+        else f"--per-split-data-args-path {args.per_split_data_args_path}: no train datasets",
     )
     _require(
-        args.mock_data != bool(args.data_path or per_split),
+        args.mock_data != corpus.given,
         "give exactly one of --mock-data and --data-path (or --train-data-path)",
     )
     if args.tokenizer_type is None:
@@ -1612,9 +1695,11 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
         # As Megatron-LM: a corpus's ids mean nothing without the tokenizer that made them (a
         # GPT-2 corpus read with 256 byte ids trains on zeroed embeddings, silently at TP > 1)
+        named = corpus.splits.get("train", ("--train-data-path",))[0]
         _require(
             args.mock_data,
-            f"{'--data-path' if args.data_path else '--train-data-path'} needs --tokenizer-type: "
+            f"{corpus.blend_flag if corpus.blend else named} needs "
+            "--tokenizer-type: "
             "the tokenizer its corpus was preprocessed with (scripts/preprocess_data.py's "
             "default is ByteLevelTokenizer)",
         )
@@ -1686,7 +1771,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             tokenizer_from_args(args)
         except TokenizerFileError as err:
             raise ArgumentError(str(err)) from None
-    for flag, paths in per_split.items():
+    for flag, paths in corpus.splits.values():
         # each dataset is built whole for its split: it needs one sample
         for prefix, lengths in _checked_prefixes(paths, flag).items():
             _require(
@@ -1694,9 +1779,9 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
                 f"{flag} {prefix}: {int(lengths.sum())} tokens, less than one sample "
                 f"(--seq-length + 1 = {args.seq_length + 1})",
             )
-    if args.data_path:
-        lengths = _checked_prefixes(args.data_path, "--data-path")
-        _, blend_weights = parse_data_path(args.data_path)
+    if corpus.blend:
+        lengths = _checked_prefixes(corpus.blend, corpus.blend_flag)
+        _, blend_weights = parse_data_path(corpus.blend, corpus.blend_flag)
         split = [s for s in args.split.replace(" ", "").replace("/", ",").split(",") if s]
         _require(
             len(split) <= 3
@@ -1800,12 +1885,12 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         _check_writable(args.save, "--save")
     if args.metrics_file is not None and int(os.environ.get("RANK", "0")) == 0:  # its writer
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
-    if (args.data_path or per_split) and int(os.environ.get("RANK", "0")) == 0:  # its writer
-        _check_dataset_cache(args)
+    if corpus.given and int(os.environ.get("RANK", "0")) == 0:  # its writer
+        _check_dataset_cache(args, corpus)
     return het_tp
 
 
-def _check_dataset_cache(args) -> None:
+def _check_dataset_cache(args, corpus: DataPaths) -> None:
     """megatron-core writes each dataset's sample index on first use, after the model is built
     and a checkpoint loaded, into --data-cache-path (default: a cache/ folder under each
     --data-path prefix); a folder it cannot write stopped rank 0 there with an error naming
@@ -1815,7 +1900,7 @@ def _check_dataset_cache(args) -> None:
     else:
         prefixes = [
             prefix
-            for paths in [args.data_path or [], *split_data_paths(args).values()]
+            for paths in [corpus.blend or [], *(p for _, p in corpus.splits.values())]
             if paths
             for prefix in parse_data_path(paths)[0]
         ]

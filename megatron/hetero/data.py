@@ -19,7 +19,7 @@ from megatron.core.tokenizers import MegatronTokenizer
 from hettp import rebatch
 
 from . import text_tokenizers
-from .arguments import BYTE_LEVEL_VOCAB_SIZE, parse_data_path
+from .arguments import BYTE_LEVEL_VOCAB_SIZE, SPLITS, data_paths, parse_data_path
 
 _TOKENIZER_LIBRARY = {"NullTokenizer": "null", "ByteLevelTokenizer": "byte-level"}
 
@@ -116,16 +116,15 @@ def dataset_config(args, tokenizer) -> GPTDatasetConfig:
     """megatron-core's config: --data-path's blend cut by --split, or each split's own
     (--train-/--valid-/--test-data-path; a split without one is not built)."""
     blend = blend_per_split = None
-    if args.data_path:
-        blend = parse_data_path(args.data_path)
-    elif args.train_data_path:
+    corpus = data_paths(args)
+    if corpus.blend:
+        blend = parse_data_path(corpus.blend, corpus.blend_flag)
+    elif corpus.splits:
         blend_per_split = [
-            parse_data_path(paths, f"--{split}-data-path") if paths else None
-            for split, paths in (
-                ("train", args.train_data_path),
-                ("valid", args.valid_data_path),
-                ("test", args.test_data_path),
-            )
+            parse_data_path(corpus.splits[split][1], corpus.splits[split][0])
+            if split in corpus.splits
+            else None
+            for split in SPLITS
         ]
     return GPTDatasetConfig(
         random_seed=args.seed,

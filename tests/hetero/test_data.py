@@ -283,3 +283,65 @@ def test_per_split_dataset_flags_are_checked_by_name(tmp_path):
             _validate_on(prefix, extra)
         assert message in str(err.value), (extra, str(err.value))
     _validate_on(prefix, f"--data-path --train-data-path {prefix} --valid-data-path {prefix}")
+
+
+def test_data_paths_from_files(tmp_path):
+    """Megatron-LM's --data-args-path (--data-path's list in a file) and
+    --per-split-data-args-path (each split's, in a JSON file) build the datasets the flags
+    would, and are checked at start by name."""
+    from megatron.hetero.arguments import ArgumentError, build_parser, validate_args
+    from megatron.hetero.data import dataset_config, tokenizer_from_args
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    a, b = make_corpus(tmp_path / "a"), make_corpus(tmp_path / "b")
+    base = BASE.replace(
+        "--mock-data --vocab-size 255", "--tokenizer-type ByteLevelTokenizer --split 100,0,0"
+    )
+
+    def config(extra):
+        args = build_parser().parse_args((base + " " + extra).split())
+        validate_args(args, 1, cuda_available=False)
+        return dataset_config(args, tokenizer_from_args(args))
+
+    blend = tmp_path / "blend.txt"
+    blend.write_text(f"0.3 {a}\n0.7 {b}\n")
+    by_file, by_flag = config(f"--data-args-path {blend}"), config(f"--data-path 0.3 {a} 0.7 {b}")
+    assert by_file.blend == by_flag.blend == ([a, b], [0.3, 0.7])
+    splits = tmp_path / "splits.json"
+    splits.write_text(json.dumps({"train": f"{a} {b}", "valid": [b], "test": None}))
+    by_file = config(f"--per-split-data-args-path {splits}")
+    by_flag = config(f"--train-data-path {a} {b} --valid-data-path {b}")
+    assert by_file.blend_per_split == by_flag.blend_per_split == [([a, b], None), ([b], None), None]
+
+    bad = tmp_path / "bad.json"
+    for extra, text, message in [
+        (f"--data-path {a} --data-args-path {blend}", None, "--data-path and --data-args-path"),
+        (
+            f"--data-args-path {blend} --per-split-data-args-path {splits}",
+            None,
+            "--data-args-path and --per-split-data-args-path are exclusive",
+        ),
+        (f"--data-args-path {tmp_path}/none", None, f"--data-args-path {tmp_path}/none: No such"),
+        (f"--data-args-path {bad}", "", f"--data-args-path {bad}: no datasets in it"),
+        (f"--data-args-path {bad}", f"1 {tmp_path}/x", f"--data-args-path {bad}: {tmp_path}/x: no"),
+        (f"--per-split-data-args-path {bad}", "{", f"--per-split-data-args-path {bad}: not JSON"),
+        (f"--per-split-data-args-path {bad}", '{"dev": []}', "an object with train, valid and"),
+        (f"--per-split-data-args-path {bad}", '{"train": 3}', "its train entry must be a list"),
+        (f"--per-split-data-args-path {bad}", f'{{"valid": "{a}"}}', f"{bad}: no train datasets"),
+        (
+            f"--per-split-data-args-path {bad}",
+            f'{{"train": "{tmp_path}/x"}}',
+            f"--per-split-data-args-path {bad} (train): {tmp_path}/x: no",
+        ),
+        (
+            f"--train-data-path {a} --per-split-data-args-path {splits}",
+            None,
+            "--per-split-data-args-path and --train-/--valid-/--test-data-path are exclusive",
+        ),
+    ]:
+        if text is not None:
+            bad.write_text(text)
+        with pytest.raises(ArgumentError) as err:
+            config(extra)
+        assert message in str(err.value), (extra, str(err.value))
