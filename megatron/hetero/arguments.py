@@ -733,6 +733,13 @@ def _add_logging_args(parser):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
+        "--logging-level",
+        type=int,
+        default=None,
+        help="Python logging level for megatron-core's and this trainer's loggers (10 debug, "
+        "20 info, ...; else $MEGATRON_LOGGING_LEVEL; default: warnings only).",
+    )
+    g.add_argument(
         "--timing-log-level",
         type=int,
         default=0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -446,6 +447,19 @@ class Scalars:
     def close(self) -> None:
         for writer in self.writers:
             writer.close()
+
+
+def configure_logging(args) -> int | None:
+    """--logging-level, else $MEGATRON_LOGGING_LEVEL (Megatron-LM's order): the root logger's
+    level, with a handler so that the records reach stderr. Without either, Python's default
+    (warnings and errors) stands. Returns the level set."""
+    level = args.logging_level
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    if level is not None:
+        logging.basicConfig(level=level)  # adds a stderr handler where the root has none
+        logging.getLogger().setLevel(level)
+    return level
 
 
 class Logger:

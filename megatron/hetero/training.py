@@ -34,7 +34,7 @@ from .arguments import SEED_STRIDE, local_rank, same_folder
 from .batch_schedule import BatchSchedule, StepBatch
 from .data import build_datasets, build_loader, get_batch, tokenizer_from_args
 from .ddp import HetDDP, gathered_params
-from .log import Logger
+from .log import Logger, configure_logging
 from .model import build_gpt_model, transformer_config
 from .param_norm import params_l2_norm
 from .partition import comm_device
@@ -71,6 +71,7 @@ def initialize(args) -> None:
     child processes (checkpoint writers, loader workers) set to die with this rank."""
     cpu_compat.activate()
     child_processes.install()
+    configure_logging(args)
     if not dist.is_initialized():
         _default_single_process_env()
         if torch.cuda.is_available():

@@ -396,3 +396,22 @@ def test_documents_reset_positions_and_attention(tmp_path):
         allowed = (document[:, None] == document[None, :]) & torch.ones(32, 32).tril().bool()
         assert torch.equal(masked, ~allowed)
     assert spanning >= 50  # of the 209 samples, those an EOD splits
+
+
+def test_logging_level_from_the_flag_else_the_environment(monkeypatch):
+    import logging
+
+    from megatron.hetero.log import configure_logging
+
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        monkeypatch.delenv("MEGATRON_LOGGING_LEVEL", raising=False)
+        assert configure_logging(_args()) is None and root.level == level
+        monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "30")
+        assert configure_logging(_args()) == 30 and root.level == 30
+        assert configure_logging(_args("--logging-level 10")) == 10 and root.level == 10
+        assert root.handlers
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
