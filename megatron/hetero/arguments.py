@@ -1151,6 +1151,7 @@ def data_paths(args) -> DataPaths:
             )
             if value:
                 splits[split] = (f"--per-split-data-args-path {path} ({split}):", value)
+        _require(splits, f"--per-split-data-args-path {path}: no datasets in it")
     return DataPaths(blend, blend_flag, splits)
 
 

@@ -473,8 +473,18 @@ class Logger:
         self.events = EventLog(metrics)
         self.is_printer = dist.get_rank() == 0
         self.writer = None
+        failed = [None]
         if self.is_printer:
-            self.writer = Scalars.open(args)
+            try:
+                self.writer = Scalars.open(args)
+            except Exception as err:  # noqa: BLE001 - raised on every rank below
+                failed = [f"{type(err).__name__}: {err}"]
+        if args.tensorboard_dir or args.wandb_project:  # every rank learns how rank 0 fared
+            dist.broadcast_object_list(failed, src=0)
+        if failed[0] is not None:
+            raise RuntimeError(
+                f"rank 0 could not open --tensorboard-dir / --wandb-project: {failed[0]}"
+            )
         self._window = []  # (loss, grad_norm, elapsed, batch) since the last interval's line
         self._first = True  # the job's first iteration is printed too (start-up cost shown)
         self._evaluated: set[tuple[str, int]] = set()  # (split, iteration) recorded
@@ -625,13 +635,12 @@ class Logger:
         if self.timers is None or not self.args.timing_log_level:
             return
         if self.args.log_timers_to_tensorboard:
-            # megatron-core's writer takes a SummaryWriter or the wandb module itself; each
-            # write gathers over every rank, so every rank writes as often (to None but rank 0)
-            writers = self.writer.writers if self.writer is not None else []
-            for i in range(bool(self.args.tensorboard_dir) + bool(self.args.wandb_project)):
-                writer = writers[i] if writers else None
-                writer = writer.wandb if isinstance(writer, WandbWriter) else writer
-                self.timers.write(TIMERS_TO_LOG, writer, iteration, steps, reset=False)
+            # Timers.write's max over ranks (seconds a step), one gather for every writer
+            # (megatron-core's write takes a SummaryWriter or the wandb module only)
+            times = self.timers._get_global_min_max_time(TIMERS_TO_LOG, False, False, steps)
+            if self.writer is not None:
+                for name, (_, most) in times.items():
+                    self.writer.add_scalar(f"{name}-time", most, iteration)
         # gathered on every rank, printed by rank 0 with the iteration lines (megatron-core's
         # Timers.log goes to its logger, which a run does not print)
         text = self.timers.get_all_timers_string(TIMERS_TO_LOG, normalizer=steps)
@@ -670,9 +679,14 @@ class Logger:
         self.info(f"> training finished at iteration {iteration} after {total:.1f} s")
         if self.metrics is not None:
             self.metrics.write("end", iteration=iteration, seconds=total)
-        if self.writer is not None:
-            self.writer.close()
+        self.close()
         sys.stdout.flush()
+
+    def close(self) -> None:
+        """The scalar writers (once; an error path closes them too)."""
+        if self.writer is not None:
+            self.writer, writer = None, self.writer
+            writer.close()
 
 
 def _jsonable(value):

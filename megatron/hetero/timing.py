@@ -86,6 +86,7 @@ class _PausingWork:
 # its sequence-parallel ones it binds at import, so those module attributes are wrapped too.
 _COLLECTIVES = (
     ("torch.distributed", "all_reduce"),
+    ("torch.distributed", "barrier"),  # --timing-log-level 1's, before each timed phase
     ("torch.distributed", "all_gather"),
     ("torch.distributed", "broadcast"),
     ("torch.distributed", "all_gather_into_tensor"),

@@ -331,16 +331,18 @@ def train_step(
         loss_weight=loss_weight,
     )
     _empty_cache(args, 1)
-    if runtime is not None:
-        runtime.before_optimizer_step()
+    # as Megatron-LM's train_step, the timer's barrier comes before the step (and before
+    # het-TP's timing of it)
     timers = state.config.timers
     if timers is not None:
         timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
+    if runtime is not None:
+        runtime.before_optimizer_step()
     update_successful, grad_norm, num_zeros = optimizer.step()
-    if timers is not None:
-        timers("optimizer").stop()
     if runtime is not None:
         runtime.after_optimizer_step()
+    if timers is not None:
+        timers("optimizer").stop()
     _empty_cache(args, 2)
     if update_successful:
         state.scheduler.step(increment=batch.global_batch_size)
@@ -369,16 +371,23 @@ def evaluate(args, model, valid_dataset) -> float:
     data_iterator = iter(loader)
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for _ in range(args.eval_iters):
-            reports = _schedule(
-                args,
-                model,
-                data_iterator,
-                forward_only=True,
-                num_microbatches=args.num_microbatches,
-            )
-            _add_reports(total, reports)
+    # as Megatron-LM: evaluation's passes stay out of the training timers (--timing-log-level),
+    # which divide by training steps
+    config = model.config
+    timers, config.timers = config.timers, None
+    try:
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                reports = _schedule(
+                    args,
+                    model,
+                    data_iterator,
+                    forward_only=True,
+                    num_microbatches=args.num_microbatches,
+                )
+                _add_reports(total, reports)
+    finally:
+        config.timers = timers
     model.train()
     return _token_mean(total)
 
@@ -488,6 +497,7 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     finally:
         if runtime is not None:
             runtime.close()
+        logger.close()  # TensorBoard's and wandb's, where run_end did not
         if metrics is not None:
             metrics.close()
     return dataclasses.replace(result, metrics_file=metrics_file if rank == 0 else None)

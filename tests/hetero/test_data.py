@@ -328,6 +328,7 @@ def test_data_paths_from_files(tmp_path):
         (f"--per-split-data-args-path {bad}", "{", f"--per-split-data-args-path {bad}: not JSON"),
         (f"--per-split-data-args-path {bad}", '{"dev": []}', "an object with train, valid and"),
         (f"--per-split-data-args-path {bad}", '{"train": 3}', "its train entry must be a list"),
+        (f"--per-split-data-args-path {bad}", '{"train": null}', f"{bad}: no datasets in it"),
         (f"--per-split-data-args-path {bad}", f'{{"valid": "{a}"}}', f"{bad}: no train datasets"),
         (
             f"--per-split-data-args-path {bad}",

@@ -437,3 +437,17 @@ def test_the_work_between_a_blocks_linears_is_timed():
         assert timer.read_attention() == 0.0
     finally:
         timer.remove()
+
+
+def test_a_wall_timer_leaves_a_barrier_s_wait_out(clock, monkeypatch):
+    """--timing-log-level 1 puts a barrier before each timed phase (megatron-core's optimizer
+    phases inside het-TP's update timing): a rank's wait there is not its compute."""
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: clock.work(0.0, 0.200))
+    timer = _timer("wall")
+    timer.reset()
+    timer.start()
+    clock.work(0.010, 0.010)
+    dist.barrier()
+    timer.stop()
+    assert timer.read() == pytest.approx(0.010)
+    timer.remove()

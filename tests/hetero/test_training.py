@@ -261,6 +261,21 @@ def test_training_on_real_text_lowers_the_loss(stdlib_corpus, tmp_path):
         assert logged == want, tag
 
 
+def test_a_scalar_writer_rank_0_cannot_open_stops_every_rank(tmp_path):
+    """wandb.init failing on rank 0 (no API key) is raised on every rank at start, where the
+    others waited in the first collective until the timeout."""
+    argv = MODEL + ["--train-iters", "4", "--tensor-model-parallel-size", "2"]
+    argv += ["--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", str(tmp_path)]
+    with pytest.raises(AssertionError) as err:
+        run_ranks(train_with_a_recording_wandb, 2, argv, True, timeout=120)
+    text = str(err.value)
+    for rank in (0, 1):
+        assert (
+            f"rank {rank}: RuntimeError: rank 0 could not open --tensorboard-dir / "
+            "--wandb-project: PermissionError: no API key (stand-in)" in text
+        ), text
+
+
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     argv = MODEL + ["--train-iters", "6", "--save", str(ckpt), "--save-interval", "3"]

@@ -35,9 +35,10 @@ def train(argv: list[str]) -> dict:
     }
 
 
-def train_with_a_recording_wandb(argv: list[str]) -> dict:
+def train_with_a_recording_wandb(argv: list[str], refuse: bool = False) -> dict:
     """`train`, with a stand-in `wandb` module (its init, log and finish, as the package's
-    documented API takes them) that records its calls into the result's "wandb"."""
+    documented API takes them) that records its calls into the result's "wandb"; `refuse`:
+    its init raises, as without an API key."""
     import importlib.machinery
     import sys
     import types
@@ -45,17 +46,20 @@ def train_with_a_recording_wandb(argv: list[str]) -> dict:
     calls = []
     fake = types.ModuleType("wandb")
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-    fake.init = lambda **kwargs: calls.append(("init", kwargs))
+
+    def init(**kwargs):
+        if refuse:
+            raise PermissionError("no API key (stand-in)")
+        calls.append(("init", kwargs))
+
+    fake.init = init
     fake.log = lambda data, step=None: calls.append(("log", data, step))
     fake.finish = lambda: calls.append(("finish",))
-    import megatron.core.timers as timers
-
-    sys.modules["wandb"], timers.wandb = fake, fake  # megatron-core's timers import it at start
+    sys.modules["wandb"] = fake
     try:
         result = train(argv)
     finally:
         del sys.modules["wandb"]
-        timers.wandb = None
     return {**result, "wandb": calls}
 
 
