@@ -936,20 +936,85 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
     return args
 
 
+# Why a family of Megatron-LM's flags is not supported here: the first family whose prefix a
+# flag starts with; any other is refused with the README's pointer.
+UNSUPPORTED_FAMILIES = (
+    (
+        ("--num-experts", "--moe-", "--expert-"),
+        "mixture of experts: het-TP partitions dense attention heads and MLP units",
+    ),
+    (
+        ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim"),
+        "multi-latent attention is not built here",
+    ),
+    (("--qk-pos-emb-head-dim", "--v-head-dim", "--dsa-", "--mtp-"), "DeepSeek's layers"),
+    (
+        ("--fp8", "--fp4", "--tp-comm-", "--te-", "--use-flash-attn"),
+        "needs Transformer Engine layers; het-TP's subclass megatron-core's local ones",
+    ),
+    (
+        ("--cuda-graph", "--enable-cuda-graph", "--external-cuda-graph"),
+        "CUDA graphs: a migration replaces the captured layers",
+    ),
+    (
+        (
+            "--num-layers-per-virtual-pipeline-stage",
+            "--num-virtual-stages-per-pipeline-rank",
+            "--microbatch-group-size-per-virtual-pipeline-stage",
+        ),
+        "interleaved pipeline schedules: het-TP runs one model chunk a stage",
+    ),
+    (
+        ("--cp-comm-type", "--hierarchical-context-parallel-sizes", "--hybrid-context-parallel"),
+        "context parallelism (--context-parallel-size 1 only)",
+    ),
+    (
+        (
+            "--async-save",
+            "--ckpt-fully-parallel-",
+            "--no-ckpt-fully-parallel-save",
+            "--disable-ckpt-fully-parallel-save",
+            "--non-persistent-",
+        ),
+        "checkpoints are written synchronously, each tensor by its main replica, staged until "
+        "every rank finished",
+    ),
+    (
+        (
+            "--use-torch-fsdp2",
+            "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy",
+            "--fsdp-",
+        ),
+        "FSDP: data parallelism here is megatron-core's DDP and distributed optimizer",
+    ),
+    (("--mamba-", "--hybrid-", "--is-hybrid-model"), "hybrid Mamba models"),
+    (("--inference-", "--rl-", "--grpo-", "--langrl-"), "inference and RL loops"),
+)
+
+
+def _why_unsupported(flag: str) -> str:
+    for prefixes, why in UNSUPPORTED_FAMILIES:
+        if flag.startswith(prefixes):
+            return why
+    return "README.md: Flags"
+
+
 def unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     """What argparse left over, named apart: Megatron-LM flags this trainer does not support
-    (a launch script's; README "Flags"), and the rest (a typo gets the nearest of our flags).
-    Values are shown after their flag, as argparse shows them; a value with no flag before it
-    is unrecognized."""
+    (a launch script's), grouped by why (UNSUPPORTED_FAMILIES), and the rest (a typo gets the
+    nearest of our flags). Values are shown after their flag, as argparse shows them; a value
+    with no flag before it is unrecognized."""
     ours = [name for action in parser._actions for name in action.option_strings]
-    megatron, other = [], []
+    megatron: dict[str, list] = {}  # why -> the flags refused for it, in order
+    other = []
     words: list[str] | None = None  # the flag being read and its values
     for token in unknown:
         if token.startswith("-") and not _is_number(token):
             words = [token]
             name = token.split("=", 1)[0]
             if name in MEGATRON_LM_FLAGS:
-                megatron.append(words)
+                megatron.setdefault(_why_unsupported(name), []).append(words)
             else:
                 near = difflib.get_close_matches(name, ours, n=1) if name != "--" else []
                 other.append(words)
@@ -961,9 +1026,11 @@ def unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) -
             other.append([token])
     parts = []
     if megatron:
+        groups = "; ".join(
+            f"{', '.join(map(' '.join, flags))} ({why})" for why, flags in megatron.items()
+        )
         parts.append(
-            f"Megatron-LM flags ({MEGATRON_LM_VERSION}) this trainer does not support: "
-            f"{', '.join(map(' '.join, megatron))} (README.md: Flags)"
+            f"Megatron-LM flags ({MEGATRON_LM_VERSION}) this trainer does not support: {groups}"
         )
     if other:
         parts.append(f"unrecognized arguments: {', '.join(map(' '.join, other))}")
