@@ -851,6 +851,13 @@ def _add_checkpointing_args(parser):
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None)
+    g.add_argument(
+        "--save-retain-interval",
+        type=int,
+        default=None,
+        help="Keep only the checkpoints at multiples of this (a multiple of --save-interval) "
+        "and the newest: each save deletes the one it succeeds otherwise.",
+    )
     g.add_argument("--load", default=None)
     g.add_argument(
         "--no-save-optim",
@@ -1916,6 +1923,13 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}"
         )
         _require(args.save is not None, "--save-interval needs --save")
+    if args.save_retain_interval is not None:
+        retain, every = args.save_retain_interval, args.save_interval
+        _require(
+            every is not None and retain > 0 and retain % every == 0,
+            f"--save-retain-interval ({retain}) must be a positive multiple of --save-interval "
+            f"({every})",
+        )
     if args.exit_interval is not None:
         _require(
             args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}"

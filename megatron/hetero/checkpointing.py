@@ -444,13 +444,26 @@ def save_checkpoint(
             os.rename(final, aside)
         os.rename(staging, final)
         tracker = os.path.join(root, TRACKER_FILE)
+        previous = latest_iteration(root)
         with open(tracker + ".tmp", "w") as f:
             f.write(str(iteration))
         os.replace(tracker + ".tmp", tracker)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
+        _retire(root, previous, iteration, args.save_retain_interval)
     dist.barrier()
     return final
+
+
+def _retire(root: str, previous: int | None, iteration: int, retain: int | None) -> None:
+    """--save-retain-interval, as Megatron-LM's: once the tracker names `iteration`, the
+    checkpoint it named before goes unless it is at a multiple of `retain` (or a link, which
+    someone made on purpose)."""
+    if retain is None or not previous or previous == iteration or previous % retain == 0:
+        return
+    old = checkpoint_dir(root, previous)
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def restore_replaced(root: str, iteration: int) -> bool:

@@ -594,6 +594,10 @@ def test_megatron_checkpoint_flags_are_checked_at_start(tmp_path):
         (f"--load {tmp_path} --ckpt-step 0", "--ckpt-step must be positive, got 0"),
         ("--exit-on-missing-checkpoint", "--exit-on-missing-checkpoint needs --load"),
         (
+            f"--save {tmp_path} --save-interval 2 --save-retain-interval 3",
+            "--save-retain-interval (3) must be a positive multiple of --save-interval (2)",
+        ),
+        (
             f"--pretrained-checkpoint {tmp_path}/typo",
             f"--pretrained-checkpoint {tmp_path}/typo: no such directory",
         ),

@@ -292,6 +292,23 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
     assert not staging.exists()  # the next job holding the folder cleared the dead staging
 
 
+def test_save_retain_interval_keeps_its_multiples_and_the_newest(tmp_path):
+    """--save-retain-interval 3 with a save every step: each save deletes the checkpoint it
+    succeeds unless that one is at a multiple of 3; a resume from the newest works."""
+    ckpt = tmp_path / "ckpt"
+    argv = MODEL + ["--save", str(ckpt), "--save-interval", "1", "--save-retain-interval", "3"]
+    argv += ["--lr-decay-iters", "10"]  # the resumed run's schedule is the first's
+    run_ranks(train, 1, argv + ["--train-iters", "7"])
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == [
+        "iter_0000003",
+        "iter_0000006",
+        "iter_0000007",
+    ]
+    resumed = run_ranks(train, 1, argv + ["--train-iters", "8", "--load", str(ckpt)])[0]
+    assert sorted(resumed["losses"]) == [8]
+    assert sorted(p.name for p in ckpt.glob("iter_*"))[-2:] == ["iter_0000006", "iter_0000008"]
+
+
 def test_loading_into_a_different_model_names_the_flags(tmp_path):
     ckpt = tmp_path / "ckpt"
     run_ranks(train, 1, MODEL + ["--train-iters", "3", "--save", str(ckpt)])
