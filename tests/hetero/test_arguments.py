@@ -484,10 +484,19 @@ def test_bad_flags_exit_2_without_traceback(argv, world, message):
     assert proc.stderr.strip().splitlines()[-1].startswith("pretrain_gpt.py: error:")
 
 
+def _parse_error(argv, capsys) -> str:
+    """What pretrain_gpt.py's parsing prints as it exits with status 2 on `argv`."""
+    from megatron.hetero.arguments import parse_args
+
+    with pytest.raises(SystemExit) as done:
+        parse_args(argv, world_size=1)
+    assert done.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_unsupported_megatron_lm_flags_are_named_apart_from_typos(capsys):
     """A Megatron-LM flag this trainer lacks is refused as one (with its values), a typo as
     unrecognized with the nearest flag; neither is ignored."""
-    from megatron.hetero.arguments import parse_args
 
     for extra, message in [
         (
@@ -511,10 +520,7 @@ def test_unsupported_megatron_lm_flags_are_named_apart_from_typos(capsys):
             "units); unrecognized arguments: stray, -x 3, -- a\n",
         ),
     ]:
-        with pytest.raises(SystemExit) as done:
-            parse_args((BASE + extra).split(), world_size=1)
-        assert done.value.code == 2
-        assert capsys.readouterr().err.endswith(message), extra
+        assert _parse_error((BASE + extra).split(), capsys).endswith(message), extra
 
 
 def test_every_reason_for_refusing_megatron_lm_flags_names_some():
@@ -533,7 +539,6 @@ def test_every_reason_for_refusing_megatron_lm_flags_names_some():
 def test_use_checkpoint_args_needs_a_checkpoint_folder_and_sizes_until_one_is_saved(
     tmp_path, capsys
 ):
-    from megatron.hetero.arguments import parse_args
 
     unsized = BASE.replace("--num-layers 2 --hidden-size 64", "") + " --use-checkpoint-args"
     for extra, message in [
@@ -544,16 +549,11 @@ def test_use_checkpoint_args_needs_a_checkpoint_folder_and_sizes_until_one_is_sa
             "(--use-checkpoint-args: no checkpoint to take them from yet)\n",
         ),
     ]:
-        with pytest.raises(SystemExit) as done:
-            parse_args((unsized + extra).split(), world_size=1)
-        assert done.value.code == 2
-        assert capsys.readouterr().err.endswith(message), extra
+        assert _parse_error((unsized + extra).split(), capsys).endswith(message), extra
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
     (tmp_path / "iter_0000004").mkdir()  # no common state: a damaged checkpoint
-    with pytest.raises(SystemExit):
-        parse_args((unsized + f" --load {tmp_path}").split(), world_size=1)
     assert f"error: --use-checkpoint-args: {tmp_path}/iter_0000004: its recorded flags cannot" in (
-        capsys.readouterr().err
+        _parse_error((unsized + f" --load {tmp_path}").split(), capsys)
     )
 
 
