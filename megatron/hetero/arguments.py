@@ -679,6 +679,18 @@ def _add_data_args(parser):
         "split's --<split>-data-path list (a string is split at whitespace; null: none).",
     )
     g.add_argument("--split", default="969, 30, 1")
+    g.add_argument(
+        "--num-dataset-builder-threads",
+        type=int,
+        default=1,
+        help="Threads each rank builds its datasets' indexes with (megatron-core's builder).",
+    )
+    g.add_argument(
+        "--mid-level-dataset-surplus",
+        type=float,
+        default=0.005,
+        help="The share of extra samples megatron-core builds for a blend's datasets.",
+    )
     g.add_argument("--data-cache-path", default=None)
     add_tokenizer_args(g)
     g.add_argument(
@@ -1480,6 +1492,14 @@ def _validate_device_features(args, cuda_available: bool) -> None:
         f"--loss-scale-window must be positive, got {args.loss_scale_window}",
     )
     _require(args.hysteresis >= 1, f"--hysteresis must be >= 1, got {args.hysteresis}")
+    _require(
+        args.num_dataset_builder_threads > 0,
+        f"--num-dataset-builder-threads must be positive, got {args.num_dataset_builder_threads}",
+    )
+    _require(
+        args.mid_level_dataset_surplus >= 0,
+        f"--mid-level-dataset-surplus must be >= 0, got {args.mid_level_dataset_surplus}",
+    )
     env_local = os.environ.get("LOCAL_RANK")
     _require(
         args.local_rank is None or env_local is None or args.local_rank == int(env_local),

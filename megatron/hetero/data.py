@@ -139,6 +139,8 @@ def dataset_config(args, tokenizer) -> GPTDatasetConfig:
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         mmap_bin_files=args.mmap_bin_files,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
     )
 
 

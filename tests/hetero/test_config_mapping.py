@@ -233,9 +233,13 @@ def test_data_flags_reach_dataset_config(tmp_path):
     for name in ("a", "b"):  # validation reads the index headers: real (tiny) datasets
         (tmp_path / name).mkdir()
         prefixes.append(make_corpus(tmp_path / name, documents=10))
-    args = _args(f"--eod-mask-loss --data-cache-path {tmp_path} --seed 7")
+    args = _args(
+        f"--eod-mask-loss --data-cache-path {tmp_path} --seed 7 "
+        "--num-dataset-builder-threads 3 --mid-level-dataset-surplus 0.01"
+    )
     cfg = dataset_config(args, build_tokenizer(args.tokenizer_type, args.vocab_size))
     assert cfg.eod_mask_loss and cfg.path_to_cache == str(tmp_path) and cfg.random_seed == 7
+    assert cfg.num_dataset_builder_threads == 3 and cfg.mid_level_dataset_surplus == 0.01
     assert cfg.sequence_length == 32 and cfg.mock
     args = build_parser().parse_args(
         (
@@ -349,6 +353,8 @@ def test_megatron_lm_older_and_precision_flags_take_megatron_lm_meaning(monkeypa
         ("--min-loss-scale 0", "--min-loss-scale must be positive, got 0.0"),
         ("--loss-scale-window -1", "--loss-scale-window must be positive, got -1.0"),
         ("--hysteresis 0", "--hysteresis must be >= 1, got 0"),
+        ("--num-dataset-builder-threads 0", "--num-dataset-builder-threads must be positive"),
+        ("--mid-level-dataset-surplus -1", "--mid-level-dataset-surplus must be >= 0, got -1.0"),
         ("--dataloader-type cyclic", "--dataloader-type cyclic: this trainer reads the samples"),
         (
             "--reset-attention-mask --no-create-attention-mask-in-dataloader",
