@@ -140,17 +140,16 @@ def _check_refused_flags(args) -> None:
 
 def _add_network_args(parser):
     g = parser.add_argument_group("network size")
-    g.add_argument("--num-layers", type=int, default=None)  # required unless --use-checkpoint-args
-    g.add_argument("--hidden-size", type=int, default=None)  # required unless --use-checkpoint-args
+    # the sizes are required (_check_required_flags), unless --use-checkpoint-args gives them
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
     g.add_argument(
         "--ffn-hidden-size",
         type=int,
         default=None,
         help="Default: 4 x hidden size (or 8/3 x, rounded to 64, with --swiglu).",
     )
-    g.add_argument(
-        "--num-attention-heads", type=int, default=None
-    )  # required unless --use-checkpoint-args
+    g.add_argument("--num-attention-heads", type=int, default=None)
     g.add_argument(
         "--kv-channels",
         type=int,
@@ -159,7 +158,7 @@ def _add_network_args(parser):
     )
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1)
-    g.add_argument("--seq-length", type=int, default=None)  # required unless --use-checkpoint-args
+    g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument(
         "--position-embedding-type",
@@ -1035,14 +1034,17 @@ def unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) -
             if name in MEGATRON_LM_FLAGS:
                 megatron.setdefault(_why_unsupported(name), []).append(words)
             else:
-                near = difflib.get_close_matches(name, ours, n=1) if name != "--" else []
                 other.append(words)
-                if near:
-                    words.append(f"(did you mean {near[0]}?)")
         elif words is not None:
-            words.insert(len(words) - words[-1].startswith("(did you mean"), token)
+            words.append(token)
         else:
             other.append([token])
+
+    def unrecognized(words) -> str:
+        name = words[0].split("=", 1)[0]
+        near = difflib.get_close_matches(name, ours, n=1) if name.startswith("-") else []
+        return " ".join(words) + (f" (did you mean {near[0]}?)" if near and name != "--" else "")
+
     parts = []
     if megatron:
         groups = "; ".join(
@@ -1052,7 +1054,7 @@ def unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) -
             f"Megatron-LM flags ({MEGATRON_LM_VERSION}) this trainer does not support: {groups}"
         )
     if other:
-        parts.append(f"unrecognized arguments: {', '.join(map(' '.join, other))}")
+        parts.append(f"unrecognized arguments: {', '.join(map(unrecognized, other))}")
     return "; ".join(parts)
 
 

@@ -189,6 +189,16 @@ class SavedModelArgs:
     missing: tuple[str, ...]  # of MODEL_ARGS, what it predates (older checkpoints)
 
 
+def recorded_args(saved: dict, names) -> dict:
+    """Of `names`, what a checkpoint's saved args tell: recorded values, and for a shape flag
+    an older checkpoint did not record, what it was saved with (SHAPE_DEFAULTS)."""
+    return {
+        name: saved[name] if name in saved else SHAPE_DEFAULTS[name](saved)
+        for name in names
+        if name in saved or name in SHAPE_DEFAULTS
+    }
+
+
 def saved_model_args(args) -> SavedModelArgs | None:
     """For --use-checkpoint-args, before any process group, on this rank: the model flags of
     the checkpoint training will start from, as _checkpoint_source picks it (--load's, else
@@ -217,10 +227,7 @@ def saved_model_args(args) -> SavedModelArgs | None:
             raise CheckpointError(str(err)) from None
         except Exception as err:  # noqa: BLE001 - a damaged checkpoint: named, not a traceback
             raise CheckpointError(f"{path}: its recorded flags cannot be read ({err})") from None
-        values = {name: saved[name] for name in MODEL_ARGS if name in saved}
-        for name, default in SHAPE_DEFAULTS.items():  # shape flags older ones did not record
-            if name not in values:
-                values[name] = default(saved)
+        values = recorded_args(saved, MODEL_ARGS)
         missing = tuple(name for name in MODEL_ARGS if name not in values)
         return SavedModelArgs(path.removesuffix(".replaced"), values, missing)
     return None
@@ -585,11 +592,7 @@ def load_checkpoint(
     path = checkpoint_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
     saved = common["args"]
-    shapes = {  # what the checkpoint's model was built with, where it can tell
-        name: saved[name] if name in saved else SHAPE_DEFAULTS[name](saved)
-        for name in SHAPE_ARGS
-        if name in saved or name in SHAPE_DEFAULTS
-    }
+    shapes = recorded_args(saved, SHAPE_ARGS)  # the checkpoint's model, where it can tell
     mismatched = [
         f"--{name.replace('_', '-')} {value} (this run: {getattr(args, name)})"
         for name, value in shapes.items()
