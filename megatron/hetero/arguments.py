@@ -1769,7 +1769,9 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         "--reset-attention-mask needs the dataloader's masks: drop "
         "--no-create-attention-mask-in-dataloader",
     )
-    corpus = data_paths(args)
+    # The lists the checks below read, kept for the datasets' build: a data-list file edited
+    # after the start is not read again, so the run trains on the lists it checked.
+    corpus = args.data_corpus = data_paths(args)
     _require(
         not (corpus.blend and corpus.splits),
         f"{'--data-path' if args.data_path else '--data-args-path'} and "

@@ -19,7 +19,7 @@ from megatron.core.tokenizers import MegatronTokenizer
 from hettp import rebatch
 
 from . import text_tokenizers
-from .arguments import BYTE_LEVEL_VOCAB_SIZE, SPLITS, data_paths, parse_data_path
+from .arguments import BYTE_LEVEL_VOCAB_SIZE, SPLITS, parse_data_path
 
 _TOKENIZER_LIBRARY = {"NullTokenizer": "null", "ByteLevelTokenizer": "byte-level"}
 
@@ -114,9 +114,10 @@ class PretrainingSampler:
 
 def dataset_config(args, tokenizer) -> GPTDatasetConfig:
     """megatron-core's config: --data-path's blend cut by --split, or each split's own
-    (--train-/--valid-/--test-data-path; a split without one is not built)."""
+    (--train-/--valid-/--test-data-path; a split without one is not built), as validate_args
+    read and checked them."""
     blend = blend_per_split = None
-    corpus = data_paths(args)
+    corpus = args.data_corpus
     if corpus.blend:
         blend = parse_data_path(corpus.blend, corpus.blend_flag)
     elif corpus.splits:

@@ -308,6 +308,11 @@ def test_data_paths_from_files(tmp_path):
     blend.write_text(f"0.3 {a}\n0.7 {b}\n")
     by_file, by_flag = config(f"--data-args-path {blend}"), config(f"--data-path 0.3 {a} 0.7 {b}")
     assert by_file.blend == by_flag.blend == ([a, b], [0.3, 0.7])
+    # The datasets are built from the lists validation checked, not from the file as it is later
+    args = build_parser().parse_args(f"{base} --data-args-path {blend}".split())
+    validate_args(args, 1, cuda_available=False)
+    blend.write_text(f"1 {tmp_path}/unchecked\n")
+    assert dataset_config(args, tokenizer_from_args(args)).blend == ([a, b], [0.3, 0.7])
     splits = tmp_path / "splits.json"
     splits.write_text(json.dumps({"train": f"{a} {b}", "valid": [b], "test": None}))
     by_file = config(f"--per-split-data-args-path {splits}")
