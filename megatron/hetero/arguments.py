@@ -927,6 +927,22 @@ def _add_checkpointing_args(parser):
     )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument(
+        "--no-ckpt-fully-parallel-save",
+        "--disable-ckpt-fully-parallel-save",
+        action="store_false",
+        dest="ckpt_fully_parallel_save",
+        help="Write each tensor the data-parallel replicas share from its main replica (data-"
+        "parallel rank 0) instead of spreading the writes over the replicas (the default, as "
+        "Megatron-LM's).",
+    )
+    g.add_argument(
+        "--ckpt-fully-parallel-save",
+        action="store_true",
+        dest="ckpt_fully_parallel_save_deprecated",
+        help="Deprecated, as in Megatron-LM: parallel saving is the default (see "
+        "--no-ckpt-fully-parallel-save).",
+    )
+    g.add_argument(
         "--ckpt-format",
         default="torch_dist",
         choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
@@ -989,13 +1005,18 @@ UNSUPPORTED_FAMILIES = (
     (
         (
             "--async-save",
-            "--ckpt-fully-parallel-",
-            "--no-ckpt-fully-parallel-save",
-            "--disable-ckpt-fully-parallel-save",
+            "--use-persistent-ckpt-worker",
             "--non-persistent-",
         ),
-        "checkpoints are written synchronously, each tensor by its main replica, staged until "
-        "every rank finished",
+        "checkpoints are written synchronously, staged until every rank finished",
+    ),
+    (
+        ("--ckpt-fully-parallel-load",),
+        "each rank reads what it holds (megatron-core's parallel load exchanges on CUDA)",
+    ),
+    (
+        ("--ckpt-assume-constant-structure",),
+        "a checkpoint's layout follows the het-TP plan, which changes as units move",
     ),
     (
         (
@@ -1461,6 +1482,12 @@ def _validate_device_features(args, cuda_available: bool) -> None:
         f"--ckpt-format {args.ckpt_format}: hettp saves torch_dist checkpoints only (they load "
         "under any plan, TP size, or vanilla)",
     )
+    if args.ckpt_fully_parallel_save_deprecated:
+        warnings.warn(
+            "--ckpt-fully-parallel-save is deprecated and has no effect (parallel saving is the "
+            "default); use --no-ckpt-fully-parallel-save to disable it",
+            stacklevel=2,
+        )
     if not cuda_available:
         _require(
             not args.cross_entropy_loss_fusion,

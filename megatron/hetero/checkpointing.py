@@ -18,6 +18,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
 
 from . import ckpt_integrity
 from .portable_optimizer import (
@@ -437,7 +441,7 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     dist.barrier()
-    dist_checkpointing.save(state, staging)
+    dist_checkpointing.save(state, staging, sharded_strategy=_save_strategy(args))
     dist.barrier()
     ckpt_integrity.write_manifest(staging)  # collective; rank 0 writes it
     dist.barrier()
@@ -460,6 +464,17 @@ def save_checkpoint(
         _retire(root, previous, iteration, args.save_retain_interval)
     dist.barrier()
     return final
+
+
+def _save_strategy(args):
+    """--ckpt-fully-parallel-save (the default): what the data-parallel replicas hold alike is
+    written by all of them, a share each, instead of by data-parallel rank 0 alone. The
+    distribution is worked out at every save: a plan's layout changes as units move."""
+    if not args.ckpt_fully_parallel_save or parallel_state.get_data_parallel_world_size() == 1:
+        return None  # megatron-core's default torch_dist strategy
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(), parallel_state.get_data_parallel_group()
+    )
 
 
 def _retire(root: str, previous: int | None, iteration: int, retain: int | None) -> None:

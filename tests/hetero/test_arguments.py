@@ -504,8 +504,8 @@ def test_unsupported_megatron_lm_flags_are_named_apart_from_typos(capsys):
             "error: Megatron-LM flags (core_v0.16.1) this trainer does not support: "
             "--num-experts 8, --moe-router-topk=2 (mixture of experts: het-TP partitions dense "
             "attention heads and MLP units); --head-lr-mult 2 (README.md: Flags); --async-save "
-            "(checkpoints are written synchronously, each tensor by its main replica, staged "
-            "until every rank finished); unrecognized arguments: --no-such-flag 3\n",
+            "(checkpoints are written synchronously, staged until every rank finished); "
+            "unrecognized arguments: --no-such-flag 3\n",
         ),
         (
             " --lr-decay-stlye cosine",
@@ -732,6 +732,14 @@ def test_a_het_tp_flag_the_run_never_reads_is_warned_of_by_name():
         _args(
             "--het-tp-policy migrate --het-tp-priority magnitude --tensor-model-parallel-size 2", 2
         )
+
+
+def test_parallel_checkpoint_saving_is_the_default_and_its_old_flag_a_warned_no_op():
+    assert _args("").ckpt_fully_parallel_save
+    for flag in ("--no-ckpt-fully-parallel-save", "--disable-ckpt-fully-parallel-save"):
+        assert not _args(flag).ckpt_fully_parallel_save
+    with pytest.warns(UserWarning, match="--ckpt-fully-parallel-save is deprecated"):
+        assert _args("--ckpt-fully-parallel-save").ckpt_fully_parallel_save
 
 
 def test_sequence_parallel_is_dropped_at_tp1_with_megatrons_warning():

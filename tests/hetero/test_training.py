@@ -493,6 +493,20 @@ def test_each_data_parallel_replica_resumes_its_own_generators(tmp_path):
     full = run_ranks(train_drawing_apart, 2, argv)
     assert full[0]["rng"][5] != full[1]["rng"][5]  # the replicas' streams did part
     run_ranks(train_drawing_apart, 2, argv + ["--save", ckpt, "--exit-interval", "3"])
+    # The replicas' model and optimizer were written a share by each (Megatron-LM's default,
+    # --ckpt-fully-parallel-save); with --no-ckpt-fully-parallel-save by replica 0 alone
+    alone = str(tmp_path / "alone")
+    run_ranks(
+        train_drawing_apart,
+        2,
+        argv + ["--save", alone, "--exit-interval", "3", "--no-ckpt-fully-parallel-save"],
+    )
+    for folder, low, high in ((ckpt, 0.3, 0.7), (alone, 0.0, 0.05)):
+        written = [
+            os.path.getsize(os.path.join(folder, "iter_0000003", f"__{rank}_0.distcp"))
+            for rank in (0, 1)
+        ]
+        assert low <= written[1] / sum(written) <= high, (folder, written)
     resumed = run_ranks(train_drawing_apart, 2, argv + ["--load", ckpt])
     for rank in (0, 1):
         assert sorted(resumed[rank]["rng"]) == [4, 5]
