@@ -935,12 +935,18 @@ def _add_checkpointing_args(parser):
         "parallel rank 0) instead of spreading the writes over the replicas (the default, as "
         "Megatron-LM's).",
     )
+    for flag, what in DEPRECATED_CHECKPOINT_FLAGS.items():
+        g.add_argument(
+            flag,
+            action="store_true",
+            dest=_deprecated_dest(flag),
+            help=f"Deprecated, as in Megatron-LM: {what}.",
+        )
     g.add_argument(
-        "--ckpt-fully-parallel-save",
-        action="store_true",
-        dest="ckpt_fully_parallel_save_deprecated",
-        help="Deprecated, as in Megatron-LM: parallel saving is the default (see "
-        "--no-ckpt-fully-parallel-save).",
+        "--dist-ckpt-format",
+        dest="dist_ckpt_format_deprecated",
+        default=None,
+        help="Deprecated, as in Megatron-LM: see --ckpt-format.",
     )
     g.add_argument(
         "--ckpt-format",
@@ -948,6 +954,18 @@ def _add_checkpointing_args(parser):
         choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
         help="Only torch_dist: a checkpoint loads under any plan, TP size, or vanilla.",
     )
+
+
+# Megatron-LM's checkpoint flags that no longer do anything there, accepted with its warning
+DEPRECATED_CHECKPOINT_FLAGS = {
+    "--ckpt-fully-parallel-save": "parallel saving is the default (--no-ckpt-fully-parallel-save "
+    "disables it)",
+    "--use-dist-ckpt": "see --ckpt-format (torch_dist, the default)",
+}
+
+
+def _deprecated_dest(flag: str) -> str:
+    return flag[2:].replace("-", "_") + "_deprecated"
 
 
 def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
@@ -1482,12 +1500,12 @@ def _validate_device_features(args, cuda_available: bool) -> None:
         f"--ckpt-format {args.ckpt_format}: hettp saves torch_dist checkpoints only (they load "
         "under any plan, TP size, or vanilla)",
     )
-    if args.ckpt_fully_parallel_save_deprecated:
-        warnings.warn(
-            "--ckpt-fully-parallel-save is deprecated and has no effect (parallel saving is the "
-            "default); use --no-ckpt-fully-parallel-save to disable it",
-            stacklevel=2,
-        )
+    given = [f for f in DEPRECATED_CHECKPOINT_FLAGS if getattr(args, _deprecated_dest(f))]
+    if args.dist_ckpt_format_deprecated is not None:
+        given.append("--dist-ckpt-format")
+    for flag in given:
+        what = DEPRECATED_CHECKPOINT_FLAGS.get(flag, "see --ckpt-format")
+        warnings.warn(f"{flag} is deprecated and has no effect: {what}", stacklevel=2)
     if not cuda_available:
         _require(
             not args.cross_entropy_loss_fusion,

@@ -734,12 +734,15 @@ def test_a_het_tp_flag_the_run_never_reads_is_warned_of_by_name():
         )
 
 
-def test_parallel_checkpoint_saving_is_the_default_and_its_old_flag_a_warned_no_op():
+def test_parallel_checkpoint_saving_is_the_default_and_the_old_checkpoint_flags_warned_no_ops():
     assert _args("").ckpt_fully_parallel_save
     for flag in ("--no-ckpt-fully-parallel-save", "--disable-ckpt-fully-parallel-save"):
         assert not _args(flag).ckpt_fully_parallel_save
     with pytest.warns(UserWarning, match="--ckpt-fully-parallel-save is deprecated"):
         assert _args("--ckpt-fully-parallel-save").ckpt_fully_parallel_save
+    for flag in ("--use-dist-ckpt", "--dist-ckpt-format torch_dist"):
+        with pytest.warns(UserWarning, match=f"{flag.split()[0]} is deprecated and has no effect"):
+            _args(flag)
 
 
 def test_sequence_parallel_is_dropped_at_tp1_with_megatrons_warning():
