@@ -60,7 +60,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             path = checkpointing.save_checkpoint(
                 root, 1, 1, state.model, state.optimizer, state.scheduler, args
-            )
+            ).path
             rows["save"].setdefault(mode, []).append(time.perf_counter() - t0)
             size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
             t0 = time.perf_counter()

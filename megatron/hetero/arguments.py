@@ -833,6 +833,13 @@ def _add_logging_args(parser):
         "Megatron-LM (megatron-core's count, each element once).",
     )
     g.add_argument(
+        "--log-progress",
+        action="store_true",
+        help="Append a line to <save>/progress.txt at each job start, saved and retired "
+        "checkpoint: job and cumulative model TFLOP/s per GPU, FLOPs and tokens so far "
+        "(Megatron-LM's file and format).",
+    )
+    g.add_argument(
         "--log-throughput",
         action="store_true",
         help="Model TFLOP/s per GPU (or CPU rank) in the iteration line, Megatron-LM's formula.",
@@ -1992,6 +1999,10 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}"
         )
         _require(args.save is not None, "--save-interval needs --save")
+    _require(
+        not args.log_progress or args.save is not None,
+        "--log-progress writes <save>/progress.txt: it needs --save",
+    )
     if args.save_retain_interval is not None:
         retain, every = args.save_retain_interval, args.save_interval
         _require(

@@ -395,6 +395,12 @@ def restore_scheduler(scheduler, saved: dict, override: bool) -> None:
     scheduler.load_state_dict(saved)
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedCheckpoint:
+    path: str
+    retired: int | None  # the iteration whose checkpoint the save deleted (rank 0 knows it)
+
+
 def save_checkpoint(
     root: str,
     iteration: int,
@@ -407,7 +413,7 @@ def save_checkpoint(
     staging: str | None = None,
     *,
     vocab_size: int | None = None,
-) -> str:
+) -> SavedCheckpoint:
     """`runtime`: the het-TP runtime, whose plan (common) and per-TP-rank state (priorities,
     detector) the checkpoint keeps, so a resumed run starts where this one stands. `staging`:
     this job's name for the folder being written (SaveLock.staging), the same on every rank.
@@ -445,6 +451,7 @@ def save_checkpoint(
     dist.barrier()
     ckpt_integrity.write_manifest(staging)  # collective; rank 0 writes it
     dist.barrier()
+    retired = None
     if dist.get_rank() == 0:
         # An older save of this iteration is moved aside, not deleted, until the new one is in
         # place: deleting first left the tracker naming a half-deleted folder if killed then.
@@ -461,9 +468,9 @@ def save_checkpoint(
         os.replace(tracker + ".tmp", tracker)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
-        _retire(root, previous, iteration, args.save_retain_interval)
+        retired = _retire(root, previous, iteration, args.save_retain_interval)
     dist.barrier()
-    return final
+    return SavedCheckpoint(final, retired)
 
 
 def _save_strategy(args):
@@ -477,15 +484,17 @@ def _save_strategy(args):
     )
 
 
-def _retire(root: str, previous: int | None, iteration: int, retain: int | None) -> None:
+def _retire(root: str, previous: int | None, iteration: int, retain: int | None) -> int | None:
     """--save-retain-interval, as Megatron-LM's: once the tracker names `iteration`, the
     checkpoint it named before goes unless it is at a multiple of `retain` (or a link, which
-    someone made on purpose)."""
+    someone made on purpose). Returns the iteration deleted, if any."""
     if retain is None or not previous or previous == iteration or previous % retain == 0:
-        return
+        return None
     old = checkpoint_dir(root, previous)
-    if os.path.isdir(old) and not os.path.islink(old):
-        shutil.rmtree(old, ignore_errors=True)
+    if not os.path.isdir(old) or os.path.islink(old):
+        return None
+    shutil.rmtree(old, ignore_errors=True)
+    return previous
 
 
 def restore_replaced(root: str, iteration: int) -> bool:

@@ -30,15 +30,17 @@ from megatron.core.transformer.module import Float16Module
 from hettp.metrics import MetricsWriter
 
 from . import checkpointing, child_processes, cpu_compat
-from .arguments import SEED_STRIDE, local_rank, same_folder
+from .arguments import SEED_STRIDE, local_rank, padded_vocab_size, same_folder
 from .batch_schedule import BatchSchedule, StepBatch
 from .data import build_datasets, build_loader, get_batch, tokenizer_from_args
 from .ddp import HetDDP, gathered_params
+from .flops import flops_per_sample
 from .log import Logger, configure_logging
 from .model import build_gpt_model, transformer_config
 from .param_norm import params_l2_norm
 from .partition import comm_device
 from .profiling import StepProfiler
+from .progress_log import ProgressLog
 from .runtime import HetTPRuntime, SavedPlan, TrainState
 from .save_lock import SaveLock, SaveLockError
 from .stopping import ExitWatch, check_finite
@@ -416,13 +418,14 @@ def pretrain(args, on_step_end=None) -> TrainResult:
     `on_step_end(iteration, state, runtime)`, when given, runs on every rank at every step
     boundary, after het-TP's own decisions were applied there.
     """
+    started = time.time()  # --log-progress's job throughput counts from here, as Megatron-LM's
     freeze_imported_objects()
     runtime = HetTPRuntime.from_args(args)
     initialize(args)
     # Claim --save before anything is built or written there (metrics default to it too).
     lock, lock_warning = _claim_save_folder(args.save) if args.save else (None, None)
     try:
-        return _pretrain(args, runtime, lock, lock_warning, on_step_end)
+        return _pretrain(args, runtime, lock, lock_warning, on_step_end, started)
     finally:
         if lock is not None:
             lock.release()
@@ -446,7 +449,7 @@ def _claim_save_folder(folder):
     return SaveLock(folder, holder), warning  # not held: its staging names only
 
 
-def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
+def _pretrain(args, runtime, lock, lock_warning, on_step_end, started) -> TrainResult:
     tokenizer = tokenizer_from_args(args)
     # read once: the same on every rank
     source = _checkpoint_source(args)
@@ -483,6 +486,21 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
     metrics = MetricsWriter(metrics_file) if rank == 0 else None
     logger = Logger(args, metrics, state.config.timers)
     logger.run_start(state.model, tokenizer, iteration, loaded)
+    progress = None
+    if args.log_progress and args.save:
+        padded = padded_vocab_size(
+            tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        )
+        progress = ProgressLog(
+            args.save,
+            args.world_size,
+            flops_per_sample(args, padded),
+            args.seq_length,
+            consumed,
+            started,
+            writer=rank == 0,
+        )
+        progress.job_started()
     for note in notes:
         logger.info(f"> {note}")
     for warning in (lock_warning, load_warning, rng_warning):
@@ -492,7 +510,16 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end) -> TrainResult:
         if runtime is not None:
             runtime.attach(state, iteration, logger.events)
         result = _train(
-            args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end, lock
+            args,
+            state,
+            runtime,
+            logger,
+            tokenizer,
+            iteration,
+            consumed,
+            on_step_end,
+            lock,
+            progress,
         )
     finally:
         if runtime is not None:
@@ -574,7 +601,9 @@ class IterationClock:
             self._mark += time.perf_counter() - start
 
 
-def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end, lock):
+def _train(
+    args, state, runtime, logger, tokenizer, iteration, consumed, on_step_end, lock, progress
+):
     """The loop of pretrain(): train, evaluate, save, until --train-iters or --exit-interval."""
     train_ds, valid_ds, test_ds = build_datasets(args, tokenizer)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -589,7 +618,7 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
             return _save(iteration)
 
     def _save(iteration):
-        path = checkpointing.save_checkpoint(
+        saved = checkpointing.save_checkpoint(
             args.save,
             iteration,
             consumed,
@@ -601,7 +630,11 @@ def _train(args, state, runtime, logger, tokenizer, iteration, consumed, on_step
             staging=lock.staging(checkpointing.checkpoint_dir(args.save, iteration)),
             vocab_size=tokenizer.vocab_size,
         )
-        logger.saved(iteration, path)
+        logger.saved(iteration, saved.path)
+        if progress is not None:
+            if saved.retired is not None:
+                progress.deleted(saved.retired)
+            progress.saved(iteration, consumed)
         return iteration
 
     losses, eval_losses = {}, {}

@@ -95,6 +95,7 @@ def test_gpu_defaults_and_precision():
             "--lr-warmup-iters (10) must be smaller than --lr-decay-iters (10)",
         ),
         ("--save-interval 5", 1, "--save-interval needs --save"),
+        ("--log-progress", 1, "--log-progress writes <save>/progress.txt: it needs --save"),
         (
             "--tensor-model-parallel-size 2 --het-tp-policy migrate --het-tp-pipeline-moves layers",
             2,

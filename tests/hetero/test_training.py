@@ -294,10 +294,18 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
 
 def test_save_retain_interval_keeps_its_multiples_and_the_newest(tmp_path):
     """--save-retain-interval 3 with a save every step: each save deletes the checkpoint it
-    succeeds unless that one is at a multiple of 3; a resume from the newest works."""
+    succeeds unless that one is at a multiple of 3; a resume from the newest works.
+    --log-progress logs both jobs, every save and every deletion, as Megatron-LM's file."""
+    from megatron.hetero.arguments import build_parser, validate_args
+    from megatron.hetero.flops import flops_per_sample
+
     ckpt = tmp_path / "ckpt"
     argv = MODEL + ["--save", str(ckpt), "--save-interval", "1", "--save-retain-interval", "3"]
-    argv += ["--lr-decay-iters", "10"]  # the resumed run's schedule is the first's
+    argv += [
+        "--lr-decay-iters",
+        "10",
+        "--log-progress",
+    ]  # the resumed run's schedule is the first's
     run_ranks(train, 1, argv + ["--train-iters", "7"])
     assert sorted(p.name for p in ckpt.glob("iter_*")) == [
         "iter_0000003",
@@ -307,6 +315,27 @@ def test_save_retain_interval_keeps_its_multiples_and_the_newest(tmp_path):
     resumed = run_ranks(train, 1, argv + ["--train-iters", "8", "--load", str(ckpt)])[0]
     assert sorted(resumed["losses"]) == [8]
     assert sorted(p.name for p in ckpt.glob("iter_*"))[-2:] == ["iter_0000006", "iter_0000008"]
+
+    lines = [line.split("\t") for line in (ckpt / "progress.txt").read_text().splitlines()]
+    assert all(line[1] == "Job ID: " and line[2] == "# GPUs: 1" for line in lines)
+    events = [line[3] + (f" {line[4].split(': ')[1]}" if len(line) > 4 else "") for line in lines]
+    # a save deletes the checkpoint it succeeds (not 3 nor 6), then logs itself
+    deleted = {2: 1, 3: 2, 5: 4, 6: 5, 8: 7}
+    expected = []
+    for i in range(1, 9):
+        expected += ["Starting job"] if i in (1, 8) else []
+        expected += [f"Deleted checkpoint {deleted[i]}"] if i in deleted else []
+        expected += [f"Saved checkpoint {i}"]
+    assert events == expected
+    args = build_parser().parse_args(argv + ["--train-iters", "7"])
+    validate_args(args, 1, cuda_available=False)
+    per_sample = flops_per_sample(args, 256)  # 255 + EOD, padded to a multiple of 64
+    for line in (line for line in lines if line[3] == "Saved checkpoint"):
+        consumed = 8 * int(line[4].split(": ")[1])  # global batch 8
+        assert float(line[7].split(": ")[1]) == pytest.approx(per_sample * consumed, rel=5e-3)
+        for field, name in ((line[5], "Job"), (line[6], "Cumulative")):
+            assert field.startswith(f"{name} throughput: ") and field.endswith(" TFLOP/s/GPU")
+        assert line[8] == "Tokens (in billions): 0.00"
 
 
 def test_loading_into_a_different_model_names_the_flags(tmp_path):
