@@ -394,8 +394,12 @@ class HetTPConfig:
         _require(
             self.attn_granularity == 0 or per_group % self.attn_granularity == 0,
             f"--het-tp-attn-granularity {self.attn_granularity} must divide the "
-            f"{per_group} query heads per group (--num-attention-heads {shape.heads} / "
-            f"--num-query-groups {shape.query_groups}), or be 0 for whole groups",
+            + (
+                f"{per_group} query heads per group (--num-attention-heads {shape.heads} / "
+                f"--num-query-groups {shape.query_groups}), or be 0 for whole groups"
+                if per_group > 1
+                else f"1 query head per group ({shape.heads} heads, as many groups): use 0 or 1"
+            ),
         )
         if p.vanilla:
             for name in ("het_tp", "plan", "resize"):

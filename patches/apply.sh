@@ -2,7 +2,8 @@
 # Apply hettp's patch to an upstream Megatron-LM checkout at tag core_v0.16.1.
 #   bash patches/apply.sh [--check] /path/to/Megatron-LM
 # --check only tests that it applies (git apply --check). Afterwards install hettp beside the
-# checkout (pip install --no-deps -e /path/to/hettp) so `megatron.hetero` imports there.
+# checkout (pip install --no-deps -e /path/to/hettp --config-settings editable_mode=compat; compat:
+# `megatron` is a namespace package shared with the checkout) so `megatron.hetero` imports there.
 set -euo pipefail
 check=0
 if [ "${1:-}" = --check ]; then check=1; shift; fi

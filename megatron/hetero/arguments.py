@@ -1037,11 +1037,12 @@ UNSUPPORTED_FAMILIES = (
     ),
     (
         ("--ckpt-fully-parallel-load",),
-        "each rank reads what it holds (megatron-core's parallel load exchanges on CUDA)",
+        "each rank reads what it holds (megatron-core's parallel load exchanges through CUDA, "
+        "which CPU runs and this project's tests lack)",
     ),
     (
         ("--ckpt-assume-constant-structure",),
-        "a checkpoint's layout follows the het-TP plan, which changes as units move",
+        "each save works out its own distribution: a het-TP plan changes the layout between saves",
     ),
     (
         (
@@ -1240,6 +1241,11 @@ class DataPaths:
     @property
     def given(self) -> bool:
         return bool(self.blend or self.splits)
+
+    def to_json(self) -> str:  # as the run's config records it (log.py)
+        return json.dumps(
+            {"blend": self.blend, "splits": {k: v[1] for k, v in self.splits.items()}}
+        )
 
 
 def data_paths(args) -> DataPaths:

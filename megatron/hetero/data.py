@@ -117,7 +117,9 @@ def dataset_config(args, tokenizer) -> GPTDatasetConfig:
     (--train-/--valid-/--test-data-path; a split without one is not built), as validate_args
     read and checked them."""
     blend = blend_per_split = None
-    corpus = args.data_corpus
+    corpus = getattr(args, "data_corpus", None)
+    if corpus is None:
+        raise RuntimeError("dataset_config needs arguments that went through validate_args")
     if corpus.blend:
         blend = parse_data_path(corpus.blend, corpus.blend_flag)
     elif corpus.splits:

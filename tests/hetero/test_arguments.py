@@ -802,6 +802,24 @@ def test_the_readme_flags_table_is_what_the_parser_accepts():
     assert f"--het-tp-policy {{{','.join(policy)}}}" in text
 
 
+def test_the_readme_s_complete_launch_commands_are_valid():
+    """Every whole `torchrun ... pretrain_gpt.py` line of the README's bash blocks (not those
+    with `...`, nor upstream's through scripts/upstream_cpu.py) parses and validates at its
+    --nproc_per_node ranks on CPU."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    commands = [
+        line.split("#", 1)[0]
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+        for line in block.replace("\\\n", " ").splitlines()
+        if re.search(r"torchrun --nproc_per_node \d+ pretrain_gpt\.py", line) and "..." not in line
+    ]
+    assert len(commands) >= 2, commands  # the CPU example and the pipeline one
+    for command in commands:
+        ranks, flags = re.search(r"--nproc_per_node (\d+) pretrain_gpt\.py(.*)", command).groups()
+        args = build_parser().parse_args(flags.split())
+        validate_args(args, int(ranks), cuda_available=False)
+
+
 def test_the_local_launcher_s_usage_example_is_a_valid_command():
     """scripts/run_local.sh's header shows how to launch (the README sends users there): its
     pretrain_gpt.py flags parse and validate at the ranks it would start (TP=2: two)."""

@@ -54,6 +54,11 @@ def test_the_flag_is_checked_against_the_model():
     assert plan.counts(0, "attn") == (3, 5)
     with pytest.raises(ConfigError, match="--het-tp-attn-granularity 3 must divide the 4 query"):
         HetTPConfig(het_tp=True, attn_granularity=3).validated(gqa)
+    mha = ModelShape(
+        tp_size=2, num_layers=2, query_groups=8, ffn_hidden_size=128, attention_heads=8
+    )
+    with pytest.raises(ConfigError, match=r"divide the 1 query head per group \(8 heads, as many"):
+        HetTPConfig(het_tp=True, attn_granularity=2).validated(mha)
     with pytest.raises(ConfigError, match="--het-tp-attn-granularity must be >= 0"):
         HetTPConfig(het_tp=True, attn_granularity=-1).validated(gqa)
     with pytest.raises(ConfigError, match="--het-tp-plan: .* sum to 2, the model has 8 units"):
