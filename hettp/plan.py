@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -323,20 +322,6 @@ class PartitionPlan:
 
     def owner_map(self, layer: int, block: str) -> dict[int, int]:
         return {u: r for r, units in enumerate(self.layers[layer][block]) for u in units}
-
-    def aligned_run(self, block: str) -> int:
-        """The longest run length r such that in every layer every rank owns whole aligned runs
-        of r units of `block` (units k*r .. k*r + r - 1): the gcd of the unit count and every
-        id where the owner changes. A checkpoint stores a block's tensors in pieces of r units:
-        the pieces of a tensor (all layers share one key) must have one shape, and an even plan
-        gives one piece per rank."""
-        run = self.num_units(block)
-        for layer in range(self.num_layers):
-            owner = self.owner_map(layer, block)
-            for unit in range(1, self.num_units(block)):
-                if owner[unit] != owner[unit - 1]:
-                    run = math.gcd(run, unit)
-        return run
 
     def check_model(
         self, tp_size: int, num_layers: int, attn_units: int, mlp_units: int, mlp_unit_size: int

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """What het-TP layers cost a checkpoint: save and load times of vanilla megatron-core layers and
-of het-TP layers under an uneven plan, with the tensors described as one piece per unit (as
-before 2026-12-02) or as pieces of the plan's aligned runs of units (now), side by side.
+of het-TP layers under an uneven plan, and under a plan whose owners migrations scattered (each
+rank holding several stretches of unit ids), side by side.
 
     python scripts/bench_het_checkpoint.py [--hidden-size 128] [--num-layers 2] [--repeats 3]
 
 TP=2 on 2 CPU ranks (gloo), Adam state, MLP units of one neuron (--het-tp-granularity 1), the
-plan attn=5,3 mlp=5/8 : 3/8 of the neurons; times are rank 0's, medians of --repeats saves and
-loads into a fresh folder. Every piece of a tensor costs its own planning, validation, write
-and read, so the piece count matters (this small model keeps the old way's run, a piece per
-unit, to about a minute).
+plan attn=5,3 mlp=5/8 : 3/8 of the neurons, or that plan after four rebalances; times are rank
+0's, medians of --repeats saves and loads into a fresh folder. Every piece of a tensor costs its
+own planning, validation, write and read, so the piece count matters: a tensor is a piece per
+stretch of unit ids a rank holds.
 
     python scripts/bench_het_checkpoint.py --head-units [--num-attention-heads 64 \
         --num-query-groups 8 --num-layers 2,8]
@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODES = ("vanilla", "het, a piece per unit", "het, aligned runs")
+MODES = ("vanilla", "het, plan 5:3", "het, scattered owners")
 HEAD_MODES = ("vanilla", "het, query heads as units")
 
 
@@ -47,7 +47,6 @@ def _rank(opts, mode: str) -> dict:
     from megatron.hetero import checkpointing
     from megatron.hetero.arguments import parse_args
     from megatron.hetero.data import build_datasets, build_loader, tokenizer_from_args
-    from megatron.hetero.partition import het_blocks
     from megatron.hetero.runtime import HetTPRuntime
     from megatron.hetero.training import initialize, setup_model_and_optimizer, shutdown, train_step
 
@@ -67,16 +66,15 @@ def _rank(opts, mode: str) -> dict:
             f" --het-tp --het-tp-attn-granularity 1 --het-tp-plan "
             f"attn={first},{heads - first};mlp={ffn // 2},{ffn // 2}"
         )
-    elif mode != "vanilla":
+    elif mode == "het, plan 5:3":
         flags += f" --het-tp --het-tp-plan attn=5,3;mlp={ffn * 5 // 8},{ffn * 3 // 8}"
+    elif mode == "het, scattered owners":
+        flags += f" --het-tp --het-tp-plan {_scattered_plan(opts, ffn)}"
     args = parse_args(flags.split(), world_size=2)
     initialize(args)
     runtime = HetTPRuntime.from_args(args, cuda_available=False)
     tokenizer = tokenizer_from_args(args)
     state = setup_model_and_optimizer(args, tokenizer.vocab_size, runtime)
-    if mode == "het, a piece per unit":
-        for block in het_blocks(state.model).values():
-            block.set_checkpoint_run(1)
     train_ds, _, _ = build_datasets(args, tokenizer)
     train_step(args, state, iter(build_loader(train_ds, 0, args, 0, 1)))  # Adam state exists
     times = {"save": [], "load": []}
@@ -91,10 +89,24 @@ def _rank(opts, mode: str) -> dict:
         t0 = time.perf_counter()
         checkpointing.load_checkpoint(root, state.model, state.optimizer, state.scheduler, args)
         times["load"].append(time.perf_counter() - t0)
-    blocks = het_blocks(state.model) if mode != "vanilla" else {}
-    runs = sorted({b.linear_fc1.checkpoint_run for (_, n), b in blocks.items() if n == "mlp"})
     shutdown()
-    return {"times": times, "mlp_run": runs, "pieces": pieces}
+    return {"times": times, "pieces": pieces}
+
+
+def _scattered_plan(opts, ffn: int) -> str:
+    """A JSON plan file: the 5:3 plan after rebalances to 3:1, 9:7, 3:5 and back to 5:3 (each
+    moving the fewest units), as migrations leave the owners."""
+    from hettp.plan import PartitionPlan
+
+    plan = PartitionPlan.even(2, opts.num_layers, opts.num_attention_heads, ffn)
+    for share in (5, 6, 4.5, 3, 5):  # eighths of the MLP on rank 0
+        mlp = int(ffn * share / 8)
+        plan = plan.rebalanced(attn_counts=(5, 3), mlp_counts=(mlp, ffn - mlp))
+    path = os.path.join(opts.folder, f"scattered-{opts.num_layers}.json")
+    os.makedirs(opts.folder, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(plan.to_json())
+    return path
 
 
 def _pieces(folder: str) -> int:
@@ -138,7 +150,7 @@ def main(argv=None):
     )
     print(
         f"{'layers':>6s} {'':26s} {'pieces':>7s} {'save s':>7s} {'x vanilla':>9s} "
-        f"{'load s':>7s} {'x vanilla':>9s}  MLP run"
+        f"{'load s':>7s} {'x vanilla':>9s}"
     )
     with tempfile.TemporaryDirectory() as folder:
         for layers in layer_counts:
@@ -147,10 +159,9 @@ def main(argv=None):
             base = {k: statistics.median(rows["vanilla"]["times"][k]) for k in ("save", "load")}
             for mode, row in rows.items():
                 save, load = (statistics.median(row["times"][k]) for k in ("save", "load"))
-                run = ",".join(map(str, row["mlp_run"])) or "-"
                 print(
                     f"{layers:6d} {mode:26s} {row['pieces']:7d} {save:7.3f} "
-                    f"{save / base['save']:9.2f} {load:7.3f} {load / base['load']:9.2f}  {run}"
+                    f"{save / base['save']:9.2f} {load:7.3f} {load / base['load']:9.2f}"
                 )
 
 

@@ -55,9 +55,6 @@ class UnitShardedLinear:
     # Resizing: compute only the first `active` local units (None: all). The skipped ones are a
     # suffix of the shard, so the active weights are views and the GEMMs are smaller.
     active: int | None = None
-    # Units per checkpoint piece: every rank owns whole aligned runs of this many (the plan's
-    # aligned_run, set by HetPartition; 1 is always valid).
-    checkpoint_run: int = 1
 
     def bind_units(self, units, num_units: int, layouts: dict) -> None:
         self.units = tuple(units)
@@ -103,7 +100,6 @@ class UnitShardedLinear:
                     self.num_units,
                     sharded_offsets,
                     state[key].replica_id,
-                    self.checkpoint_run,
                 )
         return state
 
@@ -342,125 +338,155 @@ class HetRowParallelLinear(UnitShardedLinear, RowParallelLinear):
 
 
 def unit_sharded_factory(
-    key, data, layout: UnitLayout, units, num_units, sharded_offsets, replica_id, run: int = 1
+    key, data, layout: UnitLayout, units, num_units, sharded_offsets, replica_id
 ) -> ShardedTensorFactory:
-    """One ShardedTensor per aligned run of `run` units (and part) at its offset in the canonical
-    full tensor.
+    """One ShardedTensor per stretch of consecutive unit ids this rank holds (per part), at its
+    offset in the canonical full tensor.
 
-    A function of (key, tensor) only, so megatron-core applies it to optimizer states too.
-    Every piece of a key has one shape, as dist-checkpointing requires within a save; the
-    plan's aligned run (the same on every rank) keeps the pieces few, since every piece is
-    planned, validated, written and read on its own at save and load. The pieces hold the units in
-    id order whatever the local order (a resized rank keeps its units in priority order). A
-    rank without units of the block offers a non-main replica of run 0 instead (never written,
-    loaded and dropped), because dist-checkpointing expects every rank to hold something for
-    every key.
+    A function of (key, tensor) only, so megatron-core applies it to optimizer states too. The
+    pieces are as uneven as the plan (dist-checkpointing's irregular sharding, read back by
+    overlap), so a key has about one piece per rank and layer whatever the plan: pieces of one
+    shape had to be as short as the plan's finest owner change, down to one unit, and every
+    piece is planned, validated, written and read on its own. The pieces hold the units in id
+    order whatever the local order (a resized rank keeps its units in priority order). A rank
+    without units of the block offers a non-main replica of the first unit instead (never
+    written, loaded and dropped), because dist-checkpointing expects every rank to hold
+    something for every key.
     """
     units = tuple(units)
-    if run < 1 or num_units % run:
-        raise ValueError(f"{key}: a checkpoint run of {run} units does not divide {num_units}")
     empty_shape = list(data.shape)
     empty_shape[layout.axis] = 0
     position = {unit: i for i, unit in enumerate(units)}
-    runs = sorted({unit // run for unit in units})
-    for k in runs:
-        missing = [u for u in range(k * run, (k + 1) * run) if u not in position]
-        if missing:
-            raise ValueError(
-                f"{key}: units {missing} of the checkpoint run {k} are not held here (the "
-                f"{run}-unit runs do not follow this rank's units)"
-            )
+    stretches = _stretches(sorted(units))  # (first id, count)
     n = len(units)
-    fragments = layout.parts * (num_units // run)
-    width = layout.width * run
-    # the local positions of the units in id order: the runs back to back
-    in_order = [position[u] for u in sorted(units)]
-    # where those are one stretch of the local shard (the usual case: a rank holding its units
-    # in id order), pieces are views of it rather than a copy
-    stretch = bool(units) and in_order == list(range(in_order[0], in_order[0] + n))
-    by_id = [  # per part, the local element indices of the units in id order
-        torch.cat([torch.arange(layout.width) + (part * n + p) * layout.width for p in in_order])
-        for part in range(layout.parts if units else 0)
-    ]
+    prepend = len(sharded_offsets)
+    piece = _irregular_piece(sharded_offsets, layout.axis, layout.parts * num_units * layout.width)
 
-    piece = _canonical_piece(sharded_offsets, layout.axis, fragments)
+    def local_rows(part, first, count):
+        """The local element indices of units first .. first + count - 1 of `part`."""
+        return torch.cat(
+            [
+                torch.arange(layout.width) + (part * n + position[u]) * layout.width
+                for u in range(first, first + count)
+            ]
+        )
 
     def build(key, tensor, replica_id, flattened_range):
         _whole_tensors_only(flattened_range)
         if not units:
             shape = list(tensor.shape)
-            shape[layout.axis] = width
+            shape[layout.axis] = layout.width
             return [piece(key, tensor.new_zeros(shape), 0, _non_main(replica_id))]
         pieces = []
         for part in range(layout.parts):
-            if stretch:
-                start = (part * n + in_order[0]) * layout.width
-                ordered = tensor.narrow(layout.axis, start, n * layout.width)
-            else:
-                ordered = tensor.index_select(layout.axis, by_id[part].to(tensor.device))
-            for i, k in enumerate(runs):
-                fragment = part * (num_units // run) + k
-                view = ordered.narrow(layout.axis, i * width, width)
-                pieces.append(piece(key, view, fragment, replica_id))
+            for first, count in stretches:
+                local = [position[u] for u in range(first, first + count)]
+                if local == list(range(local[0], local[0] + count)):  # a view, not a copy
+                    start = (part * n + local[0]) * layout.width
+                    view = tensor.narrow(layout.axis, start, count * layout.width)
+                else:
+                    rows = local_rows(part, first, count).to(tensor.device)
+                    view = tensor.index_select(layout.axis, rows)
+                row = (part * num_units + first) * layout.width
+                pieces.append(piece(key, view, row, replica_id))
         return pieces
 
     def merge(pieces):
         if not units:
             return torch.empty(empty_shape, dtype=data.dtype, device=data.device)
-        pieces = list(pieces)
-        per_part = len(runs)
-        out = pieces[0].new_empty(tuple(data.shape))  # the pieces' dtype: states differ
+        pieces = iter(pieces)
+        out = None
         for part in range(layout.parts):
-            ordered = torch.cat(pieces[part * per_part : (part + 1) * per_part], dim=layout.axis)
-            out.index_copy_(layout.axis, by_id[part].to(out.device), ordered)
+            for first, count in stretches:
+                loaded = next(pieces)
+                loaded = loaded.reshape(loaded.shape[prepend:])  # the layer axis's, dropped
+                if out is None:  # the pieces' dtype: optimizer states differ
+                    out = loaded.new_empty(tuple(data.shape))
+                rows = local_rows(part, first, count).to(out.device)
+                out.index_copy_(layout.axis, rows, loaded)
         return out
 
     return ShardedTensorFactory(key, data, build, merge, replica_id)
+
+
+def _stretches(ids: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive ids in sorted `ids`."""
+    out = []
+    for unit in ids:
+        if out and out[-1][0] + out[-1][1] == unit:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((unit, 1))
+    return out
 
 
 def fragment_factory(
     key, data, width, placements, fragments, sharded_offsets, replica_id
 ) -> ShardedTensorFactory:
-    """One ShardedTensor per (local start, fragment) of `placements`: `width` rows of `data`
-    along axis 0 at that fragment of the canonical tensor (of `fragments` such pieces). Head
-    units use it for the QKV weight, whose query heads and K/V replicas sit apart locally. A
-    rank holding nothing offers a non-main replica of fragment 0 (see unit_sharded_factory)."""
-    placements = list(placements)
-    piece = _canonical_piece(sharded_offsets, 0, fragments)
+    """The rows of `data` that `placements` (local start, fragment) place, `width` rows each
+    along axis 0, at those fragments of the canonical tensor (of `fragments` such): a piece per
+    run of consecutive fragments that sit back to back locally too (irregular, as
+    unit_sharded_factory's). Head units use it for the QKV weight, whose query heads and K/V
+    replicas sit apart locally. A rank holding nothing offers a non-main replica of fragment 0
+    (see unit_sharded_factory)."""
+    runs = []  # (local start, first fragment, count)
+    for start, fragment in sorted(placements, key=lambda p: p[1]):
+        if (
+            runs
+            and runs[-1][1] + runs[-1][2] == fragment
+            and (runs[-1][0] + runs[-1][2] * width == start)
+        ):
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((start, fragment, 1))
+    prepend = len(sharded_offsets)
+    piece = _irregular_piece(sharded_offsets, 0, fragments * width)
 
     def build(key, tensor, replica_id, flattened_range):
         _whole_tensors_only(flattened_range)
-        if not placements:
+        if not runs:
             shape = (width, *tensor.shape[1:])
             return [piece(key, tensor.new_zeros(shape), 0, _non_main(replica_id))]
-        return [piece(key, tensor.narrow(0, s, width), f, replica_id) for s, f in placements]
+        return [
+            piece(key, tensor.narrow(0, s, n * width), f * width, replica_id) for s, f, n in runs
+        ]
 
     def merge(pieces):
         pieces = list(pieces)
-        if not placements:
+        if not runs:
             return torch.empty(tuple(data.shape), dtype=data.dtype, device=data.device)
         out = pieces[0].new_empty(tuple(data.shape))
-        for (start, _), loaded in zip(placements, pieces):
-            out.narrow(0, start, width).copy_(loaded)
+        for (start, _, n), loaded in zip(runs, pieces):
+            out.narrow(0, start, n * width).copy_(loaded.reshape(loaded.shape[prepend:]))
         return out
 
     return ShardedTensorFactory(key, data, build, merge, replica_id)
 
 
-def _canonical_piece(sharded_offsets, axis: int, fragments: int):
-    """piece(key, tensor, fragment, replica): a ShardedTensor for `tensor` as fragment
-    `fragment` of `fragments` along `axis` of the canonical tensor (after the axes that
-    `sharded_offsets` prepend, e.g. the layer)."""
+def _irregular_piece(sharded_offsets, axis: int, rows: int):
+    """piece(key, tensor, first row, replica): a ShardedTensor for `tensor` at that row of
+    `axis` (of `rows`) of the canonical tensor, of any length (megatron-core's sharding without
+    a grid, which torch's checkpoint reads back by overlap). The axes that `sharded_offsets`
+    prepend (e.g. the layer's) are placed as ShardedTensor.from_rank_offsets places them, but as
+    axes of the data: megatron-core's irregular pieces take no prepended axes."""
     prepend = len(sharded_offsets)
 
-    def piece(key, tensor, fragment, replica):
-        return ShardedTensor.from_rank_offsets(
+    def piece(key, tensor, first_row, replica):
+        shape, offset = [1] * prepend + list(tensor.shape), [0] * (prepend + tensor.ndim)
+        for at, chunk, chunks in sharded_offsets:
+            local = 1 if at < prepend else tensor.shape[at - prepend]
+            shape[at], offset[at] = chunks * local, chunk * local
+        shape[axis + prepend], offset[axis + prepend] = rows, first_row
+        data = tensor.reshape((1,) * prepend + tuple(tensor.shape))
+        return ShardedTensor(
             key,
-            tensor,
-            *sharded_offsets,
-            (axis + prepend, fragment, fragments),
+            data,
+            data.dtype,
+            tuple(data.shape),
+            tuple(shape),
+            tuple(offset),
+            None,  # no grid: pieces of any length
             replica_id=replica,
-            prepend_axis_num=prepend,
         )
 
     return piece
@@ -524,7 +550,6 @@ def _even_units(num_units):
 @dataclasses.dataclass(frozen=True)
 class _LinearShards:
     units: tuple
-    checkpoint_run: int
     params: dict  # unit-sharded parameter name -> Parameter
     stores: dict  # with head units: "kv_weight"/"kv_bias" -> ParameterDict of the replicas
 
@@ -603,26 +628,20 @@ class UnitBlock:
                 for attr in ("kv_weight", "kv_bias")
                 if isinstance(getattr(linear, attr, None), torch.nn.ParameterDict)
             }
-            linears[name] = _LinearShards(linear.units, linear.checkpoint_run, params, stores)
+            linears[name] = _LinearShards(linear.units, params, stores)
         active = self.active
         return InstalledShards(None if active == len(self.units) else active, linears)
 
     def reinstall(self, shards: InstalledShards) -> None:
-        """Put back what installed() returned: parameters, K/V replicas, units, checkpoint run
-        and resize, as they were (no allocation: reference swaps)."""
+        """Put back what installed() returned: parameters, K/V replicas, units and resize, as
+        they were (no allocation: reference swaps)."""
         for name, kept in shards.linears.items():
             linear = getattr(self, name)
             for attr, value in {**kept.params, **kept.stores}.items():
                 setattr(linear, attr, value)
             linear.units = kept.units
-            linear.checkpoint_run = kept.checkpoint_run
             linear._update_local_size(len(kept.units))
         self.set_active(shards.active)
-
-    def set_checkpoint_run(self, run: int) -> None:
-        """Every rank of the TP group owns whole aligned runs of `run` units (the plan says)."""
-        for name in self.linear_names:
-            getattr(self, name).checkpoint_run = run
 
     def reorder(self, units) -> None:
         """Record a new local order whose tensors the caller has permuted in place."""

@@ -92,7 +92,6 @@ class HetPartition:
         self.plan = even_plan(module, dist.get_world_size(self.group))
         self.cost_model = cost_model or CostModel()
         blocks = het_blocks(module)
-        self._size_checkpoint_runs(blocks)
         self._mark_replicas(blocks)
         # Parameters per unit of each block kind: the weight of a unit's share of the work.
         self.unit_work = {
@@ -182,18 +181,6 @@ class HetPartition:
         if self.plan.heads is not None:
             out[KV_REPLICA] = sum(s.nbytes for s in replica_specs(blocks[(0, "attn")], keys))
         return out
-
-    def align_checkpoints(self, module, whole: PartitionPlan) -> None:
-        """With pipeline stages, after every change of owners: size the checkpoint pieces by
-        the whole model's plan (every stage's layers share the checkpoint keys), which the
-        runtime knows and this stage does not."""
-        _set_checkpoint_runs(het_blocks(module), whole)
-
-    def _size_checkpoint_runs(self, blocks) -> None:
-        """Without pipeline stages this plan is the whole model's (with them, the runtime calls
-        align_checkpoints)."""
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            _set_checkpoint_runs(blocks, self.plan)
 
     def adopt_layers(self, module, plan: PartitionPlan) -> None:
         """The stage's layers changed (moved between pipeline stages, with their units):
@@ -326,7 +313,7 @@ class HetPartition:
             _write_back(optimizer)
         if permuted:
             _drop_residues(state)
-        self.plan = plan  # the same owners: the checkpoint runs stay
+        self.plan = plan
 
     # ------------------------------------------------------------------------------------
 
@@ -387,22 +374,19 @@ class HetPartition:
             replaced, created = self._install(staged)
         migration = Migration(self.plan, plan, schedule, result, predictions)
         self.plan = plan
-        self._size_checkpoint_runs(blocks)
         self._mark_replicas(blocks)
         return migration, (replaced, created), installed
 
     def _put_back(self, module, installed: _Installed) -> None:
         """Undo a committed move here (its rebuild failed on some rank): every changed block's
         old parameters, K/V replicas, order and resize, and the old plan, with every block's
-        checkpoint run and replica marks."""
+        replica marks."""
         for block, shards, pieces in reversed(installed.blocks):
             for piece in pieces or ():  # an order change, made in place: undone in place, a
                 permute([piece], block.units, shards.units)  # tensor's copy at a time
             block.reinstall(shards)
         self.plan = installed.plan
-        blocks = het_blocks(module)
-        self._size_checkpoint_runs(blocks)
-        self._mark_replicas(blocks)
+        self._mark_replicas(het_blocks(module))
 
     def _prepare(self, blocks, pieces, positions, plan, state_keys, result, own) -> list:
         """Build every block's new shards, moments and K/V replicas from what it keeps and
@@ -552,15 +536,6 @@ def _new_replicas(block, new_units, per_unit, state_keys):
             state = dict(zip(state_keys, columns[1:]))
             new_state[(name, group)] = (state.pop("master", None), state)
     return replicas, new_state
-
-
-def _set_checkpoint_runs(blocks, plan: PartitionPlan) -> None:
-    """Tell each block how many units its checkpoint pieces may join: the same on every rank
-    and layer, since the plan says who owns what (with pipeline stages, the runtime passes the
-    whole model's plan: a key spans every stage's layers)."""
-    runs = {name: plan.aligned_run(name) for name in BLOCKS}
-    for (_, name), block in blocks.items():
-        block.set_checkpoint_run(runs[name])
 
 
 def _drop_residues(state) -> None:

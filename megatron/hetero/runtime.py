@@ -242,7 +242,6 @@ class HetTPRuntime:
             from .layer_moves import split_of
 
             self._layers = split_of(module.config)  # the flags' split, or configure()'s
-            self.partition.align_checkpoints(module, self.whole_plan())
 
     def _stage_of(self, plan: PartitionPlan | None) -> PartitionPlan | None:
         """This pipeline stage's layers of a whole-model plan; None for a plan of another
@@ -548,8 +547,6 @@ class HetTPRuntime:
         else:
             migration = self.partition.repartition(self.state, mine, step=iteration, fault=fault)
         moves = self._moves_over_stages(migration)
-        if _pipelined():
-            self.partition.align_checkpoints(self._module, plan)  # every stage moved to plan
         self.events.repartition(iteration, plan, moves)
         rebased = mine != before  # the stages whose split stayed keep their detectors' reference
         if rebased:
@@ -835,7 +832,6 @@ class HetTPRuntime:
         stage = self._pipeline_stage()
         self._layers = counts
         self.partition.adopt_layers(self._module, whole.stage(sum(counts[:stage]), counts[stage]))
-        self.partition.align_checkpoints(self._module, whole)
         if self.controller is not None:
             self.controller.layers_changed(self.state.model)
         self.events.layers(iteration, _over_stages(mine), split)

@@ -1,9 +1,9 @@
-"""How het-TP layers describe a unit-sharded tensor to dist-checkpointing: pieces of aligned
-runs of units at their canonical offsets, whatever the local order; pure, no process group."""
+"""How het-TP layers describe a unit-sharded tensor to dist-checkpointing: a piece per stretch
+of consecutive unit ids, at its canonical offset, whatever the local order; pure, no process
+group."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from hettp.units import UnitLayout
@@ -20,16 +20,16 @@ def _local(units):
     return torch.tensor(rows, dtype=torch.float32)[:, None].repeat(1, 4)
 
 
-def test_pieces_are_aligned_runs_in_id_order_and_merge_back_into_the_local_order():
-    units = (5, 4, 0, 1)  # a resized rank keeps priority order, not id order
+def test_a_piece_per_stretch_of_ids_in_id_order_merged_back_into_the_local_order():
+    units = (5, 4, 6, 0, 1)  # a resized rank keeps priority order, not id order
     data = _local(units)
-    factory = unit_sharded_factory("fc1", data, LAYOUT, units, NUM_UNITS, (), 0, run=2)
+    factory = unit_sharded_factory("fc1", data, LAYOUT, units, NUM_UNITS, (), 0)
     pieces = factory.build()
-    # per part, runs 0 (units 0, 1) and 2 (units 4, 5), 2 units x 3 rows each
-    assert [p.local_shape for p in pieces] == [(6, 4)] * 4
-    assert [p.global_offset[0] for p in pieces] == [0, 12, 24, 36]  # part * 24 + run * 6
-    assert all(p.global_shape == (48, 4) for p in pieces)
-    want = [[0, 1], [4, 5], [100, 101], [104, 105]]
+    # per part, the stretches 0-1 and 4-6, 3 rows a unit: as uneven as the plan
+    assert [p.local_shape for p in pieces] == [(6, 4), (9, 4)] * 2
+    assert [p.global_offset[0] for p in pieces] == [0, 12, 24, 36]  # (part * 8 + first) * 3
+    assert all(p.global_shape == (48, 4) and not p.has_regular_grid for p in pieces)
+    want = [[0, 1], [4, 5, 6], [100, 101], [104, 105, 106]]
     for piece, ids in zip(pieces, want):
         assert piece.data[::3, 0].tolist() == ids
     merged = factory.merge_fn([p.data.clone() for p in pieces])
@@ -39,19 +39,42 @@ def test_pieces_are_aligned_runs_in_id_order_and_merge_back_into_the_local_order
     assert merged.dtype == torch.float64 and torch.equal(merged, data.double())
 
 
-def test_one_unit_runs_are_always_valid_and_bad_runs_are_refused():
-    units = (3, 6)
-    pieces = unit_sharded_factory("w", _local(units), LAYOUT, units, NUM_UNITS, (), 0).build()
-    assert len(pieces) == 4 and [p.global_offset[0] for p in pieces] == [9, 18, 33, 42]
-    with pytest.raises(ValueError, match="a checkpoint run of 3 units does not divide 8"):
-        unit_sharded_factory("w", _local(units), LAYOUT, units, NUM_UNITS, (), 0, run=3)
-    with pytest.raises(
-        ValueError, match=r"units \[0, 1, 2\] of the checkpoint run 0 are not held here"
-    ):
-        unit_sharded_factory("w", _local(units), LAYOUT, units, NUM_UNITS, (), 0, run=4)
+def test_the_layer_axis_is_an_axis_of_each_piece():
+    """megatron-core's uneven pieces take no prepended axes: the layer's is the data's first,
+    at the layer's offset, and merge drops it again."""
+    units = (2, 3)
+    data = _local(units)
+    factory = unit_sharded_factory("fc1", data, LAYOUT, units, NUM_UNITS, ((0, 5, 12),), 0)
+    pieces = factory.build()
+    assert [p.local_shape for p in pieces] == [(1, 6, 4)] * 2
+    assert [p.global_offset for p in pieces] == [(5, 6, 0), (5, 30, 0)]
+    assert all(p.global_shape == (12, 48, 4) and p.prepend_axis_num == 0 for p in pieces)
+    assert torch.equal(factory.merge_fn([p.data for p in pieces]), data)
 
 
-def test_a_rank_without_units_offers_a_replica_of_the_first_run():
+def test_a_rank_without_units_offers_a_replica_of_the_first_unit():
     empty = torch.zeros(0, 4)
-    (piece,) = unit_sharded_factory("w", empty, LAYOUT, (), NUM_UNITS, (), 0, run=4).build()
-    assert piece.local_shape == (12, 4) and piece.global_offset[0] == 0 and piece.replica_id == 1
+    (piece,) = unit_sharded_factory("w", empty, LAYOUT, (), NUM_UNITS, (), 0).build()
+    assert piece.local_shape == (3, 4) and piece.global_offset[0] == 0 and piece.replica_id == 1
+
+
+def test_head_fragments_back_to_back_in_both_layouts_are_one_piece():
+    """Head units' QKV: fragments consecutive in the canonical tensor and locally are one piece
+    (a group's query heads; its K and V), others apart."""
+    from megatron.hetero.layers import fragment_factory
+
+    width = 2
+    data = torch.arange(5 * width, dtype=torch.float32)[:, None].repeat(1, 3)
+    # local rows: heads at fragments 4, 5, 6, then 9, then 1 (out of 12)
+    placements = [(0, 4), (2, 5), (4, 6), (6, 9), (8, 1)]
+    factory = fragment_factory("qkv", data, width, placements, 12, ((0, 1, 3),), 0)
+    pieces = factory.build()
+    assert [(p.global_offset[1], p.local_shape) for p in pieces] == [
+        (2, (1, 2, 3)),
+        (8, (1, 6, 3)),
+        (18, (1, 2, 3)),
+    ]
+    assert all(p.global_shape == (3, 24, 3) and p.global_offset[0] == 1 for p in pieces)
+    assert pieces[1].data[0, :, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    merged = factory.merge_fn([p.data.clone() for p in pieces])
+    assert torch.equal(merged, data)

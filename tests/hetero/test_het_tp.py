@@ -218,7 +218,7 @@ def test_failed_transfer_leaves_every_rank_intact(unmigrated):
     arrived ("commit": where a rank runs out of memory) and the rebuild of the DDP wrapper and
     the optimizer that follows the install included (the optimizer failing after its build or
     between its collectives), aborts the move on every rank, each keeping its state: weights,
-    masters, moments, checkpoint runs and replica marks (the rebuild's failures put back the
+    masters, moments and replica marks (the rebuild's failures put back the
     installed shards), with no buffer of the failed wrapper left alive."""
     faults = (
         {"iteration": 7, "rank": 1, "stage": "pack"},

@@ -23,23 +23,6 @@ def test_even_plan_is_megatrons_partition():
         PartitionPlan.even(4, 1, attn_units=6, mlp_units=16)
 
 
-def test_checkpoint_runs_are_the_gcd_of_the_owner_changes_over_every_layer():
-    assert PartitionPlan.even(2, 2, attn_units=4, mlp_units=256).aligned_run("mlp") == 128
-    assert (
-        _plan([3, 1], [160, 96]).aligned_run("mlp") == 32
-        and _plan([3, 1], [4, 4]).aligned_run("attn") == 1
-    )
-    # layers differ: every layer's boundaries count (all layers share a checkpoint key)
-    stages = [_plan([2, 2], [128, 128], layers=1), _plan([2, 2], [64, 192], layers=1)]
-    assert PartitionPlan.joined(stages).aligned_run("mlp") == 64
-    # a rank holding scattered units (after migrations): the runs shrink to what is aligned
-    moved = PartitionPlan.even(2, 1, 2, 8).rebalanced(mlp_counts=(6, 2))
-    runs = moved.aligned_run("mlp")
-    for rank in (0, 1):
-        units = moved.units(0, "mlp", rank)
-        assert all(set(range(u - u % runs, u - u % runs + runs)) <= set(units) for u in units)
-
-
 def test_inline_spec_and_json_roundtrip(tmp_path):
     plan = PartitionPlan.parse("attn=3,1,0;mlp=5,0,7", 3, 2, 4, 12)
     assert plan.counts(1, "attn") == (3, 1, 0) and plan.units(0, "mlp", 2) == tuple(range(5, 12))

@@ -443,7 +443,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
 
     def snapshot(state):
         """Every parameter, fp32 master and optimizer state tensor, by parameter name; and
-        every linear's checkpoint run and every parameter's replica marks."""
+        every parameter's replica marks."""
         from megatron.hetero.unit_state import OptimizerView
 
         view = OptimizerView(state.optimizer)
@@ -464,12 +464,7 @@ def train_with_repartitions(argv: list[str], plans: dict, faults: tuple = ()) ->
             name: (getattr(p, "shared", None), getattr(p, "het_replicated", None))
             for name, p in state.model.module.named_parameters()
         }
-        runs = {
-            (key, name): getattr(block, name).checkpoint_run
-            for key, block in het_blocks(state.model).items()
-            for name in block.linear_names
-        }
-        return params, extra, (marks, runs)
+        return params, extra, marks
 
     def hook(iteration, state, runtime):
         specs = plans.get(iteration, [])
