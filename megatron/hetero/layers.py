@@ -357,19 +357,22 @@ def unit_sharded_factory(
     empty_shape = list(data.shape)
     empty_shape[layout.axis] = 0
     position = {unit: i for i, unit in enumerate(units)}
-    stretches = _stretches(sorted(units))  # (first id, count)
     n = len(units)
     prepend = len(sharded_offsets)
     piece = _irregular_piece(sharded_offsets, layout.axis, layout.parts * num_units * layout.width)
+    # per stretch (first id, count): where its units sit locally, the first local position
+    # where they sit back to back in id order (the usual case: a view, not a copy), else the
+    # local positions
+    stretches = []
+    for first, count in _stretches(sorted(units)):
+        local = torch.tensor([position[u] for u in range(first, first + count)])
+        back_to_back = bool(torch.equal(local, torch.arange(count) + local[0]))
+        stretches.append((first, count, int(local[0]) if back_to_back else local))
+    width = torch.arange(layout.width)
 
-    def local_rows(part, first, count):
-        """The local element indices of units first .. first + count - 1 of `part`."""
-        return torch.cat(
-            [
-                torch.arange(layout.width) + (part * n + position[u]) * layout.width
-                for u in range(first, first + count)
-            ]
-        )
+    def rows(part, local):
+        """The local element indices along the axis of the units at `local` of `part`."""
+        return (((part * n + local) * layout.width)[:, None] + width).reshape(-1)
 
     def build(key, tensor, replica_id, flattened_range):
         _whole_tensors_only(flattened_range)
@@ -379,14 +382,12 @@ def unit_sharded_factory(
             return [piece(key, tensor.new_zeros(shape), 0, _non_main(replica_id))]
         pieces = []
         for part in range(layout.parts):
-            for first, count in stretches:
-                local = [position[u] for u in range(first, first + count)]
-                if local == list(range(local[0], local[0] + count)):  # a view, not a copy
-                    start = (part * n + local[0]) * layout.width
+            for first, count, local in stretches:
+                if isinstance(local, int):
+                    start = (part * n + local) * layout.width
                     view = tensor.narrow(layout.axis, start, count * layout.width)
                 else:
-                    rows = local_rows(part, first, count).to(tensor.device)
-                    view = tensor.index_select(layout.axis, rows)
+                    view = tensor.index_select(layout.axis, rows(part, local).to(tensor.device))
                 row = (part * num_units + first) * layout.width
                 pieces.append(piece(key, view, row, replica_id))
         return pieces
@@ -397,13 +398,16 @@ def unit_sharded_factory(
         pieces = iter(pieces)
         out = None
         for part in range(layout.parts):
-            for first, count in stretches:
+            for _, count, local in stretches:
                 loaded = next(pieces)
                 loaded = loaded.reshape(loaded.shape[prepend:])  # the layer axis's, dropped
                 if out is None:  # the pieces' dtype: optimizer states differ
                     out = loaded.new_empty(tuple(data.shape))
-                rows = local_rows(part, first, count).to(out.device)
-                out.index_copy_(layout.axis, rows, loaded)
+                if isinstance(local, int):
+                    start = (part * n + local) * layout.width
+                    out.narrow(layout.axis, start, count * layout.width).copy_(loaded)
+                else:
+                    out.index_copy_(layout.axis, rows(part, local).to(out.device), loaded)
         return out
 
     return ShardedTensorFactory(key, data, build, merge, replica_id)
@@ -470,12 +474,14 @@ def _irregular_piece(sharded_offsets, axis: int, rows: int):
     prepend (e.g. the layer's) are placed as ShardedTensor.from_rank_offsets places them, but as
     axes of the data: megatron-core's irregular pieces take no prepended axes."""
     prepend = len(sharded_offsets)
+    for at, chunk, chunks in sharded_offsets:  # megatron-core's layer axis, say
+        if at >= prepend or not 0 <= chunk < chunks:
+            raise ValueError(f"het-TP pieces take prepended axes only, got {sharded_offsets}")
 
     def piece(key, tensor, first_row, replica):
         shape, offset = [1] * prepend + list(tensor.shape), [0] * (prepend + tensor.ndim)
         for at, chunk, chunks in sharded_offsets:
-            local = 1 if at < prepend else tensor.shape[at - prepend]
-            shape[at], offset[at] = chunks * local, chunk * local
+            shape[at], offset[at] = chunks, chunk
         shape[axis + prepend], offset[axis + prepend] = rows, first_row
         data = tensor.reshape((1,) * prepend + tuple(tensor.shape))
         return ShardedTensor(

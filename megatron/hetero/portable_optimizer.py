@@ -1,8 +1,8 @@
 """Checkpoints of the distributed optimizer in the plain optimizer's layout.
 
 megatron-core saves a DistributedOptimizer's state as flattened DP ranges of each parameter
-('fully_sharded_model_space'); het-TP's unit-sharded weights are saved as one piece per unit,
-which a flat range of a rank's uneven shard does not map onto. So this trainer saves what the
+('fully_sharded_model_space'); het-TP's unit-sharded weights are saved as a piece per stretch
+of unit ids a rank holds, which a flat range of a rank's uneven shard does not map onto. So this trainer saves what the
 non-distributed optimizer would: whole fp32 masters and moments per parameter, sharded like the
 weights. A checkpoint then loads under any plan, TP size or DP size, with or without
 --use-distributed-optimizer, het-TP or vanilla. The cost: while saving or loading, each rank

@@ -1,13 +1,17 @@
 """How het-TP layers describe a unit-sharded tensor to dist-checkpointing: a piece per stretch
-of consecutive unit ids, at its canonical offset, whatever the local order; pure, no process
-group."""
+of consecutive unit ids, at its canonical offset, whatever the local order (pure, no process
+group); and, on one gloo rank, that checkpoints in the regular pieces of earlier versions load
+into them and theirs into vanilla's regular pieces."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from hettp.units import UnitLayout
 from megatron.hetero.layers import unit_sharded_factory
+from tests.utils import run_ranks
 
 # SwiGLU's fc1: two parts (gate rows of all local units, then up rows), 3 rows a unit
 LAYOUT = UnitLayout(axis=0, width=3, parts=2)
@@ -78,3 +82,77 @@ def test_head_fragments_back_to_back_in_both_layouts_are_one_piece():
     assert pieces[1].data[0, :, 0].tolist() == [0, 1, 2, 3, 4, 5]
     merged = factory.merge_fn([p.data.clone() for p in pieces])
     assert torch.equal(merged, data)
+
+
+def _layouts_read_each_other(folder: str) -> dict:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron.hetero import cpu_compat
+
+    cpu_compat.activate()  # megatron-core's CUDA calls, on CPU (as the trainer's initialize)
+    dist.init_process_group("gloo")  # from the environment run_ranks sets
+    for name in ("old", "new"):
+        os.makedirs(os.path.join(folder, name))
+
+    layers, run = 2, 2
+    rows = LAYOUT.parts * NUM_UNITS * LAYOUT.width
+    full = torch.randn(layers, rows, 4, generator=torch.Generator().manual_seed(0))
+    held = {0: (5, 4, 6, 0), 1: (1, 2, 7)}  # scattered, out of id order
+
+    def local(layer, units):  # a rank's shard: part-major, in its local order
+        return torch.cat(
+            [
+                full[layer, (part * NUM_UNITS + u) * 3 : (part * NUM_UNITS + u + 1) * 3]
+                for part in range(LAYOUT.parts)
+                for u in units
+            ]
+        )
+
+    def regular(name, pieces):  # vanilla's (and earlier het-TP's) pieces: one shape a key
+        return {
+            f"{name}{layer}.{k}": ShardedTensor.from_rank_offsets(
+                "w",
+                full[layer, k * rows // pieces : (k + 1) * rows // pieces].clone(),
+                (0, layer, layers),
+                (1, k, pieces),
+                prepend_axis_num=1,
+            )
+            for layer in range(layers)
+            for k in range(pieces)
+        }
+
+    def het(units, data):
+        return {
+            f"het{layer}": unit_sharded_factory(
+                "w", data(layer, units[layer]), LAYOUT, units[layer], NUM_UNITS, ((0, layer, 2),), 0
+            )
+            for layer in units
+        }
+
+    # a checkpoint of 2-unit runs, as saved until 2026-12-07, into irregular pieces
+    dist_checkpointing.save(regular("old", rows // (run * 3)), f"{folder}/old")
+    loaded = dist_checkpointing.load(
+        het(held, lambda layer, u: torch.zeros(2 * len(u) * 3, 4)), f"{folder}/old"
+    )
+    old = [torch.equal(loaded[f"het{layer}"], local(layer, held[layer])) for layer in held]
+    # irregular pieces (every unit, scattered order) into vanilla's halves
+    every = {0: (3, 0, 1, 2, 7, 6, 4, 5), 1: tuple(range(8))}
+    dist_checkpointing.save(het(every, local), f"{folder}/new")
+    request = regular("vanilla", 2)
+    for piece in request.values():
+        piece.data.zero_()
+    loaded = dist_checkpointing.load(request, f"{folder}/new")
+    new = [
+        torch.equal(loaded[f"vanilla{layer}.{k}"], full[layer, k * rows // 2 : (k + 1) * rows // 2])
+        for layer in range(layers)
+        for k in range(2)
+    ]
+    dist.destroy_process_group()
+    return {"old": old, "new": new}
+
+
+def test_earlier_regular_checkpoints_and_vanilla_read_irregular_pieces(tmp_path):
+    (result,) = run_ranks(_layouts_read_each_other, 1, str(tmp_path))
+    assert result == {"old": [True, True], "new": [True] * 4}
