@@ -942,6 +942,13 @@ def _add_checkpointing_args(parser):
         "parallel rank 0) instead of spreading the writes over the replicas (the default, as "
         "Megatron-LM's).",
     )
+    g.add_argument(
+        "--ckpt-fully-parallel-load",
+        action="store_true",
+        help="Read what the data-parallel replicas hold alike once, a share by each replica, "
+        "and exchange it over the data-parallel group (megatron-core's), instead of every "
+        "replica reading all of it.",
+    )
     for flag, what in DEPRECATED_CHECKPOINT_FLAGS.items():
         g.add_argument(
             flag,
@@ -1034,11 +1041,6 @@ UNSUPPORTED_FAMILIES = (
             "--non-persistent-",
         ),
         "checkpoints are written synchronously, staged until every rank finished",
-    ),
-    (
-        ("--ckpt-fully-parallel-load",),
-        "each rank reads what it holds (megatron-core's parallel load exchanges through CUDA, "
-        "which CPU runs and this project's tests lack)",
     ),
     (
         ("--ckpt-assume-constant-structure",),

@@ -18,8 +18,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
 
@@ -484,6 +488,17 @@ def _save_strategy(args):
     )
 
 
+def _load_strategy(args, path: str):
+    """--ckpt-fully-parallel-load: what the data-parallel replicas hold alike is read from
+    storage once, a share by each, and exchanged over the data-parallel group (megatron-core's
+    broadcasts) instead of read by every replica."""
+    if not args.ckpt_fully_parallel_load or parallel_state.get_data_parallel_world_size() == 1:
+        return None
+    return FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(path), parallel_state.get_data_parallel_group()
+    )
+
+
 def _retire(root: str, previous: int | None, iteration: int, retain: int | None) -> int | None:
     """--save-retain-interval, as Megatron-LM's: once the tracker names `iteration`, the
     checkpoint it named before goes unless it is at a multiple of `retain` (or a link, which
@@ -698,7 +713,7 @@ def load_checkpoint(
     )
     if with_residues:
         state["het_dp_residues"] = _residues(model)
-    loaded = dist_checkpointing.load(state, path)
+    loaded = dist_checkpointing.load(state, path, sharded_strategy=_load_strategy(args, path))
     model.module.load_state_dict(loaded["model"])
     if with_optimizer:
         loading.load_state_dict(loaded["optimizer"])

@@ -2,12 +2,13 @@
 
 megatron-core saves a DistributedOptimizer's state as flattened DP ranges of each parameter
 ('fully_sharded_model_space'); het-TP's unit-sharded weights are saved as a piece per stretch
-of unit ids a rank holds, which a flat range of a rank's uneven shard does not map onto. So this trainer saves what the
-non-distributed optimizer would: whole fp32 masters and moments per parameter, sharded like the
-weights. A checkpoint then loads under any plan, TP size or DP size, with or without
---use-distributed-optimizer, het-TP or vanilla. The cost: while saving or loading, each rank
-holds the whole optimizer state of its TP shard once more (the memory the distributed
-optimizer saves otherwise), and one all-reduce over the DP group gathers it.
+of unit ids a rank holds, which a flat range of a rank's uneven shard does not map onto. So
+this trainer saves what the non-distributed optimizer would: whole fp32 masters and moments
+per parameter, sharded like the weights. A checkpoint then loads under any plan, TP size or
+DP size, with or without --use-distributed-optimizer, het-TP or vanilla. The cost: while
+saving or loading, each rank holds the whole optimizer state of its TP shard once more (the
+memory the distributed optimizer saves otherwise), and one all-reduce over the DP group
+gathers it.
 """
 
 from __future__ import annotations

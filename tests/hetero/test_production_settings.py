@@ -251,15 +251,18 @@ def test_distributed_optimizer_checkpoints_load_without_it_and_at_another_tp_siz
 
 def test_distributed_optimizer_bf16_checkpoints_resume_exactly(tmp_path):
     """--bf16 under the distributed optimizer: the fp32 masters and moments a checkpoint saved
-    after a migration holds resume training bit for bit, and saving leaves no whole fp32 copy
-    of the weights behind (the checkpoint's plain-layout twin is dropped)."""
+    after a migration holds resume training bit for bit (read a share by each data-parallel
+    replica, --ckpt-fully-parallel-load), and saving leaves no whole fp32 copy of the weights
+    behind (the checkpoint's plain-layout twin is dropped)."""
     argv = _argv(f"{SP} {DISTOPT} --bf16") + ["--het-tp"]
     straight, only6 = _saved_at_6_after_a_migration(tmp_path, argv)
     again = tmp_path / "again"  # the resumed run saves too (at 8 and 10)
     resumed = run_ranks(
         train_and_count_whole_masters,
         4,
-        argv + ["--load", str(only6), "--save", str(again), "--save-interval", "2"],
+        argv
+        + ["--load", str(only6), "--save", str(again), "--save-interval", "2"]
+        + ["--ckpt-fully-parallel-load"],
     )
     for rank in resumed:
         assert sorted(rank["losses"]) == [7, 8, 9, 10]

@@ -536,7 +536,10 @@ def test_each_data_parallel_replica_resumes_its_own_generators(tmp_path):
             for r in (0, 1)
         ]
         assert low <= written[1] / sum(written) <= high, (folder, written)
-    resumed = run_ranks(train_drawing_apart, 2, argv + ["--load", ckpt])
+    # read a share by each replica and exchanged (--no-load-rng below reads it all on each)
+    resumed = run_ranks(
+        train_drawing_apart, 2, argv + ["--load", ckpt, "--ckpt-fully-parallel-load"]
+    )
     for rank in (0, 1):
         assert sorted(resumed[rank]["rng"]) == [4, 5]
         assert resumed[rank]["rng"] == {i: full[rank]["rng"][i] for i in (4, 5)}, rank
