@@ -1,0 +1,21 @@
+"""scripts/checkpoint_pieces.py: its piece counts (pure, a small shape)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from tests.utils import ROOT
+
+
+def test_stretches_never_outnumber_one_shape_pieces_and_an_even_plan_is_vanilla_s(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "checkpoint_pieces", os.path.join(ROOT, "scripts", "checkpoint_pieces.py")
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--ffn", "512", "--tp", "4", "--layers", "3", "--moves", "6", "--seed", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert len(rows) == 7 and rows[0][3:5] == ["12", "12"]  # a piece per rank and layer
+    assert all(int(before) >= int(now) >= 12 for *_, before, now, _ in rows)
+    assert any(int(before) > int(now) for *_, before, now, _ in rows[1:])
