@@ -9,6 +9,18 @@ Megatron-LM does, so figures compare with its logs.
 from __future__ import annotations
 
 
+def model_flops_per_sample(args, vocab_size: int) -> float:
+    """flops_per_sample of the tokenizer's `vocab_size`, padded as the model pads it."""
+    from .arguments import padded_vocab_size
+
+    return flops_per_sample(
+        args,
+        padded_vocab_size(
+            vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        ),
+    )
+
+
 def flops_per_sample(args, padded_vocab_size: int) -> float:
     """FLOPs of one sample (sequence) through forward and backward."""
     h, s, layers = args.hidden_size, args.seq_length, args.num_layers

@@ -21,8 +21,7 @@ import torch.distributed as dist
 from hettp import __version__
 from hettp.stages import split_text
 
-from .arguments import padded_vocab_size
-from .flops import flops_per_sample
+from .flops import model_flops_per_sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,12 +501,7 @@ class Logger:
         any."""
         args = self.args
         if args.log_throughput:
-            padded = padded_vocab_size(
-                tokenizer.vocab_size,
-                args.make_vocab_size_divisible_by,
-                args.tensor_model_parallel_size,
-            )
-            self._flops_per_sample = flops_per_sample(args, padded)
+            self._flops_per_sample = model_flops_per_sample(args, tokenizer.vocab_size)
         params = sum(p.numel() for p in model.parameters())
         totals = torch.tensor([params], dtype=torch.long)
         if torch.cuda.is_available():

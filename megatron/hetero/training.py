@@ -30,11 +30,11 @@ from megatron.core.transformer.module import Float16Module
 from hettp.metrics import MetricsWriter
 
 from . import checkpointing, child_processes, cpu_compat
-from .arguments import SEED_STRIDE, local_rank, padded_vocab_size, same_folder
+from .arguments import SEED_STRIDE, local_rank, same_folder
 from .batch_schedule import BatchSchedule, StepBatch
 from .data import build_datasets, build_loader, get_batch, tokenizer_from_args
 from .ddp import HetDDP, gathered_params
-from .flops import flops_per_sample
+from .flops import model_flops_per_sample
 from .log import Logger, configure_logging
 from .model import build_gpt_model, transformer_config
 from .param_norm import params_l2_norm
@@ -488,13 +488,10 @@ def _pretrain(args, runtime, lock, lock_warning, on_step_end, started) -> TrainR
     logger.run_start(state.model, tokenizer, iteration, loaded)
     progress = None
     if args.log_progress and args.save:
-        padded = padded_vocab_size(
-            tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-        )
         progress = ProgressLog(
             args.save,
             args.world_size,
-            flops_per_sample(args, padded),
+            model_flops_per_sample(args, tokenizer.vocab_size),
             args.seq_length,
             consumed,
             started,
