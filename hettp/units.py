@@ -70,6 +70,13 @@ class UnitLayout:
         index = torch.where(arrived, brought, kept)  # (parts, units): the local layout
         return joined.index_select(self.axis, self._spread(index, local.device))
 
+    def part_indices(
+        self, num_local_units: int, positions: Sequence[int], part: int, device=None
+    ) -> torch.Tensor:
+        """The element indices along the axis of one part of the units at `positions`, in
+        their order."""
+        return self._spread(self._starts(num_local_units, positions)[part], device)
+
     def _starts(self, num_local_units: int, positions: Sequence[int]) -> torch.Tensor:
         """(parts, len(positions)): where each part of the units at `positions` begins."""
         parts = torch.arange(self.parts).unsqueeze(1) * num_local_units

@@ -368,11 +368,6 @@ def unit_sharded_factory(
         local = torch.tensor([position[u] for u in range(first, first + count)])
         back_to_back = bool(torch.equal(local, torch.arange(count) + local[0]))
         stretches.append((first, count, int(local[0]) if back_to_back else local))
-    width = torch.arange(layout.width)
-
-    def rows(part, local):
-        """The local element indices along the axis of the units at `local` of `part`."""
-        return (((part * n + local) * layout.width)[:, None] + width).reshape(-1)
 
     def build(key, tensor, replica_id, flattened_range):
         _whole_tensors_only(flattened_range)
@@ -387,7 +382,8 @@ def unit_sharded_factory(
                     start = (part * n + local) * layout.width
                     view = tensor.narrow(layout.axis, start, count * layout.width)
                 else:
-                    view = tensor.index_select(layout.axis, rows(part, local).to(tensor.device))
+                    rows = layout.part_indices(n, local, part, tensor.device)
+                    view = tensor.index_select(layout.axis, rows)
                 row = (part * num_units + first) * layout.width
                 pieces.append(piece(key, view, row, replica_id))
         return pieces
@@ -407,7 +403,8 @@ def unit_sharded_factory(
                     start = (part * n + local) * layout.width
                     out.narrow(layout.axis, start, count * layout.width).copy_(loaded)
                 else:
-                    out.index_copy_(layout.axis, rows(part, local).to(out.device), loaded)
+                    rows = layout.part_indices(n, local, part, out.device)
+                    out.index_copy_(layout.axis, rows, loaded)
         return out
 
     return ShardedTensorFactory(key, data, build, merge, replica_id)
