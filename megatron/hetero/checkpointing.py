@@ -300,11 +300,14 @@ def _rng_entry(saved_dp_size: int | None = None) -> ShardedObject:
 def _per_rank(key: str, value, saved_dp_size: int | None = None) -> ShardedObject:
     """One object per rank (pipeline stage x TP rank x DP replica), for state that differs
     between data-parallel replicas. `saved_dp_size`: at load, the checkpoint's DP size; where
-    it is not this run's, the object of replica 0 at this rank's stage and TP rank."""
+    it is not this run's, the object of replica 0 at this rank's stage and TP rank, which
+    every replica then reads (replica ids apart, so that --ckpt-fully-parallel-load has
+    each replica take its own, not one replica's exchanged)."""
     ps = parallel_state
     dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    replica = 0
     if saved_dp_size is not None and saved_dp_size != dp_size:
-        dp, dp_size = 0, saved_dp_size
+        dp, dp_size, replica = 0, saved_dp_size, dp
     return ShardedObject(
         key,
         value,
@@ -314,7 +317,7 @@ def _per_rank(key: str, value, saved_dp_size: int | None = None) -> ShardedObjec
             dp_size,
         ),
         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), dp),
-        replica_id=0,
+        replica_id=replica,
     )
 
 

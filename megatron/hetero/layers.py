@@ -380,7 +380,9 @@ def unit_sharded_factory(
             for first, count, local in stretches:
                 if isinstance(local, int):
                     start = (part * n + local) * layout.width
-                    view = tensor.narrow(layout.axis, start, count * layout.width)
+                    # a column slice (fc2, proj) is not contiguous: a copy, since a parallel
+                    # load broadcasts the piece one replica read as its bare memory
+                    view = tensor.narrow(layout.axis, start, count * layout.width).contiguous()
                 else:
                     rows = layout.part_indices(n, local, part, tensor.device)
                     view = tensor.index_select(layout.axis, rows)
@@ -448,8 +450,9 @@ def fragment_factory(
         if not runs:
             shape = (width, *tensor.shape[1:])
             return [piece(key, tensor.new_zeros(shape), 0, _non_main(replica_id))]
-        return [
-            piece(key, tensor.narrow(0, s, n * width), f * width, replica_id) for s, f, n in runs
+        return [  # rows of a contiguous tensor: views (contiguous, as a broadcast needs)
+            piece(key, tensor.narrow(0, s, n * width).contiguous(), f * width, replica_id)
+            for s, f, n in runs
         ]
 
     def merge(pieces):

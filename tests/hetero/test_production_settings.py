@@ -48,15 +48,15 @@ def _argv(flags: str, iters: int = 10) -> list[str]:
     ).split()
 
 
-def _saved_at_6_after_a_migration(tmp_path, argv):
-    """A het run migrating at step 3 and saving at 6 (and 10): its result, and a folder whose
-    latest checkpoint is the one of step 6."""
+def _saved_at_6_after_a_migration(tmp_path, argv, moves=("attn=1,3;mlp=20,44",)):
+    """A het run migrating at step 3 (`moves` in turn) and saving at 6 (and 10): its result,
+    and a folder whose latest checkpoint is the one of step 6."""
     ckpt = tmp_path / "ckpt"
     result = run_ranks(
         train_with_repartitions,
         4,
         argv + ["--save", str(ckpt), "--save-interval", "6"],
-        {3: "attn=1,3;mlp=20,44"},
+        {3: list(moves)},
     )[0]
     only6 = tmp_path / "only6"
     only6.mkdir()
@@ -269,6 +269,20 @@ def test_distributed_optimizer_bf16_checkpoints_resume_exactly(tmp_path):
         assert rank["losses"] == {i: straight["losses"][i] for i in range(7, 11)}
         # none after loading (counted at 7) nor after the save at 8 (counted at 9)
         assert rank["whole_masters"] == {i: 0 for i in range(7, 11)}
+
+
+def test_a_parallel_load_of_scattered_units_resumes_exactly(tmp_path):
+    """Two rebalances leave TP rank 0 the MLP units 0-19, 56-63 and 20-31 in that local
+    order: ids 56-63 are a piece that is a column slice of linear_fc2's weight (not contiguous
+    in memory). Read by one data-parallel replica and broadcast to the other
+    (--ckpt-fully-parallel-load), every replica resumes the run exactly."""
+    argv = _argv("") + ["--het-tp"]
+    moves = ("rebalance:attn=2,2;mlp=20,44", "rebalance:attn=2,2;mlp=40,24")
+    straight, only6 = _saved_at_6_after_a_migration(tmp_path, argv, moves)
+    resumed = run_ranks(train, 4, argv + ["--load", str(only6), "--ckpt-fully-parallel-load"])
+    for rank in resumed:
+        assert sorted(rank["losses"]) == [7, 8, 9, 10]
+        _close(rank["losses"], straight["losses"], range(7, 11), rel=1e-6)
 
 
 def test_bf16_under_all_settings_migrates_there_and_back_exactly():

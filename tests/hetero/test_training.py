@@ -551,6 +551,14 @@ def test_each_data_parallel_replica_resumes_its_own_generators(tmp_path):
     for rank in (0, 1):
         assert all(fresh[rank]["rng"][i] != full[rank]["rng"][i] for i in (4, 5)), rank
         assert fresh[rank]["losses"] == pytest.approx(resumed[rank]["losses"], rel=1e-6)
+    # at another data-parallel size every replica takes replica 0's generators, read once and
+    # exchanged under --ckpt-fully-parallel-load (each replica its own copy, not one replica's)
+    alone = run_ranks(train_drawing_apart, 1, argv)[0]
+    one = str(tmp_path / "one")
+    run_ranks(train_drawing_apart, 1, argv + ["--save", one, "--exit-interval", "3"])
+    grown = run_ranks(train_drawing_apart, 2, argv + ["--load", one, "--ckpt-fully-parallel-load"])
+    assert all(sorted(rank["losses"]) == [4, 5] for rank in grown)
+    assert grown[0]["rng"][4] == alone["rng"][4]  # replica 0 draws 1 value, as the one rank
 
 
 def test_every_rank_loads_the_iteration_rank_0_read_from_the_tracker(tmp_path):
