@@ -8,8 +8,8 @@ an owner changes, over all layers). Counts only: no model is built, nothing is t
 
 The plans are the planner's own (`hettp.dealing.proportional_plan`, MLP counts in its 8-neuron
 chunks) for a straggler whose speed is drawn anew at each move (0.3-1.0 of the others', one
-rank), from Megatron's even split. Per MLP tensor (fc1's weight; its bias, fc2's weight and
-each optimizer state have as many): the pieces over all layers.
+rank), from Megatron's even split. Per MLP tensor part over all layers: fc2's weight, fc1's
+(twice as many under SwiGLU, a piece per half), and as many again for each optimizer state.
 """
 
 from __future__ import annotations

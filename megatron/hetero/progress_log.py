@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -26,18 +27,20 @@ class Origin:
 
 def origin(lines: list[str], world_size: int) -> Origin | None:
     """Megatron-LM's reading of a progress log: a line of another world size starts the
-    search over. None when no job of this world size started in the current run of them."""
+    search over. None when no job of this world size started in the current run of them. A
+    line that does not parse (edited, or of another tool) is passed over."""
     found, latest_flops = None, 0.0
     for line in lines:
-        fields = line.rstrip("\n").split("\t")
-        if len(fields) < 4:
+        fields = line.strip().split("\t")
+        try:
+            if fields[3] == "Saved checkpoint":
+                latest_flops = float(fields[7].split(": ")[1])
+            if int(fields[2].split(": ")[1]) != world_size:
+                found = None
+            elif fields[3] == "Starting job" and found is None:
+                found = Origin(datetime.strptime(fields[0], _TIME_FORMAT), latest_flops)
+        except (IndexError, ValueError):
             continue
-        if fields[3] == "Saved checkpoint" and len(fields) > 7:
-            latest_flops = float(fields[7].split(": ")[1])
-        if int(fields[2].split(": ")[1]) != world_size:
-            found = None
-        elif fields[3] == "Starting job" and found is None:
-            found = Origin(datetime.strptime(fields[0], _TIME_FORMAT), latest_flops)
     return found
 
 
@@ -64,7 +67,7 @@ class ProgressLog:
         self.writer = writer
 
     def job_started(self) -> None:
-        self._append("Starting job")
+        self._append("Starting job", datetime.fromtimestamp(self._started))
 
     def saved(self, iteration: int, consumed: int) -> None:
         if not self.writer:
@@ -73,9 +76,11 @@ class ProgressLog:
         per_gpu = 1e12 * self.world_size
         job = (flops - self._start_flops) / ((time.time() - self._started) * per_gpu)
         lines = []
-        if os.path.exists(self.path):
+        try:
             with open(self.path) as f:
                 lines = f.readlines()
+        except OSError:
+            pass  # gone or unreadable: counted from this job's start below
         # this job's own start, if someone removed the file or its line meanwhile
         first = origin(lines, self.world_size) or Origin(
             datetime.fromtimestamp(self._started), self._start_flops
@@ -93,12 +98,17 @@ class ProgressLog:
     def deleted(self, iteration: int) -> None:
         self._append(f"Deleted checkpoint\tIteration: {iteration}")
 
-    def _append(self, what: str) -> None:
+    def _append(self, what: str, when: datetime | None = None) -> None:
+        """A side file: one that cannot be written is warned of, not raised (rank 0 alone
+        writes it; training goes on)."""
         if not self.writer:
             return
-        with open(self.path, "a") as f:
-            f.write(
-                f"{datetime.now().strftime(_TIME_FORMAT)}\t"
-                f"Job ID: {os.environ.get('SLURM_JOB_ID', '')}\t"
-                f"# GPUs: {self.world_size}\t{what}\n"
-            )
+        try:
+            with open(self.path, "a") as f:
+                f.write(
+                    f"{(when or datetime.now()).strftime(_TIME_FORMAT)}\t"
+                    f"Job ID: {os.environ.get('SLURM_JOB_ID', '')}\t"
+                    f"# GPUs: {self.world_size}\t{what}\n"
+                )
+        except OSError as err:
+            warnings.warn(f"--log-progress: {self.path}: {err}", stacklevel=2)

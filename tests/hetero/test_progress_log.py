@@ -36,3 +36,51 @@ def test_the_cumulative_count_starts_at_the_first_job_of_the_current_world_size(
     assert origin(lines, 8) is None
     lines += [_line("13:00:00", 8, "Starting job")]
     assert origin(lines, 8) == Origin(datetime(2026, 12, 7, 13, 0, 0), 3e15)
+
+
+def test_lines_that_do_not_parse_are_passed_over():
+    lines = [
+        "garbage\n",
+        _line("09:00:00", 8, "Starting job").replace("# GPUs: 8", "# GPUs: "),
+        "2026-12-07T09:30:00\tJob ID: 7\t# GPUs: 8\tStarting job\n",  # another clock format
+        _line("10:00:00", 8, "Saved checkpoint").rstrip("\n") + "\n",  # no fields after it
+        _line("10:30:00", 8, "Starting job"),
+    ]
+    assert origin(lines, 8) == Origin(datetime(2026, 12, 7, 10, 30, 0), 0.0)
+
+
+def test_a_save_line_counts_model_flops_over_the_job_and_since_its_first_start(tmp_path):
+    """1e12 FLOPs a sample on 2 ranks: 200 samples in the 100 s since the job started are 1.0
+    TFLOP/s per GPU, and since the first job of this world size (here the same) too."""
+    import time
+
+    from megatron.hetero.progress_log import ProgressLog
+
+    log = ProgressLog(str(tmp_path), 2, 1e12, 1000, 0, time.time() - 100, writer=True)
+    log.job_started()
+    log.saved(5, 200)
+    ProgressLog(str(tmp_path), 2, 1e12, 1000, 0, time.time(), writer=False).saved(6, 300)
+    fields = [line.split("\t") for line in (tmp_path / "progress.txt").read_text().splitlines()]
+    assert [f[3] for f in fields] == ["Starting job", "Saved checkpoint"]  # one writer
+    start, save = fields
+    assert save[4:] == [
+        "Iteration: 5",
+        "Job throughput: 1.0 TFLOP/s/GPU",
+        "Cumulative throughput: 1.0 TFLOP/s/GPU",
+        "Floating-point operations: 2.00e+14",
+        "Tokens (in billions): 0.00",
+    ]
+    started = datetime.strptime(start[0], "%Y-%m-%d %H:%M:%S")
+    assert 99 <= (datetime.now() - started).total_seconds() <= 110  # the job's own start
+
+
+def test_a_progress_file_that_cannot_be_written_is_warned_of(tmp_path):
+    import time
+
+    import pytest
+
+    from megatron.hetero.progress_log import ProgressLog
+
+    log = ProgressLog(str(tmp_path / "gone"), 1, 1e12, 8, 0, time.time(), writer=True)
+    with pytest.warns(UserWarning, match="--log-progress: .*progress.txt"):
+        log.job_started()
