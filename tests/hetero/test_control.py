@@ -116,27 +116,39 @@ def steady(tmp_path_factory):
 @pytest.mark.parametrize("clock", ["cpu", "wall"])
 def test_migrate_acts_on_an_emulated_straggler_and_stays_lossless(tmp_path, steady, clock):
     """With the wall clock, the fast rank waits for the slow one inside its row-parallel
-    all-reduces: unless those waits are left out it looks just as slow and nothing happens."""
+    all-reduces: unless those waits are left out it looks just as slow and nothing happens.
+    A run that acts later than the bounds below, or corrects more often, runs again (up to
+    three runs): a shared machine slowed by another tenant (a whole CI run 40-60% slower than
+    an hour before) acted at 24 on the CPU clock once; a loop that is late every time fails."""
+    decided_by = 23 if clock == "cpu" else 24
+    most = 3 if clock == "cpu" else 4
+
+    def late(ranks, records):
+        decisions = [r for r in records if r["kind"] == "decision"]
+        if decisions and (decisions[0]["iteration"] > decided_by or len(decisions) > most):
+            return f"first decision at {decisions[0]['iteration']}, {len(decisions)} in all"
+        return None
+
     ranks, records = _run_on_a_quiet_start(
-        tmp_path, "migrate", ["--het-tp-policy", "migrate", *STRAGGLER, "--het-tp-timer", clock]
+        tmp_path,
+        "migrate",
+        ["--het-tp-policy", "migrate", *STRAGGLER, "--het-tp-timer", clock],
+        late,
     )
     decisions = [r for r in records if r["kind"] == "decision"]
     # one move, and at most two corrections once the model knows what the new split costs
     # (the CPU clock), all for rank 1. The wall clock also sees a shared machine's neighbours:
     # CI once read rank 1's MLP blocks 1.5x slower than the new split predicted and corrected
-    # a third time, and a clean-clone run beside other test runs a fourth. What must hold
-    # there is no flapping: every decision is for rank 1's slowness (a move back would name
-    # rank 0)
-    assert 1 <= len(decisions) <= (3 if clock == "cpu" else 5), decisions
+    # a third time (a run beside other test runs, a fourth: run again). What must hold there
+    # is no flapping: every decision is for rank 1's slowness (a move back would name rank 0)
+    assert 1 <= len(decisions) <= most, decisions
     assert all("ranks [1]" in r["reason"] for r in decisions), decisions
     first = decisions[0]
     # the straggle starts at step 20; detection runs every step, on the median of 3 steps:
     # acted on at the boundary after the second slow step, so step 22 runs on the new plan
     # (the wall clock also sees the neighbours on a shared machine: a step or two later; a
     # loaded CI machine once acted at 24)
-    assert first["action"] == "migrate" and 21 <= first["iteration"] <= (
-        23 if clock == "cpu" else 24
-    )
+    assert first["action"] == "migrate" and 21 <= first["iteration"] <= decided_by
     assert first["slowdown"][1] > 1.5 and first["predicted_after_s"] < first["predicted_before_s"]
     plan = PartitionPlan.from_json(first["plan"])
     assert plan.counts(0, "mlp")[1] < plan.counts(0, "mlp")[0]
