@@ -361,8 +361,8 @@ def unit_sharded_factory(
     prepend = len(sharded_offsets)
     piece = _irregular_piece(sharded_offsets, layout.axis, layout.parts * num_units * layout.width)
     # per stretch (first id, count): where its units sit locally, the first local position
-    # where they sit back to back in id order (the usual case: a view, not a copy), else the
-    # local positions
+    # where they sit back to back in id order (the usual case: one narrow, a view where it
+    # is contiguous), else the local positions (a gather)
     stretches = []
     for first, count in _stretches(sorted(units)):
         local = torch.tensor([position[u] for u in range(first, first + count)])
