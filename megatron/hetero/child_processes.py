@@ -1,24 +1,28 @@
-"""Child processes that die with their rank, however the rank ends.
+"""Child processes that die with their rank, however the rank ends; no results server.
 
-megatron-core's checkpoint writer starts a multiprocessing Manager (a server process) for its
-writers' results at the first save and relies on a clean interpreter exit to stop it; a rank
-killed with SIGKILL, or by a signal it does not handle, leaves it behind, idle, for good (and
-writers forked during a save too). `install()`, once per process, asks the kernel to SIGKILL
-every child when its parent ends (Linux's PR_SET_PDEATHSIG): forked children (checkpoint
-writers, data-loader workers) through an at-fork hook, and the results Manager, which is
-spawned rather than forked, through its initializer.
+megatron-core's checkpoint writer forks writer processes during a save, and relies on a clean
+interpreter exit to stop its children; a rank killed with SIGKILL, or by a signal it does not
+handle, would leave them behind for good. `install()`, once per process, asks the kernel to
+SIGKILL every forked child (checkpoint writers, data-loader workers) when its parent ends
+(Linux's PR_SET_PDEATHSIG), through an at-fork hook.
+
+The writer also collects its results through a queue it makes at the first save: a
+multiprocessing Manager, a server process spawned as a fresh interpreter (1.5-2 s of a CPU
+core on this VM, at each job's first save), there so that an asynchronous save's background
+process can hand its results back. Saves here are synchronous (`--async-save` is refused):
+the results are put and read in the rank's own process, so `install()` gives the writer an
+in-process queue instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-import multiprocessing
 import os
+import queue
 import signal
-from multiprocessing.managers import SyncManager
 
 _PR_SET_PDEATHSIG = 1
-_state = {"installed": False, "parent": None, "managers": []}
+_state = {"installed": False, "parent": None}
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -40,16 +44,13 @@ def _after_fork_in_child() -> None:
     die_with_parent(_state["parent"])
 
 
-def _write_results_queue():
-    """megatron-core's filesystem_async._get_write_results_queue, with a Manager that dies
-    with this rank."""
+def _write_results_queue() -> queue.Queue:
+    """megatron-core's filesystem_async._get_write_results_queue for synchronous saves: the
+    same queue for the process's life, as there, but held in the process."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-        _state["managers"].append(manager)
-        filesystem_async._results_queue = manager.Queue()
+        filesystem_async._results_queue = queue.Queue()
     return filesystem_async._results_queue
 
 
