@@ -277,6 +277,16 @@ class HetTPConfig:
         """Units may be skipped: a Resizer keeps priorities and frozen skipped units."""
         return self.het_tp and (self.resize_shares is not None or self.policy_spec.resizes)
 
+    def moves_layers(self, shape: ModelShape) -> bool:
+        """Whole layers may move between pipeline stages, changing a stage's layer count (not
+        under resizing, whose priorities are kept per layer of a stage)."""
+        return (
+            shape.pipeline_stages > 1
+            and self.migrates
+            and not self.resizes
+            and self.pipeline_moves != "units"
+        )
+
     def ignored(self, run: HetTPConfig) -> tuple[str, ...]:
         """Of these flags as given, those set away from their defaults that `run` (this config
         validated) never reads, each with why: as Megatron-LM warns of an ignored flag rather

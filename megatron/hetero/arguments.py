@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -1180,10 +1181,10 @@ def _require(cond, msg):
         raise ArgumentError(msg)
 
 
-def _validate_stage_layers(args, pp: int) -> None:
+def _validate_stage_layers(args, pp: int) -> list[int]:
     """Layers per pipeline stage, as megatron-core splits them: --decoder-first/last-pipeline-
     num-layers for the end stages, the rest evenly over the middle ones; every stage holds at
-    least one layer (het-TP partitions each stage's layers)."""
+    least one layer (het-TP partitions each stage's layers). Returns each stage's count."""
     ends = {
         "--decoder-first-pipeline-num-layers": args.decoder_first_pipeline_num_layers,
         "--decoder-last-pipeline-num-layers": args.decoder_last_pipeline_num_layers,
@@ -1214,6 +1215,32 @@ def _validate_stage_layers(args, pp: int) -> None:
             f"{' and '.join(f'{f} ({n})' for f, n in given.items())} must split evenly over the "
             f"other {middle_stages} pipeline stage(s), at least one layer each",
         )
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    middle = [middle_layers // middle_stages] * middle_stages if middle_stages else []
+    return [n for n in (first,) if n is not None] + middle + [n for n in (last,) if n is not None]
+
+
+def _validate_uniform_recompute(args, het_tp: HetTPConfig, stage_layers: list[int]) -> None:
+    """megatron-core recomputes `--recompute-method uniform` in chunks of
+    --recompute-num-layers layers from a stage's first, and indexes past its last layer where
+    the chunks do not divide the stage (an IndexError at the first forward)."""
+    chunk = args.recompute_num_layers
+    if args.recompute_granularity != "full" or args.recompute_method != "uniform" or chunk == 1:
+        return
+    for stage, layers in enumerate(stage_layers):
+        _require(
+            layers % chunk == 0,
+            f"--recompute-method uniform --recompute-num-layers {chunk} must divide every "
+            f"pipeline stage's layers, and stage {stage} has {layers} (use a divisor, or "
+            "--recompute-method block)",
+        )
+    _require(
+        not het_tp.moves_layers(model_shape(args)),
+        f"--recompute-method uniform --recompute-num-layers {chunk} must divide every pipeline "
+        f"stage's layers, and --het-tp-policy {het_tp.policy} moves layers between stages "
+        f"(--het-tp-pipeline-moves {het_tp.pipeline_moves}): use --recompute-num-layers 1, "
+        "--recompute-method block, or --het-tp-pipeline-moves units",
+    )
 
 
 def _refuse_other_unit(args, unit: str, other: str) -> None:
@@ -1305,10 +1332,16 @@ def _read_file(path: str, flag: str) -> str:
         raise ArgumentError(f"{flag} {path}: {err.strerror or err}") from None
 
 
-def _checked_prefixes(paths, flag: str) -> dict:
+def _checked_prefixes(paths, flag: str, args, vocab: int | None) -> dict:
     """{prefix: its sequences' lengths} of a --data-path style list, each checked to be an
-    intact indexed dataset."""
-    from .dataset_files import DatasetFileError, check_indexed_dataset, sequence_lengths
+    intact indexed dataset whose sampled token ids this run's tokenizer (`vocab` entries)
+    has."""
+    from .dataset_files import (
+        DatasetFileError,
+        check_indexed_dataset,
+        sampled_max_token,
+        sequence_lengths,
+    )
 
     lengths = {}
     prefixes, _ = parse_data_path(paths, flag)
@@ -1324,6 +1357,17 @@ def _checked_prefixes(paths, flag: str) -> dict:
             lengths[prefix] = sequence_lengths(prefix)
         except DatasetFileError as err:
             raise ArgumentError(f"{flag} {prefix}: {err}") from None
+        if vocab is not None:
+            top = sampled_max_token(prefix)
+            size = (
+                f" --vocab-size {args.vocab_size}" if args.tokenizer_type == "NullTokenizer" else ""
+            )
+            _require(
+                top < vocab,
+                f"{flag} {prefix}: holds token id {top}, and --tokenizer-type "
+                f"{args.tokenizer_type}{size} has {vocab} entries: the data was tokenized with "
+                "another tokenizer (give that one's flags, or preprocess the text again)",
+            )
     return lengths
 
 
@@ -1549,6 +1593,17 @@ def _validate_device_features(args, cuda_available: bool) -> None:
     _require(
         args.min_loss_scale > 0, f"--min-loss-scale must be positive, got {args.min_loss_scale}"
     )
+    if args.fp16:  # megatron-core's grad scalers assert these without a message
+        _require(
+            args.loss_scale is None or args.loss_scale > 0,
+            f"--loss-scale must be positive (or left out for a dynamic scale), got "
+            f"{args.loss_scale}",
+        )
+        _require(
+            args.loss_scale is not None or args.initial_loss_scale >= args.min_loss_scale,
+            f"--initial-loss-scale ({args.initial_loss_scale}) must be >= --min-loss-scale "
+            f"({args.min_loss_scale})",
+        )
     _require(
         args.loss_scale_window > 0,
         f"--loss-scale-window must be positive, got {args.loss_scale_window}",
@@ -1676,7 +1731,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
         f"--pipeline-model-parallel-size ({pp})",
     )
-    _validate_stage_layers(args, pp)
+    stage_layers = _validate_stage_layers(args, pp)
     args.data_parallel_size = world_size // (tp * pp)
 
     # Model shape.
@@ -1684,6 +1739,10 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     _require(
         heads % tp == 0,
         f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
+    )
+    _require(
+        args.kv_channels is None or args.kv_channels > 0,
+        f"--kv-channels must be positive, got {args.kv_channels}",
     )
     if args.kv_channels is None:
         _require(
@@ -1711,6 +1770,9 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 64
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
+    _require(
+        args.ffn_hidden_size > 0, f"--ffn-hidden-size must be positive, got {args.ffn_hidden_size}"
+    )
     _require(
         args.ffn_hidden_size % tp == 0,
         f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
@@ -1796,6 +1858,12 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     _require(args.clip_grad >= 0.0, f"--clip-grad must be >= 0, got {args.clip_grad}")
     _require(args.weight_decay >= 0.0, f"--weight-decay must be >= 0, got {args.weight_decay}")
     _require(args.adam_eps > 0.0, f"--adam-eps must be positive, got {args.adam_eps}")
+    _require(args.sgd_momentum >= 0.0, f"--sgd-momentum must be >= 0, got {args.sgd_momentum}")
+    for flag in ("init_method_std", "embedding_init_method_std"):
+        value = getattr(args, flag)
+        _require(
+            value is None or value >= 0.0, f"--{flag.replace('_', '-')} must be >= 0, got {value}"
+        )
     # as Megatron-LM; and numpy's generator takes seeds below 2**32, every stage's included
     _require(
         0 < args.seed and args.seed + SEED_STRIDE * (args.pipeline_model_parallel_size - 1) < 2**32,
@@ -1927,33 +1995,35 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
             "files define the vocabulary)",
             stacklevel=2,
         )
-    if args.tokenizer_type not in ("NullTokenizer", "ByteLevelTokenizer"):
+    vocab = None  # the tokenizer's entries, which every token id of the data must be below
+    if corpus.given or args.tokenizer_type not in ("NullTokenizer", "ByteLevelTokenizer"):
         # its files' contents too (the wrong kind of model file, no end-of-document token):
         # found at start, before any process group, as their existence is
         from .data import tokenizer_from_args
         from .text_tokenizers import TokenizerFileError
 
         try:
-            tokenizer_from_args(args)
+            vocab = tokenizer_from_args(args).vocab_size
         except TokenizerFileError as err:
             raise ArgumentError(str(err)) from None
     for flag, paths in corpus.splits.values():
         # each dataset is built whole for its split: it needs one sample
-        for prefix, lengths in _checked_prefixes(paths, flag).items():
+        for prefix, lengths in _checked_prefixes(paths, flag, args, vocab).items():
             _require(
                 int(lengths.sum()) >= args.seq_length + 1,
                 f"{flag} {prefix}: {int(lengths.sum())} tokens, less than one sample "
                 f"(--seq-length + 1 = {args.seq_length + 1})",
             )
     if corpus.blend:
-        lengths = _checked_prefixes(corpus.blend, corpus.blend_flag)
+        lengths = _checked_prefixes(corpus.blend, corpus.blend_flag, args, vocab)
         _, blend_weights = parse_data_path(corpus.blend, corpus.blend_flag)
         split = [s for s in args.split.replace(" ", "").replace("/", ",").split(",") if s]
         _require(
             len(split) <= 3
-            and all(_is_number(s) and float(s) >= 0 for s in split)
+            and all(re.fullmatch(r"[.0-9]+", s) and _is_number(s) for s in split)
             and sum(map(float, split)) > 0,
-            f"--split '{args.split}' must be up to three non-negative weights, e.g. 969,30,1",
+            f"--split '{args.split}' must be up to three non-negative weights in plain decimals "
+            "(digits and a point), e.g. 969,30,1",
         )
         _check_split_sizes(args, blend_weights, lengths)
 
@@ -1974,6 +2044,7 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         )
 
     het_tp = het_tp_config(args, cuda_available)
+    _validate_uniform_recompute(args, het_tp, stage_layers)
     if het_tp.rebatches and het_tp.policy != "joint":  # joint also moves and resizes units
         dp = model_shape(args).data_parallel
         micro = args.micro_batch_size * dp
@@ -2062,6 +2133,14 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
         _check_writable(args.save, "--save")
     if args.metrics_file is not None and int(os.environ.get("RANK", "0")) == 0:  # its writer
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
+    if int(os.environ.get("RANK", "0")) == 0:  # the scalar writers' rank
+        if args.tensorboard_dir is not None:
+            _check_writable(args.tensorboard_dir, "--tensorboard-dir")
+        if args.wandb_project:
+            folder = args.wandb_save_dir or os.path.join(args.save, "wandb")
+            _check_writable(
+                folder, "--wandb-save-dir" if args.wandb_save_dir else "--save (wandb/ under it)"
+            )
     if corpus.given and int(os.environ.get("RANK", "0")) == 0:  # its writer
         _check_dataset_cache(args, corpus)
     return het_tp

@@ -76,3 +76,24 @@ def sequence_lengths(prefix: str):
     return np.memmap(
         prefix + ".idx", dtype=np.int32, mode="r", offset=_PREAMBLE, shape=(sequences,)
     )
+
+
+def sampled_max_token(prefix: str, windows: int = 4, window_bytes: int = 1 << 16) -> int:
+    """The largest token id in `windows` evenly spaced stretches of a checked `prefix`.bin
+    (256 KiB read by default, whatever the dataset's size): a corpus tokenized with another
+    tokenizer than the run's is found at start, where megatron-core would index past the
+    embedding (an error at TP=1) or silently embed zeros (TP > 1). -1 for an empty file."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(prefix + ".idx", "rb") as f:
+        f.seek(len(_HEADER) + 8)
+        (code,) = struct.unpack("<B", f.read(1))
+    dtype = np.dtype(DType.dtype_from_code(code))
+    tokens = os.path.getsize(prefix + ".bin") // dtype.itemsize
+    if tokens == 0:
+        return -1
+    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(tokens,))
+    span = max(1, window_bytes // dtype.itemsize)
+    starts = {int(i) for i in np.linspace(0, max(0, tokens - span), windows)}
+    return max(int(data[start : start + span].max()) for start in starts)

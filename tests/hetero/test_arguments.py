@@ -199,6 +199,42 @@ def test_gpu_defaults_and_precision():
             "--grad-reduce-in-bf16 keeps bf16 gradient buffers",
         ),
         ("--het-dp-compress bf16", 8, "beyond 4 replicas; the data-parallel size is 8"),
+        # values megatron-core or torch would fail on only once the model or optimizer is built
+        ("--ffn-hidden-size -4", 1, "--ffn-hidden-size must be positive, got -4"),
+        ("--kv-channels 0", 1, "--kv-channels must be positive, got 0"),
+        ("--init-method-std -0.1", 1, "--init-method-std must be >= 0, got -0.1"),
+        (
+            "--embedding-init-method-std -1",
+            1,
+            "--embedding-init-method-std must be >= 0, got -1.0",
+        ),
+        ("--sgd-momentum -0.5", 1, "--sgd-momentum must be >= 0, got -0.5"),
+        ("--fp16 --loss-scale 0", 1, "--loss-scale must be positive (or left out"),
+        (
+            "--fp16 --initial-loss-scale 0.5 --min-loss-scale 1",
+            1,
+            "--initial-loss-scale (0.5) must be >= --min-loss-scale (1.0)",
+        ),
+        (
+            "--num-layers 6 --recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 4",
+            1,
+            "--recompute-method uniform --recompute-num-layers 4 must divide every pipeline "
+            "stage's layers, and stage 0 has 6",
+        ),
+        (
+            "--num-layers 7 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3"
+            " --recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+            2,
+            "stage 0 has 3",
+        ),
+        (
+            "--num-layers 8 --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 "
+            "--het-tp-policy migrate --recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 2",
+            4,
+            "--het-tp-policy migrate moves layers between stages (--het-tp-pipeline-moves both)",
+        ),
     ],
 )
 def test_contradictions_name_the_flag(extra, world, message):
@@ -760,6 +796,60 @@ def test_megatron_lm_no_fusion_flags_are_accepted():
 
     args = _args(" ".join(f"--no-{fusion}" for fusion in NEVER_FUSED))
     assert args.no_masked_softmax_fusion and args.no_persist_layer_norm
+
+
+def test_what_uniform_recompute_and_loss_scales_accept():
+    """The chunks that divide every stage; layers that stay in their stages; bf16 runs, whose
+    loss-scale flags nothing reads."""
+    uniform = "--recompute-granularity full --recompute-method uniform --recompute-num-layers"
+    _args(f"--num-layers 6 {uniform} 3")
+    _args(f"--num-layers 6 {uniform} 1")
+    _args(
+        "--num-layers 6 --recompute-granularity full --recompute-method block "
+        "--recompute-num-layers 4"
+    )
+    pipeline = "--num-layers 8 --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2"
+    _args(f"{pipeline} --het-tp-policy migrate {uniform} 1", 4)
+    _args(f"{pipeline} --het-tp-policy migrate --het-tp-pipeline-moves units {uniform} 2", 4)
+    _args(f"{pipeline} --het-tp-policy hybrid {uniform} 2", 4)  # resizing: layers stay
+    _args("--bf16 --initial-loss-scale 0.5 --loss-scale 0")
+    _args("--fp16 --loss-scale 8 --initial-loss-scale 0.5", cuda=True)  # static: no initial
+
+
+def test_logging_folders_must_take_files_before_anything_is_built(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(ArgumentError, match=f"--tensorboard-dir {blocked}/tb: not writable"):
+        _args(f"--tensorboard-dir {blocked}/tb")
+    saved = f"--wandb-project p --wandb-exp-name e --save {tmp_path}/ckpt"
+    fake = tmp_path / "site"  # the check that wandb is installed comes first
+    (fake / "wandb").mkdir(parents=True)
+    (fake / "wandb" / "__init__.py").write_text("")
+    sys.path.insert(0, str(fake))
+    try:
+        with pytest.raises(ArgumentError, match=f"--wandb-save-dir {blocked}/w: not writable"):
+            _args(f"{saved} --wandb-save-dir {blocked}/w")
+        (tmp_path / "ckpt").mkdir(exist_ok=True)  # the --save check made it
+        (tmp_path / "ckpt" / "wandb").write_text("")  # a file where the folder goes
+        under = re.escape(f"--save (wandb/ under it) {tmp_path}/ckpt/wandb: not writable")
+        with pytest.raises(ArgumentError, match=under):
+            _args(saved)
+    finally:
+        sys.path.remove(str(fake))
+
+
+def test_split_weights_take_megatron_cores_number_syntax(tmp_path):
+    prefix = make_corpus(tmp_path)
+    data = [a for a in BASE.split() if a not in ("--mock-data", "--vocab-size", "255")]
+    data += ["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer"]
+    for split in ("1e3,1,1", "1_000,1,1", "-1,1,1"):
+        args = build_parser().parse_args(data + [f"--split={split}"])
+        with pytest.raises(
+            ArgumentError, match="must be up to three non-negative weights in plain"
+        ):
+            validate_args(args, 1, cuda_available=False)
+    args = build_parser().parse_args(data + ["--split", "1.0, 0, 0"])
+    validate_args(args, 1, cuda_available=False)
 
 
 def test_refused_load_and_unwritable_metrics_leave_no_folder(tmp_path):

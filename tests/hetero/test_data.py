@@ -166,6 +166,35 @@ def _validate_on(prefix, extra: str) -> None:
     validate_args(build_parser().parse_args((base + " " + extra).split()), 1, cuda_available=False)
 
 
+def test_a_corpus_of_another_tokenizer_is_refused_before_training(tmp_path):
+    """Token ids the run's tokenizer does not have: megatron-core would index past the
+    embedding at TP=1 and embed zeros at TP > 1; a sample of the .bin finds them at start."""
+    import numpy as np
+
+    from megatron.hetero.arguments import ArgumentError
+    from megatron.hetero.dataset_files import sampled_max_token
+
+    prefix = make_corpus(tmp_path)
+    tokens = np.fromfile(prefix + ".bin", dtype=np.uint16)
+    assert sampled_max_token(prefix) == tokens.max()  # a small file: every token sampled
+    one = "--split 1,0,0"  # four documents: a training split alone
+    _validate_on(prefix, one)  # its own tokenizer
+    below = int(tokens.max())  # NullTokenizer: ids 0..vocab-size (the last, end of document)
+    _validate_on(prefix, f"{one} --tokenizer-type NullTokenizer --vocab-size {below}")
+    with pytest.raises(ArgumentError) as err:
+        _validate_on(prefix, f"{one} --tokenizer-type NullTokenizer --vocab-size {below - 1}")
+    assert str(err.value) == (
+        f"--data-path {prefix}: holds token id {below}, and --tokenizer-type NullTokenizer "
+        f"--vocab-size {below - 1} has {below} entries: the data was tokenized with another "
+        "tokenizer (give that one's flags, or preprocess the text again)"
+    )
+    with open(prefix + ".bin", "r+b") as f:  # one id past the byte-level vocabulary, at the end
+        f.seek(-2, 2)
+        f.write(np.array([300], dtype=np.uint16).tobytes())
+    with pytest.raises(ArgumentError, match="holds token id 300, and --tokenizer-type Byte"):
+        _validate_on(prefix, one)
+
+
 def test_a_split_megatron_core_cannot_build_is_refused_naming_it(tmp_path):
     """Every split of non-zero weight is built, asked for samples or not; one left no tokens
     would make megatron-core's builder loop forever (0 tokens per epoch never reach the
