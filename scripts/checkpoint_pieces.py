@@ -4,12 +4,14 @@ of migrations: a piece per stretch of unit ids a rank holds (since 2026-12-07), 
 of one shape per tensor as before (their length the gcd of the unit count and every id where
 an owner changes, over all layers). Counts only: no model is built, nothing is timed.
 
-    python scripts/checkpoint_pieces.py [--ffn 28672] [--tp 8] [--layers 80] [--moves 8]
+    python scripts/checkpoint_pieces.py [--ffn 28672] [--tp 8] [--layers 80] [--moves 8] [--ends]
 
 The plans are the planner's own (`hettp.dealing.proportional_plan`, MLP counts in its 8-neuron
 chunks) for a straggler whose speed is drawn anew at each move (0.3-1.0 of the others', one
-rank), from Megatron's even split. Per MLP tensor part over all layers: fc2's weight, fc1's
-(twice as many under SwiGLU, a piece per half), and as many again for each optimizer state.
+rank), from Megatron's even split; with --ends each straggle ends before the next begins
+(every other move is back to even: the loop's revert). Per MLP tensor part over all layers:
+fc2's weight, fc1's (twice as many under SwiGLU, a piece per half), and as many again for each
+optimizer state.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def main(argv=None) -> None:
     p.add_argument("--groups", type=int, default=8, help="attention units")
     p.add_argument("--moves", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ends", action="store_true", help="every other move ends the straggle (back to even)"
+    )
     a = p.parse_args(argv)
     rng = random.Random(a.seed)
     plan = PartitionPlan.even(a.tp, a.layers, a.groups, a.ffn)
@@ -67,10 +72,12 @@ def main(argv=None) -> None:
     print(f"{0:4d} {'-':>9s} {'-':>5s} {before:7d} {now:5d} {before / now:6.1f}")
     for move in range(1, a.moves + 1):
         slow, speed = rng.randrange(a.tp), rng.uniform(0.3, 1.0)
+        if a.ends and move % 2 == 0:
+            slow, speed = "-", 1.0
         speeds = [speed if r == slow else 1.0 for r in range(a.tp)]
         plan = proportional_plan(plan, speeds)
         before, now = one_shape(plan), stretches(plan)
-        print(f"{move:4d} {slow:9d} {speed:5.2f} {before:7d} {now:5d} {before / now:6.1f}")
+        print(f"{move:4d} {slow:>9} {speed:5.2f} {before:7d} {now:5d} {before / now:6.1f}")
 
 
 if __name__ == "__main__":
