@@ -8,12 +8,17 @@ import os
 from tests.utils import ROOT
 
 
-def test_stretches_never_outnumber_one_shape_pieces_and_an_even_plan_is_vanilla_s(capsys):
+def _script():
     spec = importlib.util.spec_from_file_location(
         "checkpoint_pieces", os.path.join(ROOT, "scripts", "checkpoint_pieces.py")
     )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_stretches_never_outnumber_one_shape_pieces_and_an_even_plan_is_vanilla_s(capsys):
+    script = _script()
     script.main(["--ffn", "512", "--tp", "4", "--layers", "3", "--moves", "6", "--seed", "1"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert len(rows) == 7 and rows[0][3:5] == ["12", "12"]  # a piece per rank and layer
@@ -23,11 +28,7 @@ def test_stretches_never_outnumber_one_shape_pieces_and_an_even_plan_is_vanilla_
 
 def test_a_straggle_that_ends_leaves_one_stretch_per_rank_and_layer(capsys):
     """The revert to even gives every rank back the units it gave: the ids come home."""
-    spec = importlib.util.spec_from_file_location(
-        "checkpoint_pieces", os.path.join(ROOT, "scripts", "checkpoint_pieces.py")
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     script.main(["--ffn", "512", "--tp", "4", "--layers", "3", "--moves", "6", "--ends"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [row[4] for row in rows[2::2]] == ["12"] * 3  # after each end: one per rank, layer
