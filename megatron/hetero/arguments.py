@@ -1339,7 +1339,7 @@ def _checked_prefixes(paths, flag: str, args, vocab: int | None) -> dict:
     from .dataset_files import (
         DatasetFileError,
         check_indexed_dataset,
-        sampled_max_token,
+        sampled_token_range,
         sequence_lengths,
     )
 
@@ -1353,21 +1353,32 @@ def _checked_prefixes(paths, flag: str, args, vocab: int | None) -> dict:
             "(build one with scripts/preprocess_data.py)",
         )
         try:
-            check_indexed_dataset(prefix)
+            indexed = check_indexed_dataset(prefix)
             lengths[prefix] = sequence_lengths(prefix)
         except DatasetFileError as err:
             raise ArgumentError(f"{flag} {prefix}: {err}") from None
         if vocab is not None:
-            top = sampled_max_token(prefix)
+            low, top = sampled_token_range(prefix, indexed)
             size = (
                 f" --vocab-size {args.vocab_size}" if args.tokenizer_type == "NullTokenizer" else ""
             )
-            _require(
-                top < vocab,
-                f"{flag} {prefix}: holds token id {top}, and --tokenizer-type "
-                f"{args.tokenizer_type}{size} has {vocab} entries: the data was tokenized with "
-                "another tokenizer (give that one's flags, or preprocess the text again)",
+            rows = padded_vocab_size(
+                vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
             )
+            what = (
+                f"{flag} {prefix}: holds token id {top if low >= 0 else low}, and "
+                f"--tokenizer-type {args.tokenizer_type}{size} has {vocab} entries"
+            )
+            _require(  # past the embedding's rows: an error at TP=1, zeros at TP > 1
+                0 <= low and top < rows,
+                f"{what} ({rows} embedding rows, padded): the data was tokenized with another "
+                "tokenizer (give that one's flags, or preprocess the text again)",
+            )
+            if top >= vocab:  # padding rows: they train, but no text of this tokenizer maps there
+                warnings.warn(
+                    f"{what}: ids from {vocab} train the padding rows of the embedding",
+                    stacklevel=2,
+                )
     return lengths
 
 
@@ -1593,17 +1604,17 @@ def _validate_device_features(args, cuda_available: bool) -> None:
     _require(
         args.min_loss_scale > 0, f"--min-loss-scale must be positive, got {args.min_loss_scale}"
     )
-    if args.fp16:  # megatron-core's grad scalers assert these without a message
-        _require(
-            args.loss_scale is None or args.loss_scale > 0,
-            f"--loss-scale must be positive (or left out for a dynamic scale), got "
-            f"{args.loss_scale}",
-        )
-        _require(
-            args.loss_scale is not None or args.initial_loss_scale >= args.min_loss_scale,
-            f"--initial-loss-scale ({args.initial_loss_scale}) must be >= --min-loss-scale "
-            f"({args.min_loss_scale})",
-        )
+    # megatron-core's grad scalers assert these without a message; --loss-scale 0 (or none)
+    # is a dynamic scale, as in Megatron-LM
+    _require(
+        args.loss_scale is None or args.loss_scale >= 0,
+        f"--loss-scale must be >= 0 (0 or left out: a dynamic scale), got {args.loss_scale}",
+    )
+    _require(
+        not args.fp16 or args.loss_scale or args.initial_loss_scale >= args.min_loss_scale,
+        f"--initial-loss-scale ({args.initial_loss_scale}) must be >= --min-loss-scale "
+        f"({args.min_loss_scale})",
+    )
     _require(
         args.loss_scale_window > 0,
         f"--loss-scale-window must be positive, got {args.loss_scale_window}",
@@ -1858,7 +1869,10 @@ def validate_args(args, world_size: int, cuda_available: bool | None = None) -> 
     _require(args.clip_grad >= 0.0, f"--clip-grad must be >= 0, got {args.clip_grad}")
     _require(args.weight_decay >= 0.0, f"--weight-decay must be >= 0, got {args.weight_decay}")
     _require(args.adam_eps > 0.0, f"--adam-eps must be positive, got {args.adam_eps}")
-    _require(args.sgd_momentum >= 0.0, f"--sgd-momentum must be >= 0, got {args.sgd_momentum}")
+    _require(
+        args.optimizer != "sgd" or args.sgd_momentum >= 0.0,
+        f"--sgd-momentum must be >= 0, got {args.sgd_momentum}",
+    )
     for flag in ("init_method_std", "embedding_init_method_std"):
         value = getattr(args, flag)
         _require(

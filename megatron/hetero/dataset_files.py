@@ -19,8 +19,9 @@ class DatasetFileError(ValueError):
     """An indexed dataset file is damaged; the message names it."""
 
 
-def check_indexed_dataset(prefix: str) -> None:
-    """Raise DatasetFileError naming the file if `prefix`.idx/.bin cannot be a valid pair."""
+def check_indexed_dataset(prefix: str) -> int:
+    """Raise DatasetFileError naming the file if `prefix`.idx/.bin cannot be a valid pair;
+    else the bytes of the .bin that the index covers."""
     from megatron.core.datasets.indexed_dataset import DType
 
     idx, bin_ = prefix + ".idx", prefix + ".bin"
@@ -48,7 +49,7 @@ def check_indexed_dataset(prefix: str) -> None:
                 f"needs {expected}",
             )
         if documents == 0 or sequences == 0:
-            return
+            return 0
         f.seek(_PREAMBLE + 4 * (sequences - 1))
         (last_length,) = struct.unpack("<i", f.read(4))
         f.seek(_PREAMBLE + 4 * sequences + 8 * (sequences - 1))
@@ -61,6 +62,7 @@ def check_indexed_dataset(prefix: str) -> None:
     have = os.path.getsize(bin_)
     if have < needed:
         raise bad(bin_, f"{have} bytes, but {idx} indexes {needed}")
+    return needed
 
 
 def sequence_lengths(prefix: str):
@@ -78,11 +80,15 @@ def sequence_lengths(prefix: str):
     )
 
 
-def sampled_max_token(prefix: str, windows: int = 4, window_bytes: int = 1 << 16) -> int:
-    """The largest token id in `windows` evenly spaced stretches of a checked `prefix`.bin
-    (256 KiB read by default, whatever the dataset's size): a corpus tokenized with another
-    tokenizer than the run's is found at start, where megatron-core would index past the
-    embedding (an error at TP=1) or silently embed zeros (TP > 1). -1 for an empty file."""
+def sampled_token_range(
+    prefix: str, indexed_bytes: int, windows: int = 4, window_bytes: int = 1 << 16
+) -> tuple[int, int]:
+    """The smallest and largest token id in `windows` evenly spaced stretches of the first
+    `indexed_bytes` of a checked `prefix`.bin (what check_indexed_dataset returns: bytes past
+    it are no sequence's; 256 KiB read by default, whatever the dataset's size), so that a
+    corpus tokenized with another tokenizer than the run's is found at start, where
+    megatron-core would index past the embedding (an error at TP=1) or silently embed zeros
+    (TP > 1). (0, -1) for an empty file."""
     import numpy as np
     from megatron.core.datasets.indexed_dataset import DType
 
@@ -90,10 +96,11 @@ def sampled_max_token(prefix: str, windows: int = 4, window_bytes: int = 1 << 16
         f.seek(len(_HEADER) + 8)
         (code,) = struct.unpack("<B", f.read(1))
     dtype = np.dtype(DType.dtype_from_code(code))
-    tokens = os.path.getsize(prefix + ".bin") // dtype.itemsize
+    tokens = indexed_bytes // dtype.itemsize
     if tokens == 0:
-        return -1
+        return 0, -1
     data = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(tokens,))
     span = max(1, window_bytes // dtype.itemsize)
     starts = {int(i) for i in np.linspace(0, max(0, tokens - span), windows)}
-    return max(int(data[start : start + span].max()) for start in starts)
+    stretches = [data[start : start + span] for start in starts]
+    return min(int(s.min()) for s in stretches), max(int(s.max()) for s in stretches)

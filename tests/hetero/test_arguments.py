@@ -208,8 +208,8 @@ def test_gpu_defaults_and_precision():
             1,
             "--embedding-init-method-std must be >= 0, got -1.0",
         ),
-        ("--sgd-momentum -0.5", 1, "--sgd-momentum must be >= 0, got -0.5"),
-        ("--fp16 --loss-scale 0", 1, "--loss-scale must be positive (or left out"),
+        ("--optimizer sgd --sgd-momentum -0.5", 1, "--sgd-momentum must be >= 0, got -0.5"),
+        ("--bf16 --loss-scale -1", 1, "--loss-scale must be >= 0 (0 or left out: a dynamic"),
         (
             "--fp16 --initial-loss-scale 0.5 --min-loss-scale 1",
             1,
@@ -813,6 +813,8 @@ def test_what_uniform_recompute_and_loss_scales_accept():
     _args(f"{pipeline} --het-tp-policy migrate --het-tp-pipeline-moves units {uniform} 2", 4)
     _args(f"{pipeline} --het-tp-policy hybrid {uniform} 2", 4)  # resizing: layers stay
     _args("--bf16 --initial-loss-scale 0.5 --loss-scale 0")
+    _args("--fp16 --loss-scale 0", cuda=True)  # Megatron-LM's spelling of a dynamic scale
+    _args("--sgd-momentum -0.5")  # Adam's run: never read
     _args("--fp16 --loss-scale 8 --initial-loss-scale 0.5", cuda=True)  # static: no initial
 
 

@@ -167,31 +167,41 @@ def _validate_on(prefix, extra: str) -> None:
 
 
 def test_a_corpus_of_another_tokenizer_is_refused_before_training(tmp_path):
-    """Token ids the run's tokenizer does not have: megatron-core would index past the
-    embedding at TP=1 and embed zeros at TP > 1; a sample of the .bin finds them at start."""
+    """Token ids past the embedding's (padded) rows: megatron-core would index past them at
+    TP=1 and embed zeros at TP > 1; a sample of the .bin finds them at start. Ids in the
+    padding rows train (Megatron-LM runs them): a warning."""
     import numpy as np
 
     from megatron.hetero.arguments import ArgumentError
-    from megatron.hetero.dataset_files import sampled_max_token
+    from megatron.hetero.dataset_files import check_indexed_dataset, sampled_token_range
 
     prefix = make_corpus(tmp_path)
     tokens = np.fromfile(prefix + ".bin", dtype=np.uint16)
-    assert sampled_max_token(prefix) == tokens.max()  # a small file: every token sampled
+    indexed = check_indexed_dataset(prefix)
+    assert indexed == tokens.nbytes  # every byte is some sequence's
+    assert sampled_token_range(prefix, indexed) == (tokens.min(), tokens.max())  # all sampled
     one = "--split 1,0,0"  # four documents: a training split alone
     _validate_on(prefix, one)  # its own tokenizer
-    below = int(tokens.max())  # NullTokenizer: ids 0..vocab-size (the last, end of document)
-    _validate_on(prefix, f"{one} --tokenizer-type NullTokenizer --vocab-size {below}")
+    top = int(tokens.max())  # NullTokenizer: ids 0..vocab-size (the last, end of document)
+    null = f"{one} --tokenizer-type NullTokenizer --vocab-size"
+    _validate_on(prefix, f"{null} {top}")
+    with pytest.warns(UserWarning, match=f"holds token id {top}, .* has {top} entries: ids from"):
+        _validate_on(prefix, f"{null} {top - 1}")  # padded to 128 rows: a padding row
     with pytest.raises(ArgumentError) as err:
-        _validate_on(prefix, f"{one} --tokenizer-type NullTokenizer --vocab-size {below - 1}")
+        _validate_on(prefix, f"{null} {top - 1} --make-vocab-size-divisible-by 1")
     assert str(err.value) == (
-        f"--data-path {prefix}: holds token id {below}, and --tokenizer-type NullTokenizer "
-        f"--vocab-size {below - 1} has {below} entries: the data was tokenized with another "
-        "tokenizer (give that one's flags, or preprocess the text again)"
+        f"--data-path {prefix}: holds token id {top}, and --tokenizer-type NullTokenizer "
+        f"--vocab-size {top - 1} has {top} entries ({top} embedding rows, padded): the data "
+        "was tokenized with another tokenizer (give that one's flags, or preprocess the text "
+        "again)"
     )
-    with open(prefix + ".bin", "r+b") as f:  # one id past the byte-level vocabulary, at the end
-        f.seek(-2, 2)
-        f.write(np.array([300], dtype=np.uint16).tobytes())
-    with pytest.raises(ArgumentError, match="holds token id 300, and --tokenizer-type Byte"):
+    with open(prefix + ".bin", "ab") as f:  # bytes past the index: no sequence's, not read
+        f.write(np.array([9999], dtype=np.uint16).tobytes())
+    _validate_on(prefix, one)
+    with open(prefix + ".bin", "r+b") as f:  # an id past the byte-level rows, in the last one
+        f.seek(indexed - 2)
+        f.write(np.array([1000], dtype=np.uint16).tobytes())
+    with pytest.raises(ArgumentError, match="holds token id 1000, and --tokenizer-type Byte"):
         _validate_on(prefix, one)
 
 
